@@ -1,0 +1,487 @@
+"""Side-by-side GRPO throughput: TRL's GRPOTrainer against our trainer, in one run, on this machine.
+
+    .venv/bin/python benchmarks/vs_trl.py                      # stub model, 1 process each
+    .venv/bin/python benchmarks/vs_trl.py --nproc 2            # both under torchrun --nproc_per_node=2 (gloo)
+    .venv/bin/python benchmarks/vs_trl.py --model path/to/smollm2-135m --steps 6 --warmup 1
+
+Both trainers get the same model, data, batch shape (prompts x responses per optimizer step), max new
+tokens, sampling (temperature 1, no top-p/top-k), learning rate (constant, AdamW), gradient clip,
+number of steps, seed, thread budget and reward (the env file's `reward_fn`, wrapped for TRL as a
+reward function over the conversational completion). They run one after the other, each in its own
+subprocess (torchrun for ours; plain python or torchrun for TRL), so they never share a process, a
+core or memory. Step times exclude the first `--warmup` steps of each.
+
+Ours: `time/step_s` (and the rollout / update / weight-sync phases) from `<save_dir>/metrics.jsonl`.
+TRL: wall time between `on_step_begin` and `on_step_end` of a `TrainerCallback` (generation, reward,
+loss forward/backward, clipping and the optimizer step), plus the time spent in
+`_generate_and_score_completions` (generation + reward), measured by a thin subclass that only times it.
+
+Nothing is downloaded: both trainers run with the Hugging Face libraries in offline mode.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import importlib.util
+import inspect
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers shared by the driver and the TRL worker
+# ---------------------------------------------------------------------------------------------
+def load_env_module(env_path: str):
+    spec = importlib.util.spec_from_file_location(f"bench_env_{Path(env_path).stem}", env_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_trl_reward(env_path: str):
+    """The env file's `reward_fn(messages, answer)` as a TRL reward function.
+
+    TRL (conversational format) calls it with the batch's `prompts` (message lists), `completions`
+    (each a list holding the assistant message) and every other dataset column as a keyword (here
+    `answer`, stored JSON-encoded so any answer type fits one Arrow column)."""
+    reward_fn = load_env_module(env_path).reward_fn
+
+    def reward(prompts, completions, answer, **_):
+        scores = []
+        for prompt, completion, ans in zip(prompts, completions, answer):
+            if isinstance(completion, str):
+                completion = [{"role": "assistant", "content": completion}]
+            value = reward_fn(list(prompt) + list(completion), json.loads(ans))
+            if inspect.isawaitable(value):
+                value = asyncio.run(value)
+            scores.append(float(value))
+        return scores
+
+    reward.__name__ = Path(env_path).stem  # TRL logs rewards/<name>/mean
+    return reward
+
+
+def count_params(model_dir: str) -> int | None:
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        return None
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for key in h.keys():
+                n = 1
+                for d in h.get_slice(key).get_shape():
+                    n *= d
+                total += n
+    return total
+
+
+def offline_env(threads_per_proc: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS=str(threads_per_proc),
+        MKL_NUM_THREADS=str(threads_per_proc),
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        WANDB_MODE="disabled",
+        CUDA_VISIBLE_DEVICES="",  # a CPU benchmark even where a GPU exists
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+    )
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# the TRL side (runs in its own process, or processes under torchrun)
+# ---------------------------------------------------------------------------------------------
+def trl_worker(cfg_path: str) -> None:
+    cfg = json.loads(Path(cfg_path).read_text())
+    import torch
+
+    torch.set_num_threads(cfg["threads_per_proc"])
+    import transformers
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    sys.path.insert(0, str(REPO))
+    from train.datasets.loading import load_rows
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    samples = cfg["prompts"] * cfg["responses"]
+
+    rows = load_rows(cfg["data"])
+    dataset = Dataset.from_list([{"prompt": r["messages"], "answer": json.dumps(r["answer"])} for r in rows])
+
+    # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old name still works, with a warning)
+    fields = getattr(GRPOConfig, "__dataclass_fields__", {})
+    checkpointing_off = ({"activation_checkpointing": False} if "activation_checkpointing" in fields
+                         else {"gradient_checkpointing": False})
+    args = GRPOConfig(
+        output_dir=cfg["work_dir"],
+        # one optimizer step = one generation round of prompts x responses samples, all processes together
+        per_device_train_batch_size=samples // world,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=cfg["responses"],
+        num_iterations=1,
+        max_completion_length=cfg["max_new_tokens"],
+        temperature=1.0, top_p=1.0, top_k=0,
+        beta=0.0,                      # no reference model (ours: actor.kl.coef=0)
+        epsilon=0.2,                   # PPO clip (ours: actor.clip=0.2)
+        loss_type="dapo",              # token mean over the whole batch (ours: all_token_mean)
+        scale_rewards="group",         # divide by the group std (ours: adv.norm_var=true)
+        learning_rate=cfg["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        optim="adamw_torch", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
+        max_grad_norm=cfg["max_grad_norm"],
+        max_steps=cfg["steps"],
+        seed=cfg["seed"],
+        use_cpu=True, bf16=False, fp16=False,
+        **checkpointing_off,           # GRPOConfig defaults to checkpointing on; ours is off
+        ddp_backend="gloo" if world > 1 else None,
+        ddp_find_unused_parameters=False,  # every parameter gets a gradient; True costs an extra graph walk
+        eval_strategy="no", save_strategy="no", report_to="none",
+        logging_steps=1, disable_tqdm=True, log_completions=False,
+        dataloader_num_workers=0,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
+    model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)  # ours: actor.dtype=float32
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.t0 = 0.0
+            self.step_s: list[float] = []
+            self.logs: list[dict] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.step_s.append(time.perf_counter() - self.t0)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs:
+                self.logs.append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """GRPOTrainer unchanged, except that the generation + reward phase is timed."""
+        generate_s: list[float] = []
+
+        def _generate_and_score_completions(self, inputs):
+            start = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            self.generate_s.append(time.perf_counter() - start)
+            return out
+
+    timer = Timer()
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=make_trl_reward(cfg["env"]), args=args,
+                               train_dataset=dataset, processing_class=tokenizer, callbacks=[timer])
+    start = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - start
+    if trainer.accelerator.is_main_process:
+        train_logs = [l for l in timer.logs if "loss" in l or "reward" in l]
+        Path(cfg["result"]).write_text(json.dumps({
+            "step_s": timer.step_s,
+            "generate_s": TimedGRPOTrainer.generate_s,
+            "rewards": [l.get("reward") for l in train_logs],
+            "response_length": [l.get("completions/mean_length") for l in train_logs],
+            "train_s": train_s,
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "generation_batch_size": args.generation_batch_size,
+            "world_size": world,
+            "torch_threads": torch.get_num_threads(),
+        }))
+
+
+# ---------------------------------------------------------------------------------------------
+# the driver
+# ---------------------------------------------------------------------------------------------
+def cpu_busy_s() -> float | None:
+    """CPU seconds all processes on the machine have spent busy so far (Linux /proc/stat)."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return None
+    ticks = [int(x) for x in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def launch(cmd: list[str], env: dict, log_path: Path, timeout_s: int) -> tuple[float, float | None]:
+    """Run one trainer; return its wall time and the mean number of cores that *other* processes
+    kept busy meanwhile (machine busy time minus this run's own CPU time), a check on contention."""
+    busy0, own0, start = cpu_busy_s(), children_cpu_s(), time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+    wall = time.perf_counter() - start
+    busy1, own1 = cpu_busy_s(), children_cpu_s()
+    if proc.returncode != 0:
+        tail = log_path.read_text()[-4000:]
+        raise SystemExit(f"command failed (exit {proc.returncode}): {' '.join(cmd)}\n--- log tail ---\n{tail}")
+    others = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
+    return wall, others
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def run_ours(a, work: Path, threads_per_proc: int) -> dict:
+    save_dir = work / "ours"
+    cmd = torchrun(a.nproc) + [
+        "-m", "train.trainer.grpo", "--config-name", "stub",
+        f"actor.model_name={a.model}", f"data.train_data_path={a.data}", f"rollout.env_path={a.env}",
+        f"data.prompts_per_rollout={a.prompts}", f"data.responses_per_prompt={a.responses}",
+        f"rollout.train_sampling_params.max_new_tokens={a.max_new_tokens}",
+        "rollout.train_sampling_params.temperature=1.0", "rollout.train_sampling_params.top_p=1.0",
+        "rollout.train_sampling_params.top_k=-1",
+        f"actor.lr={a.lr!r}", f"actor.max_grad_norm={a.max_grad_norm!r}", "actor.scheduler=constant",
+        "actor.warmup_ratio=0.0", "actor.weight_decay=0.0", "actor.kl.coef=0.0", "actor.clip=0.2",
+        "actor.agg_mode=all_token_mean", "adv.norm_var=true", "actor.dtype=float32",
+        "rollout.dynamic_filtering=false",
+        f"trainer.total_steps={a.steps}", "trainer.test_freq=null", "trainer.save_freq=null",
+        "trainer.progress_bar=false", f"trainer.save_dir={save_dir}", f"trainer.num_threads={threads_per_proc}",
+        f"trainer.seed={a.seed}",
+    ]
+    wall, others = launch(cmd, offline_env(threads_per_proc), work / "ours.log", a.timeout)
+    rows = [json.loads(l) for l in (save_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    rows = [r for r in rows if "time/step_s" in r]
+    if len(rows) != a.steps:
+        raise SystemExit(f"ours logged {len(rows)} steps, expected {a.steps} (see {work / 'ours.log'})")
+    return {
+        "step_s": [r["time/step_s"] for r in rows],
+        "rollout_s": [r.get("time/rollout_s", 0.0) for r in rows],
+        "update_s": [r.get("time/update_s", 0.0) for r in rows],
+        "weight_sync_s": [r.get("time/weight_sync_s", 0.0) for r in rows],
+        "rewards": [r.get("rewards/train") for r in rows],
+        "response_length": [r.get("response_length/train") for r in rows],
+        "wall_s": wall,
+        "other_processes_cores": others,
+    }
+
+
+def run_trl(a, work: Path, threads_per_proc: int) -> dict:
+    cfg_path, result = work / "trl_config.json", work / "trl_result.json"
+    cfg_path.write_text(json.dumps({
+        "model": a.model, "data": a.data, "env": a.env, "prompts": a.prompts, "responses": a.responses,
+        "max_new_tokens": a.max_new_tokens, "lr": a.lr, "max_grad_norm": a.max_grad_norm, "steps": a.steps,
+        "seed": a.seed, "threads_per_proc": threads_per_proc, "work_dir": str(work / "trl"), "result": str(result),
+    }))
+    script = [str(Path(__file__).resolve()), "--trl-worker", str(cfg_path)]
+    cmd = (torchrun(a.nproc) if a.nproc > 1 else [sys.executable]) + script
+    wall, others = launch(cmd, offline_env(threads_per_proc), work / "trl.log", a.timeout)
+    out = json.loads(result.read_text())
+    if len(out["step_s"]) != a.steps:
+        raise SystemExit(f"TRL timed {len(out['step_s'])} steps, expected {a.steps} (see {work / 'trl.log'})")
+    out["wall_s"] = wall
+    out["other_processes_cores"] = others
+    return out
+
+
+def mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def summarize(raw: dict, warmup: int, samples: int, phases: dict[str, str]) -> dict:
+    timed = raw["step_s"][warmup:]
+    step = statistics.fmean(timed)
+    out = {
+        "step_s_mean": step,
+        "step_s_median": statistics.median(timed),
+        "step_s_stdev": statistics.stdev(timed) if len(timed) > 1 else 0.0,
+        "samples_per_s": samples / step,
+        "reward_mean": mean(raw.get("rewards", [])),
+        "response_length_mean": mean(raw.get("response_length", [])),
+        "wall_s": raw["wall_s"],
+        "other_processes_cores": raw.get("other_processes_cores"),
+    }
+    for name, key in phases.items():
+        if raw.get(key):
+            out[name] = statistics.fmean(raw[key][warmup:])
+    return out
+
+
+def busy_cores_now(window_s: float = 1.0) -> float | None:
+    """Cores kept busy by the machine over the next `window_s` (this process sleeps meanwhile)."""
+    b0 = cpu_busy_s()
+    time.sleep(window_s)
+    b1 = cpu_busy_s()
+    return None if b0 is None or b1 is None else (b1 - b0) / window_s
+
+
+def fmt(v, spec=".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--trl-worker":
+        trl_worker(sys.argv[2])
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="stub/model", help="local HF model folder (never downloaded)")
+    p.add_argument("--data", default="stub/data/math/train.jsonl")
+    p.add_argument("--env", default="environments/eq.py", help="env file whose reward_fn both trainers use")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3, help="first steps of each trainer left out of the means")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step (all processes together)")
+    p.add_argument("--responses", type=int, default=8, help="responses per prompt (group size)")
+    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--nproc", type=int, default=1, help="processes per trainer (torchrun, gloo)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="total CPU threads per trainer, split evenly over its processes")
+    p.add_argument("--only", choices=["both", "ours", "trl"], default="both")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per trainer run")
+    p.add_argument("--wait-idle", type=int, default=0,
+                   help="before each trainer, wait up to this many seconds for other processes to leave the CPU")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--keep", action="store_true", help="keep the run folders and logs")
+    a = p.parse_args()
+
+    for name in ("model", "data", "env"):
+        path = Path(getattr(a, name))
+        path = path if path.is_absolute() else REPO / path
+        if not path.exists():
+            raise SystemExit(f"--{name} {getattr(a, name)!r} not found (this benchmark never downloads)")
+        setattr(a, name, str(path))
+    if a.steps <= a.warmup:
+        raise SystemExit("--steps must be larger than --warmup")
+    if (a.prompts * a.responses) % a.nproc or a.prompts % a.nproc:
+        raise SystemExit("--prompts (and prompts x responses) must divide evenly over --nproc")
+    if a.responses < 2:
+        raise SystemExit("TRL needs --responses >= 2")
+    threads_per_proc = max(1, a.threads // a.nproc)
+    samples = a.prompts * a.responses
+
+    import torch
+    import transformers
+    try:
+        import trl
+        trl_version = trl.__version__
+    except ImportError:
+        if a.only != "ours":
+            raise SystemExit("trl is not installed: pip install -r requirements-bench.txt")
+        trl_version = None
+
+    n_params = count_params(a.model)
+    settings = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip() + f", {os.cpu_count()} CPU cores",
+        "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl_version,
+        "model": os.path.relpath(a.model, REPO), "params": n_params, "data": os.path.relpath(a.data, REPO),
+        "env": os.path.relpath(a.env, REPO), "prompts": a.prompts, "responses": a.responses,
+        "samples_per_step": samples, "max_new_tokens": a.max_new_tokens, "lr": a.lr,
+        "max_grad_norm": a.max_grad_norm, "steps": a.steps, "warmup": a.warmup, "seed": a.seed,
+        "nproc": a.nproc, "threads_per_proc": threads_per_proc, "OMP_NUM_THREADS": threads_per_proc,
+    }
+    print("settings: " + " ".join(f"{k}={v}" for k, v in settings.items()), flush=True)
+
+    work = Path(tempfile.mkdtemp(prefix="vs_trl_"))
+    results: dict = {"settings": settings}
+    try:
+        runs = [("ours", run_ours), ("trl", run_trl)]
+        for name, fn in runs:
+            if a.only not in ("both", name):
+                continue
+            busy = busy_cores_now()
+            deadline = time.monotonic() + a.wait_idle
+            while busy is not None and busy > 0.2 and time.monotonic() < deadline:
+                print(f"waiting for the CPU to go idle ({busy:.2f} cores busy) ...", flush=True)
+                time.sleep(10)
+                busy = busy_cores_now()
+            if busy is not None and busy > 0.2:
+                print(f"warning: {busy:.2f} cores busy before the {name} run: other processes share the CPU, "
+                      "timings will be noisy", flush=True)
+            print(f"running {name} ({a.steps} steps, {a.nproc} process(es)) ...", flush=True)
+            raw = fn(a, work, threads_per_proc)
+            if (raw.get("other_processes_cores") or 0.0) > 0.2:
+                print(f"warning: other processes kept {raw['other_processes_cores']:.2f} cores busy during the "
+                      f"{name} run", flush=True)
+            results[name + "_raw"] = raw
+            phases = ({"rollout_s_mean": "rollout_s", "update_s_mean": "update_s",
+                       "weight_sync_s_mean": "weight_sync_s"} if name == "ours"
+                      else {"generate_s_mean": "generate_s"})
+            results[name] = summarize(raw, a.warmup, samples, phases)
+            print(f"  done in {raw['wall_s']:.1f} s wall (incl. start-up)", flush=True)
+    finally:
+        if a.keep:
+            print(f"run folders and logs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+    ours, trl_res = results.get("ours"), results.get("trl")
+    if ours and trl_res:
+        results["ratio_samples_per_s_ours_over_trl"] = ours["samples_per_s"] / trl_res["samples_per_s"]
+    print_table(results)
+    if a.out:
+        Path(a.out).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"results written to {a.out}")
+
+
+def print_table(results: dict) -> None:
+    s = results["settings"]
+    ours, trl_res = results.get("ours") or {}, results.get("trl") or {}
+    params = f"{s['params'] / 1e6:.1f}M params" if s.get("params") else "? params"
+    print()
+    print(f"GRPO, {s['model']} ({params}), {s['prompts']} prompts x {s['responses']} responses = "
+          f"{s['samples_per_step']} samples/step, max_new_tokens={s['max_new_tokens']}, lr={s['lr']:g}, "
+          f"{s['steps']} steps (first {s['warmup']} excluded), nproc={s['nproc']}, "
+          f"threads/proc={s['threads_per_proc']}")
+    rows = [
+        ("samples/s", "samples_per_s", ".1f"),
+        ("step s (mean)", "step_s_mean", ".3f"),
+        ("step s (median)", "step_s_median", ".3f"),
+        ("step s (stdev)", "step_s_stdev", ".3f"),
+        ("mean train reward", "reward_mean", ".3f"),
+        ("mean response tokens", "response_length_mean", ".2f"),
+        ("wall s (incl. start-up)", "wall_s", ".1f"),
+        ("others' CPU use (cores)", "other_processes_cores", ".2f"),
+    ]
+    print(f"| {'metric':<24} | {'ours':>9} | {'TRL':>9} |")
+    print(f"|{'-' * 26}|{'-' * 11}|{'-' * 11}|")
+    for label, key, spec in rows:
+        print(f"| {label:<24} | {fmt(ours.get(key), spec):>9} | {fmt(trl_res.get(key), spec):>9} |")
+    if "ratio_samples_per_s_ours_over_trl" in results:
+        print(f"throughput ratio ours/TRL: {results['ratio_samples_per_s_ours_over_trl']:.2f}x "
+              "(>1: ours is faster)")
+    if ours:
+        print(f"ours per step: rollout {fmt(ours.get('rollout_s_mean'))} s, update {fmt(ours.get('update_s_mean'))} s, "
+              f"weight sync {fmt(ours.get('weight_sync_s_mean'), '.4f')} s")
+    if trl_res and trl_res.get("generate_s_mean") is not None:
+        rest = trl_res["step_s_mean"] - trl_res["generate_s_mean"]
+        print(f"TRL per step:  generate+reward {trl_res['generate_s_mean']:.3f} s, "
+              f"loss/backward/optimizer {rest:.3f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The canonical launch. Every setting is an env var with the stub demo as default; any extra
+# arguments are passed to the trainer as Hydra overrides (key=value).
+#
+#   NPROC=8 MODEL=/models/Qwen2.5-1.5B-Instruct DATA=/data/train.jsonl TEST_DATA=/data/test.jsonl \
+#   ENV=environments/orz.py SAVE_DIR=runs/orz ./launch_grpo.sh adv.estimator=reinforce actor.lr=1e-6
+#
+# Multi-node: NNODES=2 NODE_RANK=0|1 MASTER_ADDR=host0 MASTER_PORT=29500 on each node.
+set -euo pipefail
+cd "$(dirname "$0")"
+NPROC=${NPROC:-2}
+NNODES=${NNODES:-1}
+CONFIG=${CONFIG:-stub}
+PYTHON_BIN=${PYTHON_BIN:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+
+overrides=()
+[ -n "${MODEL:-}" ] && overrides+=("actor.model_name=$MODEL")
+[ -n "${DATA:-}" ] && overrides+=("data.train_data_path=$DATA")
+[ -n "${TEST_DATA:-}" ] && overrides+=("data.test_data_path=$TEST_DATA")
+[ -n "${ENV:-}" ] && overrides+=("rollout.env_path=$ENV")
+overrides+=("trainer.save_dir=${SAVE_DIR:-runs/$CONFIG}")
+
+if [ "$NNODES" -gt 1 ]; then
+  rdzv=(--nnodes "$NNODES" --node_rank "${NODE_RANK:?set NODE_RANK}" --rdzv-backend c10d
+        --rdzv-endpoint "${MASTER_ADDR:?set MASTER_ADDR}:${MASTER_PORT:-29500}")
+else
+  rdzv=(--standalone)
+fi
+exec "$PYTHON_BIN" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node "$NPROC" \
+  -m train.trainer.grpo --config-name "$CONFIG" "${overrides[@]}" "$@"

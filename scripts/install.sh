@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates .venv and installs the project: torch first, then everything else.
+# Idempotent: a second run only checks that the requirements are met.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=.venv/.installed-$(sha1sum requirements.txt | cut -c1-12)
+# pip, quietly; drops this machine's notes about unreachable local index folders.
+pipq() {
+  .venv/bin/python -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location '" || true; }
+  return "${PIPESTATUS[0]}"
+}
+if [ ! -f "$stamp" ]; then
+  pipq --upgrade pip
+  pipq torch==2.13.0            # first: every later range is met by it, so no CUDA build is pulled
+  pipq -r requirements.txt
+  touch "$stamp"
+fi
+if [ "${INSTALL_BENCH:-0}" = 1 ]; then pipq -r requirements-bench.txt; fi

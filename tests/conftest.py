@@ -1,0 +1,44 @@
+"""Shared test helpers: the bundled stub model and a launcher for real trainer runs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STUB_MODEL = ROOT / "stub" / "model"
+STUB_MATH = ROOT / "stub" / "data" / "math"
+
+
+def trainer_env() -> dict:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="offline",
+               PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def run_trainer(overrides: list[str], nproc: int = 1, config: str = "stub", timeout: int = 600,
+                check: bool = True) -> subprocess.CompletedProcess:
+    """Launch `torchrun -m train.trainer.grpo` for real, as a user would."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+           "-m", "train.trainer.grpo", "--config-name", config, "trainer.progress_bar=false", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def stub_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(STUB_MODEL)

@@ -1,0 +1,128 @@
+"""Checks that need a real process group; launched by tests with torchrun (1 or 2 ranks).
+
+    python -m torch.distributed.run --nproc_per_node=2 tests/dist_checks.py grads --out F ...
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+import torch
+from omegaconf import OmegaConf
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from train.engines.base import SamplingParams  # noqa: E402
+from train.engines.hf import HFEngine  # noqa: E402
+from train.utils.distributed import cleanup, init_distributed  # noqa: E402
+from train.workers.actor import Actor, TrainBatch  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = os.path.join(ROOT, "stub", "model")
+
+
+def actor_cfg(**overrides):
+    cfg = OmegaConf.load(os.path.join(ROOT, "config", "grpo.yaml")).actor
+    cfg.model_name = MODEL
+    cfg.lr = 1e-3
+    for k, v in overrides.items():
+        OmegaConf.update(cfg, k, v)
+    return cfg
+
+
+def fixed_batch(n: int = 10, vocab: int = 300) -> TrainBatch:
+    """Ragged sequences with multi-turn style action masks; the same on every rank."""
+    g = torch.Generator().manual_seed(1234)
+    ids, masks, adv, sampler = [], [], [], []
+    for i in range(n):
+        length = int(torch.randint(8, 40, (1,), generator=g))
+        seq = torch.randint(3, vocab, (length,), generator=g).tolist()
+        prompt = int(torch.randint(3, length // 2, (1,), generator=g))
+        mask = [0] * prompt + [1] * (length - prompt)
+        if i % 3 == 0:  # a tool reply in the middle of the response
+            mid = prompt + (length - prompt) // 2
+            mask[mid:mid + 3] = [0, 0, 0]
+        ids.append(seq)
+        masks.append(mask)
+        adv.append(float(torch.randn(1, generator=g)))
+        sampler.append(torch.zeros(length - 1))
+    return TrainBatch(ids, masks, adv, sampler)
+
+
+def shard(batch: TrainBatch, index: list[int]) -> TrainBatch:
+    return TrainBatch([batch.ids[i] for i in index], [batch.action_mask[i] for i in index],
+                      [batch.advantages[i] for i in index], [batch.sampler_logp[i] for i in index])
+
+
+def grads(args, ctx) -> None:
+    torch.manual_seed(0)
+    cfg = actor_cfg(agg_mode=args.agg, max_length_per_device=args.max_tokens, max_grad_norm=args.clip)
+    actor = Actor(cfg, ctx, MODEL, pad_token_id=0, train=True, temperature=1.0, total_updates=1)
+    batch = fixed_batch()
+    n = len(batch.ids)
+    if ctx.world_size == 1:
+        index = list(range(n))
+    elif args.split == "uneven":
+        index = list(range(0, 7)) if ctx.rank == 0 else list(range(7, n))
+    else:  # everything on rank 0, nothing on rank 1 (e.g. all its groups were filtered)
+        index = list(range(n)) if ctx.rank == 0 else []
+    local = shard(batch, index)
+    actor.accumulate_gradients(local, list(range(len(index))), 32, {}, {})  # metrics unused here
+    grads = {name: p.grad.full_tensor().clone() for name, p in actor.model.named_parameters()}
+    norm = actor._optimizer_step()
+    weights = {name: p.full_tensor().detach().clone() for name, p in actor.model.named_parameters()}
+    if ctx.is_main:
+        torch.save({"grads": grads, "norm": norm, "weights": weights}, args.out)
+
+
+def match(args, ctx) -> None:
+    """Sampler (hf engine) log-probs vs the trainer's recomputation, and the weight push."""
+    torch.manual_seed(0)
+    cfg = actor_cfg()
+    actor = Actor(cfg, ctx, MODEL, pad_token_id=0, train=True, temperature=0.7, total_updates=1)
+    engine = HFEngine.from_pretrained(MODEL, device=ctx.device, seed=0)
+    prompts = [[1, 50 + i, 60, 70 + 3 * i] for i in range(6)]
+
+    async def gen():
+        return await asyncio.gather(*(engine.generate(p, SamplingParams(max_new_tokens=20, temperature=0.7, seed=i))
+                                      for i, p in enumerate(prompts)))
+
+    gens = asyncio.run(gen())
+    ids = [p + g.token_ids for p, g in zip(prompts, gens)]
+    masks = [[0] * len(p) + [1] * len(g.token_ids) for p, g in zip(prompts, gens)]
+    trainer = actor.compute_logprobs(ids, masks)
+    diffs = [float((t[len(p) - 1:] - torch.tensor(g.logprobs)).abs().max())
+             for t, p, g in zip(trainer, prompts, gens)]
+    # One real update, then the push: the engine must hold exactly the actor's new weights.
+    batch = TrainBatch(ids, masks, [1.0, -1.0] * 3, [torch.zeros(len(s) - 1) for s in ids])
+    actor.update(batch, 20)
+    engine.update_weights(actor.named_full_tensors())
+    engine_sd = engine.model.state_dict()
+    push_diff = max(float((v - engine_sd[k]).abs().max()) for k, v in actor.named_full_tensors())
+    changed = asyncio.run(gen())
+    if ctx.is_main:
+        torch.save({"max_logprob_diff": max(diffs), "push_diff": push_diff,
+                    "changed": any(a.token_ids != b.token_ids for a, b in zip(gens, changed))}, args.out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["grads", "match"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--agg", default="all_token_mean")
+    parser.add_argument("--split", default="uneven")
+    parser.add_argument("--max_tokens", type=int, default=64)
+    parser.add_argument("--clip", type=float, default=1.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ctx = init_distributed()
+    try:
+        {"grads": grads, "match": match}[args.mode](args, ctx)
+    finally:
+        cleanup()
+
+
+if __name__ == "__main__":
+    main()

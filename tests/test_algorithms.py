@@ -1,0 +1,599 @@
+"""train/utils/algorithms.py against independent float64 numpy references written from the formulas.
+
+Every reference below is plain numpy (loops over rows / action-token lists), not a port of the
+torch code. Values must agree to 1e-6; gradients of the losses w.r.t. logp (torch.autograd) are
+compared to central finite differences of the numpy references.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from train.utils import algorithms as alg
+
+TOL = 1e-6
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def ragged_mask(rng: np.random.Generator, B: int, T: int, empty_row: bool = False) -> np.ndarray:
+    """Rows: a prompt prefix (0), then action spans (1) interleaved with tool spans (0), then padding (0)."""
+    mask = np.zeros((B, T))
+    for b in range(B):
+        t = int(rng.integers(1, T // 4))  # prompt
+        end = int(rng.integers(t + 1, T + 1))  # padding from here
+        while t < end:
+            n_act = int(rng.integers(1, 8))
+            mask[b, t : min(t + n_act, end)] = 1
+            t += n_act + int(rng.integers(1, 5))  # a tool / user span between turns
+    if empty_row:
+        mask[rng.integers(B)] = 0
+    return mask
+
+
+def t64(x) -> torch.Tensor:
+    return torch.tensor(np.asarray(x), dtype=torch.float64)
+
+
+def tmask(mask: np.ndarray) -> torch.Tensor:
+    return torch.tensor(mask > 0)
+
+
+def close(a, b, tol: float = TOL) -> None:
+    a, b = (x.detach().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64) for x in (a, b))
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+def num_grad(f, x: np.ndarray, h: float = 1e-6) -> np.ndarray:
+    """Central finite differences of the scalar function f at x, one element at a time."""
+    g = np.zeros_like(x)
+    for idx in np.ndindex(x.shape):
+        xp, xm = x.copy(), x.copy()
+        xp[idx] += h
+        xm[idx] -= h
+        g[idx] = (f(xp) - f(xm)) / (2 * h)
+    return g
+
+
+def action_positions(mask_row: np.ndarray) -> list[int]:
+    return [t for t in range(len(mask_row)) if mask_row[t] > 0]
+
+
+# ----------------------------------------------------------------------------------------------
+# advantages
+
+
+def ref_group_baseline(r: np.ndarray, G: int, norm_var: bool, eps: float) -> np.ndarray:
+    out = np.zeros_like(r)
+    for g0 in range(0, len(r), G):
+        grp = r[g0 : g0 + G]
+        mu = sum(grp) / G
+        sd = math.sqrt(sum((x - mu) ** 2 for x in grp) / G)
+        for k in range(G):
+            out[g0 + k] = (grp[k] - mu) / (sd + eps) if norm_var else grp[k] - mu
+    return out
+
+
+def ref_rloo(r: np.ndarray, G: int) -> np.ndarray:
+    out = np.zeros_like(r)
+    for g0 in range(0, len(r), G):
+        for i in range(G):
+            others = [r[g0 + j] for j in range(G) if j != i]
+            out[g0 + i] = r[g0 + i] - (sum(others) / len(others) if others else r[g0 + i])
+    return out
+
+
+@pytest.mark.parametrize("G", [1, 2, 5])
+@pytest.mark.parametrize("norm_var", [False, True])
+def test_group_baseline_advantages(G, norm_var):
+    rng = np.random.default_rng(G)
+    r = rng.normal(size=4 * G)
+    r[:G] = 0.7  # a constant group: advantage 0, not NaN
+    if G > 1:
+        r[G : 2 * G] = rng.integers(0, 2, size=G)  # binary rewards
+    got = alg.group_baseline_advantages(t64(r), G, norm_var=norm_var, eps=1e-6)
+    assert got.dtype == torch.float64 and got.shape == (4 * G,)
+    close(got, ref_group_baseline(r, G, norm_var, 1e-6))
+    assert torch.isfinite(got).all() and (got[:G] == 0).all()
+
+
+def test_group_baseline_group_size_one_no_nan_float32():
+    r = torch.tensor([1.0, 0.0, 3.5], dtype=torch.float32)
+    for norm_var in (False, True):
+        got = alg.group_baseline_advantages(r, 1, norm_var=norm_var)
+        assert got.dtype == torch.float32 and torch.equal(got, torch.zeros(3))
+    with pytest.raises(ValueError):
+        alg.group_baseline_advantages(r, 2, norm_var=True)
+
+
+@pytest.mark.parametrize("G", [1, 2, 4])
+def test_rloo_advantages(G):
+    rng = np.random.default_rng(10 + G)
+    r = rng.normal(size=3 * G)
+    got = alg.rloo_advantages(t64(r), G)
+    close(got, ref_rloo(r, G))
+    if G == 1:
+        assert torch.equal(got, torch.zeros(3, dtype=torch.float64))
+
+
+def test_masked_mean_std_and_global_normalize():
+    rng = np.random.default_rng(3)
+    mask = ragged_mask(rng, 6, 30)
+    v = rng.normal(size=(6, 30)) * 3 + 1
+    v[mask == 0] = 1e9  # masked values must not leak
+    sel = v[mask > 0]
+    mean, std = alg.masked_mean_std(t64(v), tmask(mask))
+    close(mean, np.mean(sel))
+    close(std, np.std(sel))  # population std
+    # a float mask gives the same
+    m2, s2 = alg.masked_mean_std(t64(v), t64(mask))
+    close(m2, np.mean(sel)), close(s2, np.std(sel))
+    # no mask: all entries
+    m3, s3 = alg.masked_mean_std(t64(sel))
+    close(m3, np.mean(sel)), close(s3, np.std(sel))
+
+    adv = rng.normal(size=8)
+    close(alg.global_normalize(t64(adv), 0.3, 2.0, eps=1e-6), (adv - 0.3) / (2.0 + 1e-6))
+    close(alg.global_normalize(t64(adv), t64(0.3), t64(2.0)), (adv - 0.3) / (2.0 + 1e-6))
+
+
+# ----------------------------------------------------------------------------------------------
+# placement
+
+
+def test_broadcast_and_last_token_placement():
+    rng = np.random.default_rng(4)
+    B, T = 7, 25
+    mask = ragged_mask(rng, B, T, empty_row=True)
+    vals = rng.normal(size=B)
+    ref_b = np.zeros((B, T))
+    ref_last = np.zeros((B, T))
+    ref_idx = np.full(B, -1)
+    for b in range(B):
+        pos = action_positions(mask[b])
+        for t in pos:
+            ref_b[b, t] = vals[b]
+        if pos:
+            ref_idx[b] = pos[-1]
+            ref_last[b, pos[-1]] = vals[b]
+    for m in (tmask(mask), t64(mask)):
+        close(alg.broadcast_to_tokens(t64(vals), m), ref_b)
+        idx = alg.last_action_token_index(m)
+        assert idx.dtype == torch.long and idx.tolist() == ref_idx.tolist()
+        close(alg.place_on_last_action_token(t64(vals), m), ref_last)
+
+
+# ----------------------------------------------------------------------------------------------
+# GAE / whiten
+
+
+def ref_gae(r, v, mask, gamma, lam):
+    B, T = r.shape
+    adv, ret = np.zeros((B, T)), np.zeros((B, T))
+    for b in range(B):
+        pos = action_positions(mask[b])
+        last = 0.0
+        for k in reversed(range(len(pos))):
+            t = pos[k]
+            v_next = v[b, pos[k + 1]] if k + 1 < len(pos) else 0.0
+            delta = r[b, t] + gamma * v_next - v[b, t]
+            last = delta + gamma * lam * last
+            adv[b, t] = last
+            ret[b, t] = last + v[b, t]
+    return adv, ret
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])
+def test_gae(gamma, lam):
+    rng = np.random.default_rng(5)
+    B, T = 6, 40
+    mask = ragged_mask(rng, B, T, empty_row=True)
+    r = rng.normal(size=(B, T)) * mask  # e.g. k1 KL penalties on every action token
+    v = rng.normal(size=(B, T))
+    v[mask == 0] = 123.0  # values on non-action tokens must be ignored
+    adv, ret = alg.gae(t64(r), t64(v), tmask(mask), gamma, lam)
+    ref_adv, ref_ret = ref_gae(r, v, mask, gamma, lam)
+    close(adv, ref_adv)
+    close(ret, ref_ret)
+
+
+def test_gae_outcome_reward_gamma_one():
+    # gamma = lam = 1, reward on the last action token: A_t = R - V_t on every action token
+    rng = np.random.default_rng(6)
+    B, T = 5, 30
+    mask = ragged_mask(rng, B, T)
+    R = rng.normal(size=B)
+    v = rng.normal(size=(B, T))
+    tr = alg.place_on_last_action_token(t64(R), tmask(mask))
+    adv, ret = alg.gae(tr, t64(v), tmask(mask), 1.0, 1.0)
+    close(adv, (R[:, None] - v) * mask)
+    close(ret, R[:, None] * mask)
+
+
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_whiten(shift_mean):
+    rng = np.random.default_rng(7)
+    mask = ragged_mask(rng, 5, 30)
+    v = rng.normal(size=(5, 30)) * 2 + 0.5
+    sel = v[mask > 0]
+    mu, var = np.mean(sel), np.var(sel)
+    ref = (v - mu) / np.sqrt(var + 1e-8)
+    if not shift_mean:
+        ref = ref + mu
+    close(alg.whiten(t64(v), tmask(mask), shift_mean=shift_mean), ref * mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# KL
+
+
+def ref_kl(lp, rlp, kind):
+    d = lp - rlp
+    if kind in ("k1", "kl"):
+        return d
+    if kind in ("k2", "mse"):
+        return 0.5 * d * d
+    if kind == "abs":
+        return np.abs(d)
+    k3 = np.exp(rlp - lp) - (rlp - lp) - 1.0
+    return k3 if kind == "k3" else np.minimum(np.maximum(k3, -10.0), 10.0)
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl", "kl", "mse", "abs"])
+def test_kl_estimate_values_and_grads(kind):
+    rng = np.random.default_rng(8)
+    B, T = 4, 12
+    lp = -np.abs(rng.normal(size=(B, T))) * 2
+    rlp = -np.abs(rng.normal(size=(B, T))) * 2
+    if kind == "low_var_kl":
+        lp[0, :3] = [-15.0, -0.1, -3.0]  # k3 > 10 here: clamped, zero gradient
+        rlp[0, :3] = [-0.1, -15.0, -3.0]
+    W = rng.normal(size=(B, T))
+    x = t64(lp).requires_grad_(True)
+    out = alg.kl_estimate(x, t64(rlp), kind)
+    close(out, ref_kl(lp, rlp, kind))
+    (out * t64(W)).sum().backward()
+    close(x.grad, num_grad(lambda z: np.sum(ref_kl(z, rlp, kind) * W), lp), 1e-6)
+
+
+def test_kl_low_var_extreme_is_finite():
+    lp = torch.tensor([[-200.0, 0.0, -1e4]], dtype=torch.float32, requires_grad=True)
+    rlp = torch.tensor([[0.0, -200.0, 0.0]], dtype=torch.float32)
+    out = alg.kl_estimate(lp, rlp, "low_var_kl")
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(lp.grad).all() and out.max() <= 10
+    with pytest.raises(ValueError, match="low_var_kl"):
+        alg.kl_estimate(lp, rlp, "k4")
+
+
+# ----------------------------------------------------------------------------------------------
+# PPO
+
+
+def ref_ppo_token(lp, olp, A, cl, ch, dual):
+    ratio = np.exp(lp - olp)
+    surr = np.minimum(ratio * A, np.clip(ratio, 1 - cl, 1 + ch) * A)  # the objective, maximised
+    loss = -surr
+    if dual is not None:
+        loss = np.where(A < 0, np.minimum(loss, -dual * A), loss)
+    return loss
+
+
+def ppo_inputs(seed, B=6, T=30):
+    rng = np.random.default_rng(seed)
+    mask = ragged_mask(rng, B, T, empty_row=True)
+    olp = -np.abs(rng.normal(size=(B, T)))
+    lp = olp + rng.normal(size=(B, T)) * 0.6  # ratios from ~0.2 to ~5: clip and dual clip both hit
+    A = rng.normal(size=(B, T)) * 2
+    b = int(np.argmax(mask.sum(1)))
+    t = action_positions(mask[b])[:3]
+    lp[b, t], A[b, t] = olp[b, t] + 1.5, -1.0  # ratio 4.5 with A < 0: the dual clip surely bites
+    return rng, mask, lp, olp, A
+
+
+@pytest.mark.parametrize("dual", [None, 1.5, 3.0])
+@pytest.mark.parametrize("cl,ch", [(0.2, 0.2), (0.2, 0.28)])
+def test_ppo_clip_loss(dual, cl, ch):
+    rng, mask, lp, olp, A = ppo_inputs(9)
+    W = rng.uniform(0.5, 1.5, size=lp.shape)
+    x = t64(lp).requires_grad_(True)
+    loss, stats = alg.ppo_clip_loss(x, t64(olp), t64(A), tmask(mask), clip_low=cl, clip_high=ch, dual_clip=dual)
+
+    ref = ref_ppo_token(lp, olp, A, cl, ch, dual) * mask
+    close(loss, ref)
+    (loss * t64(W)).sum().backward()
+    g_ref = num_grad(lambda z: np.sum(ref_ppo_token(z, olp, A, cl, ch, dual) * mask * W), lp)
+    close(x.grad, g_ref)
+    assert (x.grad[torch.tensor(mask == 0)] == 0).all()
+
+    # stats: independent definitions over action tokens
+    sel = mask > 0
+    ratio = np.exp(lp - olp)[sel]
+    a = A[sel]
+    clipped = np.array([(r > 1 + ch and aa > 0) or (r < 1 - cl and aa < 0) for r, aa in zip(ratio, a)])
+    close(stats["clip_fraction"], clipped.mean())
+    close(stats["approx_kl"], np.mean(ratio - 1 - np.log(ratio)))
+    close(stats["ratio_max"], ratio.max())
+    close(stats["ratio_min"], ratio.min())
+    if dual is not None:
+        dual_hit = (a < 0) & (-a * ratio > -dual * a)
+        close(stats["dual_clip_fraction"], dual_hit.mean())
+        assert dual_hit.any()
+    assert clipped.any()
+    for v in stats.values():
+        assert not v.requires_grad
+
+
+def test_ppo_identity_ratio_and_empty_mask():
+    rng, mask, lp, olp, A = ppo_inputs(11)
+    x = t64(olp).requires_grad_(True)  # on-policy: ratio 1, loss -A, gradient -A
+    loss, stats = alg.ppo_clip_loss(x, t64(olp), t64(A), tmask(mask), 0.2, 0.2)
+    close(loss, -A * mask)
+    loss.sum().backward()
+    close(x.grad, -A * mask)
+    close(stats["clip_fraction"], 0.0), close(stats["approx_kl"], 0.0)
+    empty = torch.zeros(mask.shape, dtype=torch.bool)
+    loss, stats = alg.ppo_clip_loss(t64(lp), t64(olp), t64(A), empty, 0.2, 0.2, dual_clip=3.0)
+    assert (loss == 0).all() and stats["clip_fraction"] == 0 and stats["ratio_max"] == -math.inf
+    with pytest.raises(ValueError):
+        alg.ppo_clip_loss(t64(lp), t64(olp), t64(A), empty, 0.2, 0.2, dual_clip=0.5)
+
+
+# ----------------------------------------------------------------------------------------------
+# GSPO
+
+
+def ref_gspo_objective(lp, olp, A_seq, mask, cl, ch):
+    """The paper's loss: mean over sequences of -min(s_i A_i, clip(s_i, 1-cl, 1+ch) A_i)."""
+    total = 0.0
+    for b in range(lp.shape[0]):
+        pos = action_positions(mask[b])
+        if not pos:
+            continue
+        s = math.exp(sum(lp[b, t] - olp[b, t] for t in pos) / len(pos))
+        total += -min(s * A_seq[b], min(max(s, 1 - cl), 1 + ch) * A_seq[b])
+    return total / lp.shape[0]
+
+
+@pytest.mark.parametrize("cl,ch", [(0.2, 0.3), (3e-4, 4e-4)])
+def test_gspo_loss(cl, ch):
+    rng = np.random.default_rng(12)
+    B, T = 8, 30
+    mask = ragged_mask(rng, B, T, empty_row=True)
+    olp = -np.abs(rng.normal(size=(B, T)))
+    lp = olp + rng.normal(size=(B, T)) * 0.3
+    A = rng.normal(size=B)
+    x = t64(lp).requires_grad_(True)
+    token_loss, stats = alg.gspo_loss(x, t64(olp), t64(A), tmask(mask), clip_low=cl, clip_high=ch)
+
+    # value on each action token = the sequence loss
+    seq_ratio = np.zeros(B)
+    for b in range(B):
+        pos = action_positions(mask[b])
+        s = math.exp(np.mean([lp[b, t] - olp[b, t] for t in pos])) if pos else 1.0
+        seq_ratio[b] = s
+        seq_loss = -min(s * A[b], min(max(s, 1 - cl), 1 + ch) * A[b])
+        close(token_loss[b], seq_loss * mask[b])
+
+    # seq_mean_token_mean aggregation == the paper's objective, value and gradient
+    J = alg.aggregate_loss(token_loss, tmask(mask), "seq_mean_token_mean", n_tokens_global=mask.sum(), n_seqs_global=B)
+    close(J, ref_gspo_objective(lp, olp, A, mask, cl, ch))
+    J.backward()
+    g_ref = num_grad(lambda z: ref_gspo_objective(z, olp, A, mask, cl, ch), lp)
+    close(x.grad, g_ref)
+
+    has = mask.sum(1) > 0
+    close(stats["ratio_max"], seq_ratio[has].max()), close(stats["ratio_min"], seq_ratio[has].min())
+    seq_clipped = np.array([(s > 1 + ch and a > 0) or (s < 1 - cl and a < 0) for s, a in zip(seq_ratio, A)])
+    close(stats["clip_fraction"], np.sum(seq_clipped * mask.sum(1)) / mask.sum())
+    if cl < 1e-3:
+        assert seq_clipped.any()
+
+
+# ----------------------------------------------------------------------------------------------
+# aggregation
+
+
+def ref_aggregate(l, mask, mode, n_tok, n_seq, max_len):
+    total = 0.0
+    for b in range(l.shape[0]):
+        pos = action_positions(mask[b])
+        s = sum(l[b, t] for t in pos)
+        if mode == "all_token_mean":
+            total += s / n_tok
+        elif mode == "seq_mean_token_mean":
+            total += s / max(1, len(pos)) / n_seq
+        elif mode == "seq_mean_token_sum_norm":
+            total += s / max_len / n_seq
+        else:
+            total += s / n_seq
+    return total
+
+
+@pytest.mark.parametrize("mode", alg.AGG_MODES)
+def test_aggregate_loss_values_and_grads(mode):
+    rng = np.random.default_rng(13)
+    B, T = 6, 30
+    mask = ragged_mask(rng, B, T, empty_row=True)
+    l = rng.normal(size=(B, T))
+    l[mask == 0] = np.nan  # off-mask garbage must not leak
+    kw = dict(n_tokens_global=float(mask.sum()), n_seqs_global=float(B), max_len_norm=float(T))
+    x = t64(l).requires_grad_(True)
+    out = alg.aggregate_loss(x, tmask(mask), mode, **kw)
+    close(out, ref_aggregate(l, mask, mode, kw["n_tokens_global"], B, T))
+    out.backward()
+    l0 = np.where(mask > 0, l, 0.0)
+    close(x.grad, num_grad(lambda z: ref_aggregate(z, mask, mode, kw["n_tokens_global"], B, T), l0))
+    # tensor normalisers (e.g. after an all-reduce) work the same
+    out_t = alg.aggregate_loss(t64(l), t64(mask), mode, n_tokens_global=t64(mask.sum()), n_seqs_global=t64(B), max_len_norm=T)
+    close(out_t, out)
+
+
+@pytest.mark.parametrize("mode", alg.AGG_MODES)
+def test_aggregate_loss_layout_independent(mode):
+    """Micro-batches and fake data-parallel ranks (slices), summed, equal the whole batch to 1e-12."""
+    rng = np.random.default_rng(14)
+    B, T = 12, 40
+    mask = tmask(ragged_mask(rng, B, T, empty_row=True))
+    l = t64(rng.normal(size=(B, T)))
+    kw = dict(n_tokens_global=float(mask.sum()), n_seqs_global=float(B), max_len_norm=float(T))
+    whole = alg.aggregate_loss(l, mask, mode, **kw).item()
+    layouts = [
+        [range(0, 12)],
+        [range(0, 6), range(6, 12)],  # 2 ranks, 1 micro-batch each
+        [range(0, 3), range(3, 6), range(6, 9), range(9, 12)],  # 2 ranks x 2 micro-batches
+        [range(0, 5), range(5, 6), range(6, 11), range(11, 12)],  # uneven micro-batches
+        [range(i, i + 1) for i in range(12)],  # one row per micro-batch
+    ]
+    for parts in layouts:
+        total = sum(alg.aggregate_loss(l[list(p)], mask[list(p)], mode, **kw).item() for p in parts)
+        assert abs(total - whole) < 1e-12, (parts, total, whole)
+    # the same rows shuffled over ranks give the same sum too
+    perm = rng.permutation(B)
+    total = sum(alg.aggregate_loss(l[perm[i::2]], mask[perm[i::2]], mode, **kw).item() for i in range(2))
+    assert abs(total - whole) < 1e-12
+
+
+def test_aggregate_loss_errors():
+    l, m = torch.zeros(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError) as e:
+        alg.aggregate_loss(l, m, "token_mean", n_tokens_global=6, n_seqs_global=2)
+    for mode in alg.AGG_MODES:
+        assert mode in str(e.value)
+    with pytest.raises(ValueError, match="max_len_norm"):
+        alg.aggregate_loss(l, m, "seq_mean_token_sum_norm", n_tokens_global=6, n_seqs_global=2)
+    assert alg.aggregate_loss(l, torch.zeros(2, 3), "all_token_mean", n_tokens_global=0, n_seqs_global=0) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# logits
+
+
+def ref_log_softmax(z):
+    zmax = np.max(z, axis=-1, keepdims=True)
+    return z - zmax - np.log(np.sum(np.exp(z - zmax), axis=-1, keepdims=True))
+
+
+def ref_entropy(z):
+    lsm = ref_log_softmax(z)
+    return -np.sum(np.exp(lsm) * lsm, axis=-1)
+
+
+def test_entropy_from_logits():
+    rng = np.random.default_rng(15)
+    z = rng.normal(size=(2, 3, 7)) * 3
+    z[0, 0] += 500.0  # stability: huge logits
+    W = rng.normal(size=(2, 3))
+    x = t64(z).requires_grad_(True)
+    H = alg.entropy_from_logits(x)
+    close(H, ref_entropy(z))
+    (H * t64(W)).sum().backward()
+    close(x.grad, num_grad(lambda q: np.sum(ref_entropy(q) * W), z))
+    # -inf logits (masked vocabulary) neither give NaN nor change the entropy of the rest
+    zi = z.copy()
+    zi[..., -2:] = -np.inf
+    xi = t64(zi).requires_grad_(True)
+    Hi = alg.entropy_from_logits(xi)
+    close(Hi, ref_entropy(z[..., :-2]))
+    Hi.sum().backward()
+    assert torch.isfinite(xi.grad).all()
+    assert alg.entropy_from_logits(torch.randn(2, 3, 5, dtype=torch.float32)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+def test_logprobs_from_logits(temperature):
+    rng = np.random.default_rng(16)
+    B, T, V = 2, 4, 9
+    z = rng.normal(size=(B, T, V)) * 2
+    labels = rng.integers(0, V, size=(B, T))
+    W = rng.normal(size=(B, T))
+
+    def ref(q):
+        lsm = ref_log_softmax(q / temperature)
+        return np.take_along_axis(lsm, labels[..., None], axis=-1)[..., 0]
+
+    x = t64(z).requires_grad_(True)
+    lp = alg.logprobs_from_logits(x, torch.tensor(labels), temperature=temperature)
+    close(lp, ref(z))
+    (lp * t64(W)).sum().backward()
+    close(x.grad, num_grad(lambda q: np.sum(ref(q) * W), z))
+
+
+# ----------------------------------------------------------------------------------------------
+# sampler / trainer mismatch
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("cap", [2.0, 1.0, math.inf])
+def test_tis_weights(level, cap):
+    rng = np.random.default_rng(17)
+    B, T = 6, 25
+    mask = ragged_mask(rng, B, T, empty_row=True)
+    samp = -np.abs(rng.normal(size=(B, T)))
+    train = samp + rng.normal(size=(B, T)) * 0.2
+    ref = np.zeros((B, T))
+    for b in range(B):
+        pos = action_positions(mask[b])
+        seq_w = min(float(np.prod([np.exp(train[b, t] - samp[b, t]) for t in pos])), cap)
+        for t in pos:
+            ref[b, t] = min(math.exp(train[b, t] - samp[b, t]), cap) if level == "token" else seq_w
+    x = t64(train).requires_grad_(True)
+    w = alg.tis_weights(x, t64(samp), tmask(mask), cap=cap, level=level)
+    close(w, ref)
+    assert not w.requires_grad
+    if cap == 1.0:
+        assert (w <= 1.0).all()
+    with pytest.raises(ValueError):
+        alg.tis_weights(x, t64(samp), tmask(mask), cap=cap, level="step")
+
+
+def test_sampler_mismatch_stats():
+    rng = np.random.default_rng(18)
+    mask = ragged_mask(rng, 5, 30)
+    samp = -np.abs(rng.normal(size=(5, 30)))
+    train = samp + rng.normal(size=(5, 30)) * 0.1
+    train[mask == 0] = 50.0  # must not leak into max_ratio
+    d = (train - samp)[mask > 0]
+    r = np.exp(d)
+    st = alg.sampler_mismatch_stats(t64(train), t64(samp), tmask(mask))
+    close(st["kl"], np.mean(r - 1 - d))
+    close(st["max_ratio"], r.max())
+    close(st["mean_abs_diff"], np.mean(np.abs(d)))
+    same = alg.sampler_mismatch_stats(t64(samp), t64(samp), tmask(mask))
+    assert same["kl"] == 0 and same["max_ratio"] == 1 and same["mean_abs_diff"] == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# overlong shaping
+
+
+def ref_overlong(L, Lmax, buf, pen):
+    out = []
+    for x in L:
+        if x <= Lmax - buf:
+            out.append(0.0)
+        elif x <= Lmax:
+            out.append(-pen * (x - (Lmax - buf)) / buf)
+        else:
+            out.append(-pen)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("buf,pen", [(16, 1.0), (64, 0.5), (1, 2.0), (0, 1.0)])
+def test_overlong_penalty(buf, pen):
+    Lmax = 64
+    L = np.array([0, 1, 20, 47, 48, 49, 55, 63, 64, 65, 100])
+    got = alg.overlong_penalty(torch.tensor(L), Lmax, buf, penalty=pen)
+    assert got.is_floating_point()
+    close(got, ref_overlong(L, Lmax, buf, pen))
+    if buf > 0:
+        assert got[L == Lmax].item() == -pen  # full penalty at max_new_tokens
+    got64 = alg.overlong_penalty(t64(L), Lmax, buf, penalty=pen)
+    assert got64.dtype == torch.float64
+    close(got64, ref_overlong(L, Lmax, buf, pen))
+    with pytest.raises(ValueError):
+        alg.overlong_penalty(torch.tensor(L), Lmax, Lmax + 1)

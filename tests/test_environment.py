@@ -1,0 +1,163 @@
+"""Env modules: loading errors, isolation of failures, timeouts, not blocking the event loop."""
+import asyncio
+import textwrap
+import time
+
+import pytest
+
+from train.workers.environment import EnvCallError, EnvLoadError, Environment
+
+
+def write_env(tmp_path, body: str, name: str = "env.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def make(path, timeout=2.0, max_turns=1):
+    return Environment(path, timeout_s=timeout, max_workers=4, max_turns=max_turns)
+
+
+def test_missing_reward_fn_is_a_clear_error(tmp_path):
+    path = write_env(tmp_path, "def interact(messages):\n    return []\n")
+    with pytest.raises(EnvLoadError, match=r"rollout.env_path: .*env.py' defines no reward_fn"):
+        make(path)
+
+
+def test_missing_interact_only_matters_for_multi_turn(tmp_path):
+    path = write_env(tmp_path, "def reward_fn(messages, answer):\n    return 1.0\n")
+    make(path, max_turns=1)
+    with pytest.raises(EnvLoadError, match="defines no interact.*max_turns=3"):
+        make(path, max_turns=3)
+
+
+def test_missing_file_and_import_error(tmp_path):
+    with pytest.raises(EnvLoadError, match="no such file"):
+        make(str(tmp_path / "nope.py"))
+    path = write_env(tmp_path, "import not_a_real_module_xyz\n")
+    with pytest.raises(EnvLoadError, match="importing .* failed: ModuleNotFoundError"):
+        make(path)
+
+
+def test_raising_and_hanging_calls_become_env_errors(tmp_path):
+    path = write_env(tmp_path, """
+        import time
+        def reward_fn(messages, answer):
+            if answer == "raise":
+                raise RuntimeError("boom")
+            if answer == "hang":
+                time.sleep(30)
+            if answer == "nan":
+                return float("nan")
+            return 0.5
+    """)
+    env = make(path, timeout=0.5)
+
+    async def go():
+        return await asyncio.gather(*(env.reward([], a) for a in ("raise", "hang", "nan", "ok")),
+                                    return_exceptions=True)
+
+    start = time.perf_counter()
+    raised, hung, nan, ok = asyncio.run(go())
+    assert time.perf_counter() - start < 5
+    assert isinstance(raised, EnvCallError) and raised.kind == "exception" and "boom" in str(raised)
+    assert isinstance(hung, EnvCallError) and hung.kind == "timeout"
+    assert isinstance(nan, EnvCallError) and "NaN" in str(nan)
+    assert ok == 0.5
+    env.close()
+
+
+def test_sync_env_code_runs_off_the_event_loop(tmp_path):
+    """Four 0.4 s blocking reward calls overlap (thread pool) instead of taking 1.6 s."""
+    path = write_env(tmp_path, """
+        import time
+        def reward_fn(messages, answer):
+            time.sleep(0.4)
+            return 1.0
+    """)
+    env = make(path)
+
+    async def go():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        t = asyncio.create_task(ticker())
+        out = await asyncio.gather(*(env.reward([], None) for _ in range(4)))
+        t.cancel()
+        return out, ticks
+
+    start = time.perf_counter()
+    out, ticks = asyncio.run(go())
+    assert out == [1.0] * 4
+    assert time.perf_counter() - start < 1.2
+    assert ticks > 10  # the loop kept running while env code blocked
+
+
+def test_async_env_functions_and_message_isolation(tmp_path):
+    path = write_env(tmp_path, """
+        async def interact(messages):
+            messages.append({"role": "user", "content": "mutated"})
+            return [{"role": "tool", "content": "ok"}]
+        async def reward_fn(messages, answer):
+            return len(messages)
+    """)
+    env = make(path, max_turns=2)
+    conv = [{"role": "user", "content": "hi"}]
+    assert asyncio.run(env.interact(conv)) == [{"role": "tool", "content": "ok"}]
+    assert conv == [{"role": "user", "content": "hi"}]  # env got a copy
+    assert asyncio.run(env.reward(conv, None)) == 1.0
+
+
+def test_bad_interact_return_type(tmp_path):
+    path = write_env(tmp_path, """
+        def interact(messages):
+            return "not a list"
+        def reward_fn(messages, answer):
+            return 0.0
+    """)
+    env = make(path, max_turns=2)
+    with pytest.raises(EnvCallError, match="expected a list of message dicts"):
+        asyncio.run(env.interact([]))
+
+
+def test_shipped_envs():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for name, answer, good, bad in [("eq", "68", "<answer> 68 </answer>", "<answer>67</answer>"),
+                                    ("orz", "1/2", "<answer>0.5</answer>", "<answer>2</answer>")]:
+        spec = importlib.util.spec_from_file_location(name, root / "environments" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        conv = [{"role": "user", "content": "q"}, {"role": "assistant", "content": good}]
+        assert mod.reward_fn(conv, answer) == 1.0
+        conv[-1]["content"] = bad
+        assert mod.reward_fn(conv, answer) == 0.0
+        assert mod.interact(conv) == []
+
+
+def test_a_call_that_never_returns_does_not_block_exit(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = write_env(tmp_path, "import time\ndef reward_fn(messages, answer):\n    time.sleep(10_000)\n")
+    script = tmp_path / "main.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        from train.workers.environment import Environment, EnvCallError
+        env = Environment({path!r}, timeout_s=0.3, max_workers=2, max_turns=1)
+        try:
+            asyncio.run(env.reward([], None))
+        except EnvCallError as e:
+            print("scored:", e.kind)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=20)
+    assert proc.returncode == 0 and "scored: timeout" in proc.stdout

@@ -1,0 +1,323 @@
+"""Tests of the `hf` rollout engine on tiny random Llama models (no downloads, a few seconds)."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from train.engines import make_engine
+from train.engines.base import Generation, SamplingParams
+from train.engines.hf import HFEngine
+
+VOCAB = 100
+
+
+def tiny_model(seed: int = 0, max_positions: int = 128, tie: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie,
+    )
+    model = LlamaForCausalLM(config).eval()
+    # Random init is nearly uniform; sharper logits make greedy ties and "always length" unlikely.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+class WordTokenizer:
+    """Each id decodes to a short word, so a stop string may span several tokens."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(f"w{i} " for i in ids)
+
+
+def prompts(lengths: tuple[int, ...] = (3, 11, 6, 1), seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def run_all(engine: HFEngine, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
+    async def main() -> list[Generation]:
+        return await asyncio.gather(*(engine.generate(p, sp) for p, sp in requests))
+
+    return asyncio.run(main())
+
+
+def reference_greedy(model: LlamaForCausalLM, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy decoding by full forward passes, no cache, no batching."""
+    ids = list(prompt)
+    out, lps = [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].float()
+            tok = int(logits.argmax())
+            out.append(tok)
+            lps.append(float(torch.log_softmax(logits, -1)[tok]))
+            ids.append(tok)
+    return out, lps
+
+
+def trainer_logprobs(model: LlamaForCausalLM, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    """What the trainer computes: log_softmax(model(full_sequence).logits / T) at response positions."""
+    full = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(input_ids=full).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, -1)
+    pos = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+    return logp[pos, torch.tensor(response)]
+
+
+def test_logprobs_match_full_forward_batched_ragged() -> None:
+    model = tiny_model()
+    engine = HFEngine(model, eos_token_ids=[], seed=3)
+    ps = prompts((2, 13, 7, 1, 9))
+    for temperature, top_p, top_k in [(1.0, 1.0, -1), (0.7, 0.9, -1), (1.3, 1.0, 20)]:
+        sp = SamplingParams(max_new_tokens=12, temperature=temperature, top_p=top_p, top_k=top_k)
+        gens = run_all(engine, [(p, sp) for p in ps])
+        for p, g in zip(ps, gens):
+            assert len(g.token_ids) == len(g.logprobs) == 12
+            ref = trainer_logprobs(model, p, g.token_ids, temperature)
+            assert (ref - torch.tensor(g.logprobs)).abs().max().item() < 1e-4
+
+
+def test_greedy_matches_reference_loop_and_batch_invariance() -> None:
+    model = tiny_model()
+    engine = HFEngine(model, eos_token_ids=[])
+    ps = prompts((5, 1, 12, 8))
+    sp = SamplingParams(max_new_tokens=10, temperature=0.0)
+    batched = run_all(engine, [(p, sp) for p in ps])
+    for p, g in zip(ps, batched):
+        ref_tokens, ref_lps = reference_greedy(model, p, 10)
+        assert g.token_ids == ref_tokens
+        assert g.finish_reason == "length"
+        # greedy log-probs are taken at temperature 1
+        assert max(abs(a - b) for a, b in zip(g.logprobs, ref_lps)) < 1e-4
+        alone = run_all(engine, [(p, sp)])[0]
+        assert alone.token_ids == g.token_ids
+        assert max(abs(a - b) for a, b in zip(alone.logprobs, g.logprobs)) < 1e-4
+
+
+def test_eos_stops_and_is_included() -> None:
+    model = tiny_model()
+    prompt = prompts((6,))[0]
+    ref, _ = reference_greedy(model, prompt, 8)
+    eos = ref[3]
+    cut = ref.index(eos) + 1
+    engine = HFEngine(model, eos_token_ids=[eos])
+    other = prompts((4,), seed=7)[0]  # a batch mate that keeps going
+    g = run_all(engine, [(prompt, SamplingParams(max_new_tokens=8, temperature=0.0)),
+                         (other, SamplingParams(max_new_tokens=8, temperature=0.0))])[0]
+    assert g.finish_reason == "stop"
+    assert g.token_ids == ref[:cut] and g.token_ids[-1] == eos
+    assert len(g.logprobs) == cut
+
+
+def test_max_new_tokens_gives_length() -> None:
+    engine = HFEngine(tiny_model(), eos_token_ids=[])
+    ps = prompts((3, 9))
+    gens = run_all(engine, [(ps[0], SamplingParams(max_new_tokens=5, seed=1)),
+                            (ps[1], SamplingParams(max_new_tokens=1, seed=2))])
+    assert [len(g.token_ids) for g in gens] == [5, 1]
+    assert all(g.finish_reason == "length" for g in gens)
+    assert engine.stats["generated_tokens"] == 6
+
+
+def test_max_position_embeddings_gives_length() -> None:
+    engine = HFEngine(tiny_model(max_positions=16), eos_token_ids=[])
+    sp = SamplingParams(max_new_tokens=10, temperature=0.0)
+    near, full = prompts((12, 16))
+    g_near, g_full = run_all(engine, [(near, sp), (full, sp)])
+    assert len(g_near.token_ids) == 4 and g_near.finish_reason == "length"
+    assert g_full.token_ids == [] and g_full.finish_reason == "length"
+
+
+def test_stop_strings() -> None:
+    model = tiny_model()
+    tok = WordTokenizer()
+    prompt = prompts((5,))[0]
+    ref, _ = reference_greedy(model, prompt, 12)
+    # A stop string spanning the end of token 4 and the start of token 5 (0-based).
+    stop = tok.decode(ref[4:6])[-5:-1]
+    cut = next(k for k in range(1, 13) if stop in tok.decode(ref[:k]))
+    engine = HFEngine(model, tok, eos_token_ids=[])
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0, stop=("never-there", stop))
+    g = run_all(engine, [(prompt, sp), (prompts((3,), seed=5)[0], replace(sp, stop=()))])[0]
+    assert g.finish_reason == "stop"
+    assert g.token_ids == ref[:cut]
+    assert stop in tok.decode(g.token_ids) and stop not in tok.decode(g.token_ids[:-1])
+
+
+def test_stop_strings_need_tokenizer() -> None:
+    engine = HFEngine(tiny_model(), eos_token_ids=[])
+    with pytest.raises(ValueError, match="tokenizer"):
+        run_all(engine, [([1, 2], SamplingParams(stop=("x",)))])
+
+
+def test_seed_independent_of_batch() -> None:
+    engine = HFEngine(tiny_model(), eos_token_ids=[])
+    target = prompts((7,))[0]
+    sp = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.95, seed=1234)
+    alone = run_all(engine, [(target, sp)])[0]
+    others = [(p, SamplingParams(max_new_tokens=n, temperature=1.0, seed=s))
+              for p, n, s in zip(prompts((2, 15, 4), seed=9), (3, 20, 8), (None, 5, None))]
+    batched = run_all(engine, others[:2] + [(target, sp)] + others[2:])[2]
+    assert batched.token_ids == alone.token_ids
+    assert max(abs(a - b) for a, b in zip(batched.logprobs, alone.logprobs)) < 1e-4
+    # a fresh engine (other engine-level seed) gives the same seeded sample
+    fresh = HFEngine(tiny_model(), eos_token_ids=[], seed=99)
+    assert run_all(fresh, [(target, sp)])[0].token_ids == alone.token_ids
+    different = run_all(engine, [(target, replace(sp, seed=4321))])[0]
+    assert different.token_ids != alone.token_ids
+
+
+def test_concurrent_requests_are_batched() -> None:
+    engine = HFEngine(tiny_model(), eos_token_ids=[], max_batch_size=3)
+    ps = prompts((3, 4, 5, 6, 7, 8, 9))
+    sp = SamplingParams(max_new_tokens=2, temperature=0.0)
+    gens = run_all(engine, [(p, sp) for p in ps])
+    assert len(gens) == 7
+    assert engine.stats["batches"] == 3  # 3 + 3 + 1, never one forward per request
+    assert engine.stats["max_batch_rows"] == 3
+    assert [g.extra["batch_size"] for g in gens] == [3, 3, 3, 3, 3, 3, 1]
+
+
+def test_requests_arriving_mid_batch_go_to_next_batch() -> None:
+    engine = HFEngine(tiny_model(), eos_token_ids=[])
+    sp = SamplingParams(max_new_tokens=30, temperature=0.0)
+
+    async def late(p: list[int]) -> Generation:
+        await asyncio.sleep(0.01)  # the first batch is already running by now
+        return await engine.generate(p, sp)
+
+    async def main() -> list[Generation]:
+        first = [engine.generate(p, sp) for p in prompts((3, 4))]
+        second = [late(p) for p in prompts((5, 6, 7), seed=3)]
+        return await asyncio.gather(*first, *second)
+
+    gens = asyncio.run(main())
+    assert engine.stats["batches"] == 2
+    assert [g.extra["batch_size"] for g in gens] == [2, 2, 3, 3, 3]
+
+
+def test_finished_rows_are_dropped_from_the_batch() -> None:
+    engine = HFEngine(tiny_model(), eos_token_ids=[])
+    ps = prompts((4, 6))
+    run_all(engine, [(ps[0], SamplingParams(max_new_tokens=2, temperature=0.0)),
+                     (ps[1], SamplingParams(max_new_tokens=10, temperature=0.0))])
+    # prefill: 2 rows; first decode: 2 rows; the 8 further decodes run the long row alone.
+    assert engine.stats["forward_passes"] == 10
+    assert engine.stats["forward_rows"] == 2 + 2 + 8
+
+
+def test_update_weights_changes_output() -> None:
+    model_a, model_b = tiny_model(seed=0), tiny_model(seed=1)
+    engine = HFEngine(model_a, eos_token_ids=[])
+    p = prompts((6,))[0]
+    sp = SamplingParams(max_new_tokens=10, temperature=0.0)
+    before = run_all(engine, [(p, sp)])[0].token_ids
+    ref_b, _ = reference_greedy(model_b, p, 10)
+    assert before != ref_b
+    engine.update_weights(model_b.state_dict().items())
+    assert run_all(engine, [(p, sp)])[0].token_ids == ref_b
+    # the engine owns a copy: the caller's model is untouched
+    assert reference_greedy(model_a, p, 10)[0] == before
+
+
+def test_update_weights_tied_embeddings() -> None:
+    model_a, model_b = tiny_model(seed=0, tie=True), tiny_model(seed=1, tie=True)
+    engine = HFEngine(model_a, eos_token_ids=[])
+    # named_parameters() lists tied weights once; that is enough
+    engine.update_weights(dict(model_b.named_parameters()))
+    assert torch.equal(engine.model.lm_head.weight, model_b.lm_head.weight)
+    p = prompts((6,))[0]
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0)
+    assert run_all(engine, [(p, sp)])[0].token_ids == reference_greedy(model_b, p, 8)[0]
+
+
+def test_update_weights_unknown_name_or_bad_shape_raises() -> None:
+    engine = HFEngine(tiny_model(), eos_token_ids=[])
+    with pytest.raises(KeyError, match="no_such.weight"):
+        engine.update_weights([("no_such.weight", torch.zeros(3))])
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights([("lm_head.weight", torch.zeros(3, 3))])
+
+
+def test_update_weights_waits_for_running_batch() -> None:
+    model_a, model_b = tiny_model(seed=0), tiny_model(seed=1)
+    engine = HFEngine(model_a, eos_token_ids=[])
+    p = prompts((6,))[0]
+    sp = SamplingParams(max_new_tokens=40, temperature=0.0)
+
+    async def main() -> Generation:
+        task = asyncio.ensure_future(engine.generate(p, sp))
+        while engine.stats["forward_passes"] == 0:  # the batch is running in the worker thread
+            await asyncio.sleep(0.001)
+        await asyncio.to_thread(engine.update_weights, model_b.state_dict())
+        return await task
+
+    g = asyncio.run(main())
+    assert g.token_ids == reference_greedy(model_a, p, 40)[0]  # no mid-sequence weight swap
+
+
+def test_sleep_wake_and_factory() -> None:
+    engine = make_engine("hf", tiny_model(), eos_token_ids=[])
+    assert isinstance(engine, HFEngine)
+    p = prompts((4,))[0]
+    sp = SamplingParams(max_new_tokens=5, temperature=0.0)
+    before = run_all(engine, [(p, sp)])[0].token_ids
+    engine.sleep()
+    engine.wake()
+    assert run_all(engine, [(p, sp)])[0].token_ids == before
+    assert engine.stats["generation_seconds"] > 0
+    with pytest.raises(ValueError, match="unknown rollout engine"):
+        make_engine("vllm")
+
+
+def test_from_pretrained(tmp_path) -> None:
+    model = tiny_model()
+    model.generation_config.eos_token_id = [7, 9]
+    model.save_pretrained(tmp_path)
+    engine = HFEngine.from_pretrained(str(tmp_path), tokenizer=WordTokenizer())
+    assert engine.eos_token_ids == frozenset({7, 9})
+    p = prompts((4,))[0]
+    g = run_all(engine, [(p, SamplingParams(max_new_tokens=6, temperature=0.0))])[0]
+    ref, _ = reference_greedy(model, p, 6)
+    stops = [k for k, t in enumerate(ref) if t in (7, 9)]
+    assert g.token_ids == (ref[: stops[0] + 1] if stops else ref)
+
+
+def test_sampler_distribution_top_k_top_p() -> None:
+    from train.engines.hf import sample_tokens
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    n = 20000
+    rows = logits.expand(n, -1)
+    u = 1.0 - torch.rand(n, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def freqs(temperature: float, top_p: float, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tok, lp = sample_tokens(rows, torch.full((n,), temperature), torch.full((n,), top_p),
+                                torch.full((n,), top_k, dtype=torch.long), u)
+        # the log-prob is always the unfiltered one at that temperature
+        full = torch.log_softmax(logits[0] / temperature, -1)
+        assert torch.allclose(lp, full[tok])
+        return torch.bincount(tok, minlength=6).float() / n, full.exp()
+
+    got, p = freqs(1.0, 1.0, -1)
+    assert (got - p).abs().max() < 0.015
+    got, p = freqs(0.5, 1.0, 2)  # only the two best tokens, renormalised for sampling
+    assert got[2:].sum() == 0 and (got[:2] - p[:2] / p[:2].sum()).abs().max() < 0.015
+    got, p = freqs(1.0, 0.8, -1)  # smallest prefix with mass >= 0.8: tokens 0, 1, 2
+    assert p[:2].sum() < 0.8 <= p[:3].sum()
+    assert got[3:].sum() == 0 and (got[:3] - p[:3] / p[:3].sum()).abs().max() < 0.015
+    tok, lp = sample_tokens(logits, torch.zeros(1), torch.ones(1), torch.full((1,), -1), torch.ones(1))
+    assert tok.item() == 0 and torch.isclose(lp, torch.log_softmax(logits[0], -1)[0])

@@ -1,0 +1,177 @@
+"""End-to-end runs of `torchrun -m train.trainer.grpo` on the bundled stub model."""
+import json
+import math
+import textwrap
+
+import pytest
+import torch
+
+from conftest import ROOT, STUB_MATH, read_jsonl, run_trainer
+
+SMALL = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",
+         "trainer.test_freq=null", "trainer.log_samples=100"]
+
+
+def prompts_by_step(run_dir) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for e in read_jsonl(run_dir / "trajectories.jsonl"):
+        if e["type"] == "sample":
+            out.setdefault(e["step"], []).append(e["messages"][0]["content"])
+    return {k: sorted(v) for k, v in out.items()}
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """4 steps on 2 ranks, checkpoints at 2 and 4."""
+    run = tmp_path_factory.mktemp("straight")
+    run_trainer([f"trainer.save_dir={run}", "trainer.total_steps=4", "trainer.save_freq=2", *SMALL], nproc=2)
+    return run
+
+
+def test_run_leaves_the_documented_files(straight_run):
+    run = straight_run
+    assert (run / "config.yaml").exists()
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for key in ["rewards/train", "response_length/train", "length_clip_ratio/train", "n_turns/train",
+                "dynamic_filtering_ratio", "actor/loss", "actor/grad_norm", "actor/entropy", "env/errors",
+                "time/rollout_s", "time/update_s", "time/weight_sync_s", "time/step_s"]:
+        assert all(key in m and math.isfinite(m[key]) for m in metrics), key
+    # The hf engine and the trainer agree on log-probs to float rounding.
+    assert all(m["actor/sampler_abs_diff"] < 1e-4 for m in metrics)
+    kinds = {e["type"] for e in read_jsonl(run / "trajectories.jsonl")}
+    assert {"sample", "checkpoint"} <= kinds
+    for step in (2, 4):
+        assert (run / f"step{step}" / "COMPLETE").exists()
+    assert not list(run.glob("*.tmp"))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run / "latest")
+    tok = AutoTokenizer.from_pretrained(run / "latest")
+    saved = torch.load(run / "step4" / "model.pt")
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=name)
+    assert tok.eos_token == "<|im_end|>"
+
+
+def test_resume_is_exact(straight_run, tmp_path):
+    """2 steps + resume + 2 steps == 4 steps straight: weights, Adam moments, data order."""
+    resumed = tmp_path / "resumed"
+    run_trainer([f"trainer.save_dir={resumed}", "trainer.total_steps=4", "trainer.save_freq=2",
+                 f"trainer.load_ckpt_from={straight_run / 'step2'}", *SMALL], nproc=2)
+    a, b = straight_run / "step4", resumed / "step4"
+    for name in ("model.pt", "optimizer.pt", "scheduler.pt"):
+        sa, sb = torch.load(a / name, weights_only=False), torch.load(b / name, weights_only=False)
+        flat_a, flat_b = _flatten(sa), _flatten(sb)
+        assert flat_a.keys() == flat_b.keys()
+        for key in flat_a:
+            if isinstance(flat_a[key], torch.Tensor):
+                assert torch.equal(flat_a[key], flat_b[key]), (name, key)
+            else:
+                assert flat_a[key] == flat_b[key], (name, key)
+    assert any("exp_avg_sq" in k for k in _flatten(torch.load(a / "optimizer.pt", weights_only=False)))
+    straight, again = prompts_by_step(straight_run), prompts_by_step(resumed)
+    assert sorted(again) == [3, 4]
+    assert again[3] == straight[3] and again[4] == straight[4]  # no repeated or skipped prompts
+    assert not set(again[3]) & set(straight[1] + straight[2])
+
+
+def _flatten(obj, prefix=""):
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}{k}/"))
+        return out
+    if isinstance(obj, (list, tuple)):
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(_flatten(v, f"{prefix}{i}/"))
+        return out
+    return {prefix: obj}
+
+
+def test_latest_resumes_and_atomic_checkpoints(tmp_path):
+    from train.utils.checkpoint import find_latest
+
+    (tmp_path / "step6.tmp").mkdir()  # a crash mid-save leaves only a .tmp folder
+    (tmp_path / "step5").mkdir()  # no COMPLETE marker: ignored
+    (tmp_path / "step4").mkdir()
+    (tmp_path / "step4" / "COMPLETE").touch()
+    assert find_latest(str(tmp_path)) == str(tmp_path / "step4")
+    assert find_latest(str(tmp_path / "missing")) is None
+
+
+def test_edge_cases_fewer_rows_than_ranks_one_response(tmp_path):
+    """1 row on 2 ranks, one response per prompt with std normalisation: no crash, no NaN."""
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "12 + 30"}], "answer": "42"}) + "\n")
+    run = tmp_path / "run"
+    run_trainer([f"trainer.save_dir={run}", f"data.train_data_path={data}", "data.prompts_per_rollout=2",
+                 "data.responses_per_prompt=1", "adv.norm_var=true", "rollout.dynamic_filtering=false",
+                 "trainer.total_steps=2", "trainer.test_freq=null"], nproc=2)
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert len(metrics) == 2
+    assert all(math.isfinite(m["actor/loss"]) and m["actor/loss"] == 0.0 for m in metrics)
+
+
+def test_all_groups_filtered_skips_the_update_on_every_rank(tmp_path):
+    env = tmp_path / "const.py"
+    env.write_text("def reward_fn(messages, answer):\n    return 1.0\n")
+    run = tmp_path / "run"
+    run_trainer([f"trainer.save_dir={run}", f"rollout.env_path={env}", "data.prompts_per_rollout=4",
+                 "trainer.total_steps=2", "trainer.test_freq=null"], nproc=2)
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["actor/skipped"] for m in metrics] == [1.0, 1.0]
+    assert all(m["dynamic_filtering_ratio"] == 1.0 for m in metrics)
+
+
+MULTI_TURN_ENV = """
+import time
+
+def interact(messages):
+    if sum(m["role"] == "assistant" for m in messages) == 1:
+        return [{"role": "tool", "content": "tool says: check the tens digit"}]
+    return []
+
+def reward_fn(messages, answer):
+    reply = messages[-1]["content"]
+    digits = sum(c.isdigit() for c in reply)
+    if digits % 3 == 0:
+        raise ValueError("reward service exploded")
+    if digits % 3 == 1:
+        time.sleep(60)  # hangs: the 1 s env timeout scores it
+    return 1.0 if answer in reply else 0.5
+"""
+
+
+def test_multi_turn_env_errors_and_kl(tmp_path):
+    """Tool turns are templated in and masked; raising and hanging reward_fn calls are scored with
+    rollout.env_error_reward, logged and counted, and the run goes on (with a KL reference)."""
+    env = tmp_path / "tool_env.py"
+    env.write_text(textwrap.dedent(MULTI_TURN_ENV))
+    run = tmp_path / "run"
+    run_trainer([f"trainer.save_dir={run}", f"rollout.env_path={env}", "rollout.max_turns=2",
+                 "rollout.env_timeout_s=1", "rollout.env_error_reward=-1", "data.prompts_per_rollout=4",
+                 "trainer.total_steps=2", "trainer.test_freq=null", "trainer.log_samples=100",
+                 "actor.kl.coef=0.01", "actor.kl.type=k3"], nproc=1, timeout=300)
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert sum(m["env/errors"] for m in metrics) > 0
+    assert all(m["n_turns/train"] > 1 for m in metrics)
+    events = read_jsonl(run / "trajectories.jsonl")
+    errors = [e for e in events if e["type"] == "env_error"]
+    assert any("exploded" in e["error"] for e in errors)
+    assert any("timeout" in e["error"] for e in errors)
+    samples = [e for e in events if e["type"] == "sample"]
+    assert any(e["reward"] == -1 for e in samples)
+    tool_turns = [e for e in samples if any(m["role"] == "tool" for m in e["messages"])]
+    assert tool_turns and all(e["events"][0]["type"] == "tool" for e in tool_turns)
+    assert any("actor/kl" in m and math.isfinite(m["actor/kl"]) for m in metrics)
+
+
+def test_evaluation_before_and_after(tmp_path):
+    run = tmp_path / "run"
+    proc = run_trainer([f"trainer.save_dir={run}", "trainer.total_steps=2", "trainer.test_freq=1",
+                        f"data.test_data_path={STUB_MATH / 'test.jsonl'}", "data.prompts_per_rollout=4"], nproc=1)
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics if "rewards/test" in m] == [0, 1, 2]
+    assert "test reward:" in proc.stdout + proc.stderr

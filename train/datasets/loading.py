@@ -1,0 +1,314 @@
+"""Load prompt rows from files, Hugging Face datasets and scheme-prefixed sources.
+
+The data contract: every row is a dict with
+
+* ``messages``: a non-empty list of ``{"role": ..., "content": str}`` dicts, ``role`` one of
+  ``system``/``user``/``assistant``/``tool``; extra message keys (``tool_calls``, ``name``, ...)
+  are kept.
+* ``answer``: any JSON value (``null`` included), but the key must be present, so a typo in a column
+  name fails at load time instead of scoring every sample against ``None``.
+* any other fields, kept as they are (environments may read them).
+
+Conveniences (the row keeps its original ``prompt`` field too):
+
+* ``"prompt": "text"`` with no ``messages`` becomes ``messages=[{"role": "user", "content": text}]``.
+* ``"prompt": [messages...]`` (TRL's conversational format) with no ``messages`` is used as the messages.
+
+Sources accepted by :func:`load_rows`:
+
+* a file: ``.json`` (a list of rows or ``{"data": [...]}``), ``.jsonl``, ``.csv`` (``messages`` holds
+  a JSON string; ``answer`` is kept as the cell's text unless it is a JSON object, array or quoted
+  string), ``.parquet``, ``.arrow`` (Arrow IPC file or stream);
+* a ``datasets`` ``save_to_disk`` directory of a single ``Dataset``;
+* any other directory: every supported file directly inside it, in sorted name order;
+* ``split@repo``: ``datasets.load_dataset(repo, split=split)`` (a local path, or a name already in
+  the local HF cache when offline); ``split@dir`` where ``dir`` is a ``save_to_disk`` directory of a
+  ``DatasetDict`` reads ``load_from_disk(dir)[split]``;
+* ``scheme:rest`` for a scheme in :data:`SOURCE_SCHEMES` (``verifiers:train?limit=32``).
+
+Every problem raises :class:`DataError` naming the source, the row and the field. Rows are numbered by
+their 1-based line number in JSONL files and by their 0-based row index everywhere else.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+ROLES = ("system", "user", "assistant", "tool")
+SUPPORTED_EXTENSIONS = (".json", ".jsonl", ".csv", ".parquet", ".arrow")
+
+
+class DataError(ValueError):
+    """A data source cannot be read or one of its rows breaks the data contract."""
+
+
+def _load_verifiers(uri: str) -> list[dict]:
+    # Imported lazily so that loading plain files never imports the verifiers stack.
+    from train.datasets.verifiers_source import load_verifiers_rows
+
+    return load_verifiers_rows(uri)
+
+
+# Scheme -> loader taking the full source string. Rows it returns are validated like file rows.
+# New schemes (or a new verifiers loader) plug in here without touching load_rows.
+SOURCE_SCHEMES: dict[str, Callable[[str], list[dict]]] = {
+    "verifiers": _load_verifiers,
+}
+
+
+def load_rows(source: str) -> list[dict]:
+    """Load and validate the rows of ``source`` (see the module docstring for what it may be)."""
+    source = str(source)
+    scheme = source.split(":", 1)[0] if ":" in source else None
+    if scheme in SOURCE_SCHEMES and not os.path.exists(source):
+        return _validate_all(SOURCE_SCHEMES[scheme](source), source)
+
+    path = Path(source)
+    if path.exists():
+        return _load_path(path)
+    if "@" in source:
+        split, repo = source.split("@", 1)
+        if split and repo:
+            return _load_split(split, repo, source)
+    raise DataError(
+        f"{source}: no such file or directory (expected a .json/.jsonl/.csv/.parquet/.arrow file, a "
+        f"directory, 'split@repo_or_dir', or one of the schemes {sorted(SOURCE_SCHEMES)} as 'scheme:...')"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- paths
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+
+
+def _is_saved_dataset_dict(path: Path) -> bool:
+    return path.is_dir() and (path / "dataset_dict.json").is_file()
+
+
+def _load_path(path: Path) -> list[dict]:
+    if path.is_dir():
+        if _is_saved_dataset(path):
+            return _validate_all(_read_saved_dataset(path, None), str(path))
+        if _is_saved_dataset_dict(path):
+            raise DataError(
+                f"{path}: a saved DatasetDict holds several splits; choose one as 'SPLIT@{path}' "
+                f"(splits: {', '.join(_saved_splits(path)) or 'none'})"
+            )
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SUPPORTED_EXTENSIONS)
+        if not files:
+            raise DataError(f"{path}: directory holds no {'/'.join(SUPPORTED_EXTENSIONS)} files")
+        rows: list[dict] = []
+        for f in files:
+            rows.extend(_load_file(f))
+        return rows
+    return _load_file(path)
+
+
+def _load_file(path: Path) -> list[dict]:
+    readers: dict[str, Callable[[Path], list[dict]]] = {
+        ".json": _read_json,
+        ".jsonl": _read_jsonl,
+        ".csv": _read_csv,
+        ".parquet": _read_parquet,
+        ".arrow": _read_arrow,
+    }
+    reader = readers.get(path.suffix)
+    if reader is None:
+        raise DataError(
+            f"{path}: unsupported file extension {path.suffix!r} (supported: {', '.join(SUPPORTED_EXTENSIONS)})"
+        )
+    rows = reader(path)
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows
+
+
+def _read_json(path: Path) -> list[dict]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
+    if isinstance(data, dict) and "data" in data:
+        data = data["data"]
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a list of rows or {{\"data\": [...]}}, got {type(data).__name__}")
+    return [_validate_row(row, str(path), i) for i, row in enumerate(data)]
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue  # blank lines (a trailing newline, spacing) are not rows
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: row {lineno}: invalid JSON: {e.msg} (column {e.colno})") from e
+            rows.append(_validate_row(row, str(path), lineno))
+    return rows
+
+
+def _read_csv(path: Path) -> list[dict]:
+    # The stdlib reader keeps every cell a string (pandas would turn "007" into 7 and "" into NaN).
+    rows = []
+    with path.open(encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        for i, raw in enumerate(reader):
+            row: dict[str, Any] = dict(raw)
+            if None in row:
+                raise DataError(f"{path}: row {i}: more cells than header columns")
+            if isinstance(row.get("messages"), str):
+                try:
+                    row["messages"] = json.loads(row["messages"])
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}: row {i}: field 'messages': invalid JSON: {e.msg}") from e
+            if isinstance(row.get("prompt"), str) and row["prompt"].lstrip().startswith("[") and "messages" not in row:
+                row["prompt"] = _maybe_json(row["prompt"])
+            if isinstance(row.get("answer"), str):
+                row["answer"] = _maybe_json(row["answer"])
+            rows.append(_validate_row(row, str(path), i))
+    return rows
+
+
+def _maybe_json(text: str) -> Any:
+    # Only containers and quoted strings are decoded: "42" stays the string "42", as in a JSONL row
+    # that wrote the answer as text, instead of silently becoming an int.
+    if text.lstrip()[:1] in ("[", "{", '"'):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text
+    return text
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for corrupt files
+        raise DataError(f"{path}: cannot read as Parquet: {e}") from e
+    return [_validate_row(row, str(path), i) for i, row in enumerate(table.to_pylist())]
+
+
+def _read_arrow(path: Path) -> list[dict]:
+    import pyarrow as pa
+
+    # Arrow has two IPC layouts: the random-access "file" format (with footer) and the "stream"
+    # format that `datasets` writes; accept both.
+    try:
+        with pa.memory_map(str(path)) as source:
+            table = pa.ipc.open_file(source).read_all()
+    except Exception:
+        try:
+            with pa.memory_map(str(path)) as source:
+                table = pa.ipc.open_stream(source).read_all()
+        except Exception as e:
+            raise DataError(f"{path}: cannot read as an Arrow IPC file or stream: {e}") from e
+    return [_validate_row(row, str(path), i) for i, row in enumerate(table.to_pylist())]
+
+
+# --------------------------------------------------------------------------------- HF `datasets`
+
+
+def _saved_splits(path: Path) -> list[str]:
+    try:
+        return list(json.loads((path / "dataset_dict.json").read_text())["splits"])
+    except Exception:
+        return []
+
+
+def _read_saved_dataset(path: Path, split: str | None) -> list[dict]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:
+        raise DataError(f"{path}: cannot load with datasets.load_from_disk: {e}") from e
+    if isinstance(ds, datasets.DatasetDict):
+        if split is None:
+            raise DataError(f"{path}: a saved DatasetDict; choose a split as 'SPLIT@{path}'")
+        if split not in ds:
+            raise DataError(f"{split}@{path}: no split {split!r} (splits: {', '.join(ds)})")
+        ds = ds[split]
+    elif split is not None:
+        raise DataError(f"{split}@{path}: a saved single Dataset has no splits; pass the directory itself")
+    return ds.to_list()
+
+
+def _load_split(split: str, repo: str, source: str) -> list[dict]:
+    repo_path = Path(repo)
+    if _is_saved_dataset_dict(repo_path) or _is_saved_dataset(repo_path):
+        rows = _read_saved_dataset(repo_path, split)
+    else:
+        import datasets
+
+        try:
+            ds = datasets.load_dataset(repo, split=split)
+        except Exception as e:  # network, missing cache, bad split: all mean "cannot load this source"
+            raise DataError(f"{source}: datasets.load_dataset({repo!r}, split={split!r}) failed: {e}") from e
+        rows = ds.to_list()
+    return _validate_all(rows, source)
+
+
+# ---------------------------------------------------------------------------------------- validation
+
+
+def _validate_all(rows: Any, label: str) -> list[dict]:
+    if not isinstance(rows, list):
+        raise DataError(f"{label}: expected a list of rows, got {type(rows).__name__}")
+    if not rows:
+        raise DataError(f"{label}: no rows")
+    return [_validate_row(row, label, i) for i, row in enumerate(rows)]
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _validate_row(row: Any, label: str, index: int) -> dict:
+    """Check one row against the contract; return it with ``messages`` normalised."""
+    where = f"{label}: row {index}"
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected an object with 'messages' and 'answer', got {_type_name(row)}")
+    row = dict(row)
+    if "messages" not in row or row["messages"] is None:
+        prompt = row.get("prompt")
+        if isinstance(prompt, str):
+            row["messages"] = [{"role": "user", "content": prompt}]
+        elif isinstance(prompt, list):
+            row["messages"] = prompt
+        else:
+            raise DataError(f"{where}: field 'messages': missing (give 'messages' or a 'prompt' string)")
+    row["messages"] = _validate_messages(row["messages"], where)
+    if "answer" not in row:
+        raise DataError(f"{where}: field 'answer': missing (use \"answer\": null when there is none)")
+    return row
+
+
+def _validate_messages(messages: Any, where: str) -> list[dict]:
+    expected = "expected a non-empty list of {role, content} messages"
+    if not isinstance(messages, list) or not messages:
+        got = "an empty list" if isinstance(messages, list) else _type_name(messages)
+        raise DataError(f"{where}: field 'messages': {expected}, got {got}")
+    out = []
+    for j, msg in enumerate(messages):
+        field = f"messages[{j}]"
+        if not isinstance(msg, dict):
+            raise DataError(f"{where}: field '{field}': {expected}, got {_type_name(msg)}")
+        if msg.get("role") not in ROLES:
+            raise DataError(f"{where}: field '{field}.role': expected one of {', '.join(ROLES)}, got {msg.get('role')!r}")
+        if not isinstance(msg.get("content"), str):
+            raise DataError(f"{where}: field '{field}.content': expected str, got {_type_name(msg.get('content'))}")
+        # Columnar formats (Parquet, Arrow, datasets) unify message structs, so a message without
+        # `tool_calls` comes back with `tool_calls: None`; drop such nulls so chat templates see the
+        # same messages as from JSON.
+        out.append({k: v for k, v in msg.items() if v is not None or k in ("role", "content")})
+    return out

@@ -1,0 +1,102 @@
+"""Chat-template tokenization with action masks, token in / token out.
+
+`tokenize_messages` turns a whole conversation into ids + action_mask (1 on assistant
+tokens up to and including the end-of-turn token). During rollout the model's own tokens are
+kept as sampled; `continuation_ids` only produces the template/tool tokens that follow them.
+Both check that the template tokenizes *increasingly*: appending messages never changes the
+tokens of earlier ones. Templates that break this (e.g. ones that strip reasoning from earlier
+turns) would make the trained tokens differ from the sampled ones, so they fail loudly.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+HINT = ("Use a chat template that renders earlier messages identically whatever follows them "
+        "(set actor.chat_template to such a Jinja template, e.g. plain ChatML), or keep "
+        "rollout.max_turns=1.")
+
+
+class TokenizationError(ValueError):
+    pass
+
+
+def render(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+           add_generation_prompt: bool = False) -> str:
+    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+    if tools:
+        kwargs["tools"] = tools
+    if not messages:
+        # Templates differ on empty conversations; the generation prompt alone is what we need.
+        text = tokenizer.apply_chat_template([{"role": "user", "content": ""}], **kwargs)
+        return text[len(tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False,
+                                                      **({"tools": tools} if tools else {}))):]
+    return tokenizer.apply_chat_template(messages, **kwargs)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    # The template already holds every special token; never let the tokenizer add BOS/EOS.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of the conversation followed by the assistant generation prompt."""
+    return encode(tokenizer, render(tokenizer, messages, tools, add_generation_prompt=True))
+
+
+def _check_prefix(prefix: list[int], full: list[int], what: str) -> None:
+    if full[: len(prefix)] != prefix:
+        at = next((i for i, (a, b) in enumerate(zip(prefix, full)) if a != b), len(full))
+        raise TokenizationError(
+            f"the chat template does not tokenize increasingly: {what} changed the tokens of the "
+            f"earlier conversation at position {at}. {HINT}")
+
+
+def tokenize_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                      ) -> tuple[list[int], list[int]]:
+    """ids and action_mask of a full conversation; assistant content and its end-of-turn token
+    are actions, template/system/user/tool tokens are not."""
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            head = encode(tokenizer, render(tokenizer, messages[:i], tools, add_generation_prompt=True))
+            _check_prefix(ids, head, f"the generation prompt before message {i}")
+            mask += [0] * (len(head) - len(ids))
+            ids = head
+        full = encode(tokenizer, render(tokenizer, messages[: i + 1], tools))
+        _check_prefix(ids, full, f"message {i} ({message['role']})")
+        new = full[len(ids):]
+        if message["role"] == "assistant":
+            # Actions run through the end-of-turn token; what the template adds after it is not sampled.
+            end = new.index(eos) + 1 if eos in new else len(new)
+            mask += [1] * end + [0] * (len(new) - end)
+        else:
+            mask += [0] * len(new)
+        ids = full
+    return ids, mask
+
+
+def continuation_ids(tokenizer, messages: list[dict], new_messages: list[dict],
+                     tools: list[dict] | None = None, ended_with_eos: bool = True) -> list[int]:
+    """Tokens to append after the model's sampled turn (the last message of `messages`) so that the
+    sequence continues with `new_messages` and a fresh generation prompt."""
+    before_text = render(tokenizer, messages, tools)
+    after_text = render(tokenizer, messages + new_messages, tools, add_generation_prompt=True)
+    if not after_text.startswith(before_text):
+        raise TokenizationError(
+            "the chat template does not render increasingly: appending "
+            f"{[m['role'] for m in new_messages]} messages changed the text of the earlier turns. {HINT}")
+    before, after = encode(tokenizer, before_text), encode(tokenizer, after_text)
+    _check_prefix(before, after, f"appending {[m['role'] for m in new_messages]} messages")
+    # What the template writes after the assistant content (e.g. "<|im_end|>\n"), minus the
+    # end-of-turn token the model already sampled.
+    content = messages[-1]["content"]
+    head_text = render(tokenizer, messages[:-1], tools, add_generation_prompt=True)
+    if before_text.startswith(head_text + content):
+        tail = before_text[len(head_text) + len(content):]
+    else:  # templates that rewrite the assistant turn (e.g. strip whitespace)
+        tail = before_text[before_text.rfind(content) + len(content):]
+    if ended_with_eos and tail.startswith(tokenizer.eos_token):
+        tail = tail[len(tokenizer.eos_token):]
+    return encode(tokenizer, tail) + after[len(before):]

@@ -1,0 +1,440 @@
+"""The `hf` rollout engine: transformers with a KV cache, many sequences per forward.
+
+How it works:
+- Every `generate` call (one coroutine per sample) puts its request into a per-event-loop queue.
+  A background task takes everything queued (up to `max_batch_size`) as one batch; requests that
+  arrive while that batch runs wait for the next one.
+- The batch runs in a single-worker thread so the event loop (env calls, reward functions) keeps
+  running while the model computes.
+- Prefill is batched with left padding, an attention mask and explicit position ids, so a prompt
+  gives the same tokens and log-probs whatever else shares its batch. Decoding uses a
+  `DynamicCache`; rows that finish are removed from the cache and the batch at once, so they stop
+  costing compute (plain `model.generate`, which TRL uses, keeps decoding finished rows).
+- Log-probs are `log_softmax(logits / T)` of the sampled token under the full distribution, the
+  same quantity the trainer recomputes from a full forward pass (no top-p/top-k renormalisation;
+  greedy rows use T = 1). They are computed in float32.
+- Sampling draws one uniform number per row and step and inverts the (filtered) CDF. A request
+  with `seed` draws from its own generator, so its sample depends only on (seed, model, prompt,
+  sampling params) and not on the batch around it.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from train.engines.base import Generation, SamplingParams
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    future: asyncio.Future
+
+
+@dataclass
+class _LoopState:
+    """Queue and batching task of one event loop (tests and scripts may run several loops in turn)."""
+
+    loop: asyncio.AbstractEventLoop
+    pending: list[_Request] = field(default_factory=list)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+
+
+class HFEngine:
+    """Rollout engine over a transformers causal LM; see the module docstring.
+
+    `stats` holds running counters: `generated_tokens`, `generation_seconds` (wall time spent in
+    batched generation, for tokens/s), `requests`, `batches`, `forward_passes`, `forward_rows`
+    (sum of batch rows over all forward passes: how much work decoding really did),
+    `max_batch_rows`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any = None,
+        *,
+        eos_token_ids: Iterable[int],
+        max_batch_size: int = 256,
+        device: str | torch.device | None = None,
+        seed: int = 0,
+        copy_model: bool = True,
+    ) -> None:
+        """`model` is copied (unless `copy_model=False`) so training the caller's model never
+        changes the engine's weights behind its back; only `update_weights` does. `tokenizer` is
+        only used to decode responses for stop strings and may be None when none are used."""
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = copy.deepcopy(model) if copy_model else model
+        if device is not None:
+            self.model.to(device)
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.device = next(self.model.parameters()).device
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.max_batch_size = int(max_batch_size)
+        config = getattr(self.model, "config", None)
+        self.vocab_size: int | None = getattr(config, "vocab_size", None)
+        self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
+        # Computing logits only for the last position saves a (batch, prompt_len, vocab) tensor.
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._generator = torch.Generator().manual_seed(seed)  # for requests without a seed
+        # One worker: batches run one at a time, and the lock keeps update_weights/sleep/wake
+        # from touching the weights while a batch is generating.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
+        self._lock = threading.Lock()
+        self._state: _LoopState | None = None
+        self._asleep = False
+        self._offloaded = False
+        self.stats: dict[str, float] = {
+            "generated_tokens": 0,
+            "generation_seconds": 0.0,
+            "requests": 0,
+            "batches": 0,
+            "forward_passes": 0,
+            "forward_rows": 0,
+            "max_batch_rows": 0,
+        }
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        tokenizer: Any = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        **kw: Any,
+    ) -> "HFEngine":
+        """Load a local checkpoint directory. `kw` goes to the constructor; `eos_token_ids`
+        defaults to the generation config's EOS ids, else the tokenizer's."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        if "eos_token_ids" not in kw:
+            kw["eos_token_ids"] = default_eos_token_ids(model, tokenizer)
+        kw.setdefault("copy_model", False)  # freshly loaded: nobody else holds it
+        return cls(model, tokenizer, device=device, **kw)
+
+    # ------------------------------------------------------------------ public API
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        """Generate one response; concurrent calls are batched together."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        self._check_request(prompt_ids, sampling)
+        state = self._loop_state()
+        future = state.loop.create_future()
+        state.pending.append(_Request(prompt_ids, sampling, future))
+        state.wakeup.set()
+        return await future
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+    ) -> None:
+        """Copy full tensors into the engine's parameters/buffers by state_dict name.
+
+        Waits for a running batch to finish first. Tied weights share storage, so pushing either
+        name updates both. DTensors are gathered with `full_tensor()`."""
+        if isinstance(named_tensors, Mapping):
+            named_tensors = named_tensors.items()
+        with self._lock:
+            targets = self._named_targets()
+            with torch.no_grad():
+                for name, tensor in named_tensors:
+                    target = targets.get(name)
+                    if target is None:
+                        known = ", ".join(list(targets)[:5])
+                        raise KeyError(
+                            f"update_weights: the engine's model has no parameter or buffer named "
+                            f"{name!r} (names are the model's state_dict keys, e.g. {known}, ...)"
+                        )
+                    if hasattr(tensor, "full_tensor"):
+                        tensor = tensor.full_tensor()
+                    if tuple(tensor.shape) != tuple(target.shape):
+                        raise ValueError(
+                            f"update_weights: shape mismatch for {name!r}: got {tuple(tensor.shape)}, "
+                            f"the engine's model has {tuple(target.shape)}"
+                        )
+                    target.copy_(tensor.detach())
+
+    def sleep(self) -> None:
+        """Free accelerator memory for training. On CPU this is a no-op: the model stays resident
+        (there is nothing to free for). On an accelerator the weights move to host memory and come
+        back with `wake()`, so no weight push is needed after waking."""
+        with self._lock:
+            if self._asleep:
+                return
+            self._asleep = True
+            if self.device.type != "cpu":
+                self.model.to("cpu")
+                self._offloaded = True
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Undo `sleep()`. Generating while asleep wakes the engine implicitly."""
+        with self._lock:
+            self._wake_locked()
+
+    def close(self) -> None:
+        """Stop the worker thread; the engine cannot generate afterwards."""
+        self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ batching
+
+    def _loop_state(self) -> _LoopState:
+        loop = asyncio.get_running_loop()
+        state = self._state
+        if state is None or state.loop is not loop or state.task is None or state.task.done():
+            # A new loop (or the old task died): earlier futures belong to a dead loop, start anew.
+            state = _LoopState(loop=loop)
+            state.task = loop.create_task(self._batch_loop(state), name="hf-engine-batcher")
+            self._state = state
+        return state
+
+    async def _batch_loop(self, state: _LoopState) -> None:
+        while True:
+            await state.wakeup.wait()
+            state.wakeup.clear()
+            # Coroutines started in the same tick (asyncio.gather) have not all enqueued yet.
+            await asyncio.sleep(0)
+            while state.pending:
+                live = [r for r in state.pending if not r.future.done()]
+                batch, state.pending = live[: self.max_batch_size], live[self.max_batch_size :]
+                if not batch:
+                    continue
+                try:
+                    results = await state.loop.run_in_executor(
+                        self._executor,
+                        self._generate_batch,
+                        [(r.prompt_ids, r.sampling) for r in batch],
+                    )
+                except asyncio.CancelledError:
+                    for r in batch:
+                        if not r.future.done():
+                            r.future.cancel()
+                    raise
+                except Exception as exc:  # the batch failed: every caller in it sees the error
+                    for r in batch:
+                        if not r.future.done():
+                            r.future.set_exception(exc)
+                    continue
+                for r, result in zip(batch, results):
+                    if not r.future.done():
+                        r.future.set_result(result)
+
+    def _check_request(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("generate: prompt_ids is empty")
+        if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in prompt_ids):
+            raise ValueError(f"generate: prompt token ids must lie in [0, {self.vocab_size})")
+        if sampling.temperature < 0:
+            raise ValueError(f"generate: temperature must be >= 0, got {sampling.temperature}")
+        if not 0 < sampling.top_p <= 1:
+            raise ValueError(f"generate: top_p must be in (0, 1], got {sampling.top_p}")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("generate: stop strings need a tokenizer; build HFEngine with one")
+
+    # ------------------------------------------------------------------ generation (worker thread)
+
+    def _generate_batch(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
+        with self._lock, torch.inference_mode():
+            self._wake_locked()
+            start = time.perf_counter()
+            results = self._decode(requests)
+            self.stats["generation_seconds"] += time.perf_counter() - start
+            self.stats["generated_tokens"] += sum(len(g.token_ids) for g in results)
+            self.stats["requests"] += len(requests)
+            self.stats["batches"] += 1
+            self.stats["max_batch_rows"] = max(self.stats["max_batch_rows"], len(requests))
+            return results
+
+    def _forward(self, **inputs: Any) -> torch.Tensor:
+        if self._logits_to_keep:
+            inputs["logits_to_keep"] = 1
+        logits = self.model(**inputs, use_cache=True).logits[:, -1, :]
+        self.stats["forward_passes"] += 1
+        self.stats["forward_rows"] += logits.shape[0]
+        return logits
+
+    def _decode(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
+        results: list[Generation | None] = [None] * len(requests)
+        budgets = []
+        for prompt, sp in requests:
+            budget = sp.max_new_tokens
+            if self.max_positions is not None:
+                # prompt + response must fit the positions the trainer will run the model on.
+                budget = min(budget, self.max_positions - len(prompt))
+            budgets.append(budget)
+        rows = [i for i, b in enumerate(budgets) if b > 0]
+        for i, b in enumerate(budgets):
+            if b <= 0:
+                results[i] = Generation([], [], "length", {"prompt_tokens": len(requests[i][0])})
+        if not rows:
+            return results  # type: ignore[return-value]
+
+        dev = self.device
+        prompts = [requests[i][0] for i in rows]
+        params = [requests[i][1] for i in rows]
+        n, width = len(rows), max(len(p) for p in prompts)
+        input_ids = torch.zeros(n, width, dtype=torch.long)
+        attention = torch.zeros(n, width, dtype=torch.long)
+        for j, p in enumerate(prompts):  # left padding: every row's last token is in the last column
+            input_ids[j, width - len(p) :] = torch.tensor(p)
+            attention[j, width - len(p) :] = 1
+        input_ids, attention = input_ids.to(dev), attention.to(dev)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        next_pos = torch.tensor([len(p) for p in prompts], device=dev)
+        temp = torch.tensor([sp.temperature for sp in params], device=dev, dtype=torch.float32)
+        top_p = torch.tensor([sp.top_p for sp in params], device=dev, dtype=torch.float32)
+        top_k = torch.tensor([sp.top_k for sp in params], device=dev, dtype=torch.long)
+        generators = [
+            torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None for sp in params
+        ]
+        tokens: list[list[int]] = [[] for _ in rows]
+        logprobs: list[list[float]] = [[] for _ in rows]
+        active = list(range(n))  # positions in `rows` still decoding, in batch order
+
+        cache = DynamicCache(config=getattr(self.model, "config", None))
+        logits = self._forward(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache
+        )
+        while True:
+            uniforms = self._uniforms([generators[j] for j in active]).to(dev)
+            tok, lp = sample_tokens(logits, temp, top_p, top_k, uniforms)
+            keep: list[int] = []
+            for b, (j, t, l) in enumerate(zip(active, tok.tolist(), lp.tolist())):
+                tokens[j].append(t)
+                logprobs[j].append(l)
+                reason = self._finish_reason(tokens[j], params[j], budgets[rows[j]])
+                if reason is None:
+                    keep.append(b)
+                else:
+                    extra = {"prompt_tokens": len(prompts[j]), "batch_size": n}
+                    results[rows[j]] = Generation(tokens[j], logprobs[j], reason, extra)
+            if not keep:
+                break
+            if len(keep) < len(active):
+                # Drop finished rows so they cost nothing from here on.
+                idx = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(idx)
+                attention, next_pos, tok = attention[idx], next_pos[idx], tok[idx]
+                temp, top_p, top_k = temp[idx], top_p[idx], top_k[idx]
+                active = [active[b] for b in keep]
+            attention = torch.cat([attention, attention.new_ones(len(active), 1)], dim=1)
+            logits = self._forward(
+                input_ids=tok[:, None],
+                attention_mask=attention,
+                position_ids=next_pos[:, None],
+                past_key_values=cache,
+            )
+            next_pos = next_pos + 1
+        return results  # type: ignore[return-value]
+
+    def _uniforms(self, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One uniform in (0, 1] per row; seeded rows use their own generator."""
+        u = torch.rand(len(generators), generator=self._generator, dtype=torch.float64)
+        for b, g in enumerate(generators):
+            if g is not None:
+                u[b] = torch.rand(1, generator=g, dtype=torch.float64)[0]
+        return 1.0 - u  # (0, 1]: a zero-probability token can never be picked
+
+    def _finish_reason(self, tokens: list[int], sp: SamplingParams, budget: int) -> str | None:
+        if tokens[-1] in self.eos_token_ids:
+            return "stop"
+        if sp.stop and self._hits_stop_string(tokens, sp.stop):
+            return "stop"
+        if len(tokens) >= budget:
+            return "length"
+        return None
+
+    def _hits_stop_string(self, tokens: list[int], stops: tuple[str, ...]) -> bool:
+        # The check runs after every token, so a stop string can only be completed by the newest
+        # one: decoding a tail long enough to hold the longest stop string (a character is at most
+        # 4 byte-level tokens) is enough and keeps the check O(1) per token.
+        window = 4 * max(len(s) for s in stops) + 4
+        text = self.tokenizer.decode(tokens[-window:], skip_special_tokens=False)
+        return any(s and s in text for s in stops)
+
+    def _named_targets(self) -> dict[str, torch.Tensor]:
+        targets: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+        for name, buf in self.model.named_buffers():  # non-persistent buffers too
+            targets.setdefault(name, buf)
+        return targets
+
+    def _wake_locked(self) -> None:
+        if self._offloaded:
+            self.model.to(self.device)
+            self._offloaded = False
+        self._asleep = False
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return (tokens, log-probs of those tokens).
+
+    Per-row `temperature` (0 = greedy), `top_p` (1 = off), `top_k` (<= 0 = off), `uniforms` in
+    (0, 1]. The log-prob is taken from the full distribution at the row's temperature (T = 1 for
+    greedy rows), which is what a trainer recomputes from `log_softmax(logits / T)`.
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logp = torch.log_softmax(logits / scale[:, None], dim=-1)
+    chosen = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        probs = logp.exp()
+        vocab = probs.shape[-1]
+        filtered = (top_p < 1) | ((top_k > 0) & (top_k < vocab))
+        if bool(filtered.any()):
+            probs, order = probs.sort(dim=-1, descending=True)
+            rank = torch.arange(vocab, device=probs.device)
+            mass_before = probs.cumsum(-1) - probs
+            keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
+            keep &= (top_k[:, None] <= 0) | (rank < top_k[:, None])
+            keep[:, 0] = True  # the most likely token always survives
+            probs = probs * keep
+        else:
+            order = None
+        cdf = probs.cumsum(-1)
+        target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
+        pos = torch.searchsorted(cdf, target).clamp(max=vocab - 1)
+        sampled = (order.gather(1, pos) if order is not None else pos).squeeze(1)
+        chosen = torch.where(greedy, chosen, sampled)
+    return chosen, logp.gather(1, chosen[:, None]).squeeze(1)
+
+
+def default_eos_token_ids(model: torch.nn.Module, tokenizer: Any = None) -> list[int]:
+    """EOS ids from the model's generation config (may list several, e.g. <|im_end|> and
+    <|endoftext|>), else from the tokenizer."""
+    ids: list[int] = []
+    gen_config = getattr(model, "generation_config", None)
+    eos = getattr(gen_config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids = [eos]
+    elif eos is not None:
+        ids = [int(t) for t in eos]
+    return ids

@@ -1,0 +1,123 @@
+"""Resumable checkpoints and the Hugging Face export, both written atomically.
+
+`step{N}/` holds the full (unsharded) model and optimizer state (Adam moments included), the
+scheduler, the trainer state, and one file per rank with its RNG and dataloader state. It is
+written as `step{N}.tmp/` and renamed only when complete, so a crash never leaves a half
+checkpoint that `load_ckpt_from=latest` would pick up.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from train.utils.distributed import DistContext, barrier
+
+STEP_DIR = re.compile(r"^step(\d+)$")
+COMPLETE = "COMPLETE"
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def find_latest(save_dir: str) -> str | None:
+    """The complete step{N} folder with the highest N, or None."""
+    if not os.path.isdir(save_dir):
+        return None
+    steps = [(int(m.group(1)), name) for name in os.listdir(save_dir) if (m := STEP_DIR.match(name))
+             and os.path.exists(os.path.join(save_dir, name, COMPLETE))]
+    return os.path.join(save_dir, max(steps)[1]) if steps else None
+
+
+def _replace_dir(tmp: str, final: str) -> None:
+    if os.path.exists(final):
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+
+
+def save_checkpoint(save_dir: str, step: int, model, optimizer, scheduler, trainer_state: dict,
+                    rank_state: dict, ctx: DistContext) -> str:
+    final = os.path.join(save_dir, f"step{step}")
+    tmp = final + ".tmp"
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(model, options=options)  # collective: every rank calls it
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        torch.save(model_sd, os.path.join(tmp, "model.pt"))
+        torch.save(optim_sd, os.path.join(tmp, "optimizer.pt"))
+        torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(trainer_state, f)
+    barrier()
+    torch.save(rank_state, os.path.join(tmp, f"rank{ctx.rank}.pt"))
+    barrier()
+    if ctx.is_main:
+        open(os.path.join(tmp, COMPLETE), "w").close()
+        _replace_dir(tmp, final)
+    barrier()
+    return final
+
+
+def load_checkpoint(path: str, model, optimizer, scheduler, ctx: DistContext) -> tuple[dict, dict]:
+    """Restore model/optimizer/scheduler in place; return (trainer_state, this rank's state)."""
+    if not os.path.exists(os.path.join(path, COMPLETE)):
+        raise FileNotFoundError(f"trainer.load_ckpt_from: '{path}' is not a complete checkpoint")
+    rank_file = os.path.join(path, f"rank{ctx.rank}.pt")
+    if not os.path.exists(rank_file):
+        raise ValueError(f"trainer.load_ckpt_from: '{path}' was written by fewer ranks; resume with "
+                         "the same number of processes")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    model_sd = torch.load(os.path.join(path, "model.pt"), weights_only=False) if ctx.is_main else {}
+    set_model_state_dict(model, model_sd, options=options)
+    optim_sd = torch.load(os.path.join(path, "optimizer.pt"), weights_only=False) if ctx.is_main else {}
+    set_optimizer_state_dict(model, optimizer, optim_sd, options=options)
+    scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=False))
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        trainer_state = json.load(f)
+    return trainer_state, torch.load(rank_file, weights_only=False)
+
+
+def export_hf(model, tokenizer, out_dir: str, ctx: DistContext) -> None:
+    """A plain Hugging Face folder (model + tokenizer) that from_pretrained loads, atomically."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ctx.is_main:
+        with torch.device("meta"):  # a plain (unsharded) copy of the architecture, no memory yet
+            export = AutoModelForCausalLM.from_config(model.config)
+        export.load_state_dict(state, assign=True, strict=False)
+        if getattr(model.config, "tie_word_embeddings", False):
+            export.tie_weights()
+        if getattr(model, "generation_config", None) is not None:
+            export.generation_config = model.generation_config
+        tmp = out_dir + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        export.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _replace_dir(tmp, out_dir)
+    barrier()

@@ -1,0 +1,89 @@
+"""Process-group set-up and the few collectives the trainer needs.
+
+Everything is passed explicitly through a `DistContext`; nothing lives in module state.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    mesh: DeviceMesh  # 1-D data-parallel mesh ("dp"); TP/SP meshes slot in beside it
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_s: int = 1800) -> DistContext:
+    """Join the torchrun process group (gloo on CPU, nccl on GPU); a plain `python -m`
+    launch becomes a one-rank group so the same code path runs everywhere."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend, device_type = "nccl", "cuda"
+    else:
+        device, backend, device_type = torch.device("cpu"), "gloo", "cpu"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
+    return DistContext(rank, world, local_rank, local_world, device, mesh)
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum a list of floats over all ranks in one collective (float64 to keep counts exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_reduce_max(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def gather_to_main(obj, ctx: DistContext) -> list | None:
+    """Small objects (log samples, events) to rank 0; never used for training data."""
+    if ctx.world_size == 1:
+        return [obj]
+    out = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def cleanup() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,82 @@
+"""What a run leaves: metrics.jsonl, trajectories.jsonl, wandb (optional), a progress bar.
+Only rank 0 writes; other ranks get a logger whose methods do nothing."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else (1e308 if value > 0 else -1e308)
+    return value
+
+
+class RunLogger:
+    def __init__(self, cfg: DictConfig, is_main: bool, total_steps: int, start_step: int = 0):
+        self.is_main = is_main
+        self.save_dir = cfg.trainer.save_dir
+        self.metrics_file = self.trajectories_file = None
+        self.wandb = None
+        self.bar = None
+        if not is_main:
+            return
+        os.makedirs(self.save_dir, exist_ok=True)
+        with open(os.path.join(self.save_dir, "config.yaml"), "w") as f:
+            f.write(OmegaConf.to_yaml(cfg, resolve=True))
+        self.metrics_file = open(os.path.join(self.save_dir, "metrics.jsonl"), "a", buffering=1)
+        self.trajectories_file = open(os.path.join(self.save_dir, "trajectories.jsonl"), "a", buffering=1)
+        if cfg.trainer.use_wandb:
+            import wandb  # imported only when asked for
+
+            self.wandb = wandb.init(project=cfg.trainer.project, name=cfg.trainer.experiment_name,
+                                    config=OmegaConf.to_container(cfg, resolve=True), dir=self.save_dir)
+        if cfg.trainer.progress_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.is_main:
+            return
+        row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        self.metrics_file.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def event(self, kind: str, step: int, payload: dict) -> None:
+        if not self.is_main:
+            return
+        row = {"type": kind, "step": step, "time": time.time(), **payload}
+        self.trajectories_file.write(json.dumps(row, default=str) + "\n")
+
+    def progress(self, step: int, metrics: dict[str, float]) -> None:
+        if self.bar is None:
+            return
+        shown = {"reward": metrics.get("rewards/train")}
+        if "rewards/test" in metrics:
+            shown["test"] = metrics["rewards/test"]
+        self.bar.set_postfix({k: f"{v:.3f}" for k, v in shown.items() if v is not None}, refresh=False)
+        self.bar.update(1)
+
+    def write(self, line: str) -> None:
+        if not self.is_main:
+            return
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        for handle in (self.metrics_file, self.trajectories_file):
+            if handle is not None:
+                handle.close()
+        if self.bar is not None:
+            self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()

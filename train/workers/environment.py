@@ -1,0 +1,128 @@
+"""Environment modules: `interact(messages) -> list[dict]` and `reward_fn(messages, answer) -> float`,
+loaded from a file path. Env code is isolated from the run: sync functions run in daemon threads
+(the event loop keeps generating), every call has a timeout, and a failure becomes an
+`EnvCallError` that the rollout turns into `rollout.env_error_reward` for that sample only."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib.util
+import inspect
+import os
+import sys
+import threading
+from types import ModuleType
+from typing import Any
+
+
+class EnvLoadError(ValueError):
+    pass
+
+
+class EnvCallError(RuntimeError):
+    """An env call raised or timed out; `kind` is 'exception' or 'timeout'."""
+
+    def __init__(self, fn: str, kind: str, detail: str):
+        super().__init__(f"{fn}: {kind}: {detail}")
+        self.fn, self.kind, self.detail = fn, kind, detail
+
+
+def load_env_module(path: str) -> ModuleType:
+    """Import an env file by path (once per process: the caller keeps the module)."""
+    if not os.path.isfile(path):
+        raise EnvLoadError(f"rollout.env_path: no such file '{path}'")
+    name = "infinite_rl_env_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    # Env files may import siblings (e.g. a service client next to them).
+    env_dir = os.path.dirname(os.path.abspath(path))
+    if env_dir not in sys.path:
+        sys.path.insert(0, env_dir)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - report any import-time failure with the file name
+        raise EnvLoadError(f"rollout.env_path: importing '{path}' failed: {type(e).__name__}: {e}") from e
+    return module
+
+
+class Environment:
+    def __init__(self, path: str, *, timeout_s: float, max_workers: int, max_turns: int):
+        self.path = path
+        self.module = load_env_module(path)
+        self.reward_fn = getattr(self.module, "reward_fn", None)
+        self.interact_fn = getattr(self.module, "interact", None)
+        if not callable(self.reward_fn):
+            raise EnvLoadError(
+                f"rollout.env_path: '{path}' defines no reward_fn(messages, answer) -> float; "
+                "every env module needs one (it may be async)")
+        if max_turns > 1 and not callable(self.interact_fn):
+            raise EnvLoadError(
+                f"rollout.env_path: '{path}' defines no interact(messages) -> list[dict], which "
+                f"rollout.max_turns={max_turns} needs; define it (return [] to end the episode) "
+                "or set rollout.max_turns=1")
+        self.timeout_s = timeout_s
+        self.max_workers = max_workers
+        self._slots: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+
+    async def _call(self, name: str, fn, *args) -> Any:
+        args = copy.deepcopy(args)  # env code must not mutate the rollout's conversation
+        try:
+            if inspect.iscoroutinefunction(fn):
+                return await asyncio.wait_for(fn(*args), self.timeout_s)
+            loop = asyncio.get_running_loop()
+            slots = self._slots.setdefault(loop, asyncio.Semaphore(self.max_workers))
+            async with slots:
+                return await asyncio.wait_for(_in_daemon_thread(loop, fn, args), self.timeout_s)
+        except asyncio.TimeoutError:
+            # A hung sync function keeps its worker thread; the rollout moves on without it.
+            raise EnvCallError(name, "timeout", f"no answer within rollout.env_timeout_s={self.timeout_s}") from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any env failure scores only this sample
+            raise EnvCallError(name, "exception", f"{type(e).__name__}: {e}") from e
+
+    async def interact(self, messages: list[dict]) -> list[dict]:
+        out = await self._call("interact", self.interact_fn, messages)
+        if out is None:
+            return []
+        if not isinstance(out, list) or not all(isinstance(m, dict) and "role" in m for m in out):
+            raise EnvCallError("interact", "exception", f"expected a list of message dicts, got {out!r:.200}")
+        return out
+
+    async def reward(self, messages: list[dict], answer: Any) -> float:
+        value = await self._call("reward_fn", self.reward_fn, messages, answer)
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise EnvCallError("reward_fn", "exception", f"expected a float, got {value!r:.200}") from None
+        if value != value:  # NaN would poison the advantages of the whole group
+            raise EnvCallError("reward_fn", "exception", "returned NaN")
+        return value
+
+    def close(self) -> None:
+        self._slots.clear()
+
+
+def _in_daemon_thread(loop: asyncio.AbstractEventLoop, fn, args) -> asyncio.Future:
+    """Run a sync env function in a daemon thread. Unlike a ThreadPoolExecutor, whose workers are
+    joined at interpreter exit, a call that hangs forever cannot keep the trainer from exiting."""
+    future = loop.create_future()
+
+    def deliver(setter, value) -> None:
+        if not future.done():
+            setter(value)
+
+    def target() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            setter, value = future.set_exception, e
+        else:
+            setter, value = future.set_result, result
+        try:
+            loop.call_soon_threadsafe(deliver, setter, value)
+        except RuntimeError:  # the loop closed while this call hung: nobody is waiting
+            pass
+
+    threading.Thread(target=target, name="env-call", daemon=True).start()
+    return future

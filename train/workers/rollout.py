@@ -1,0 +1,118 @@
+"""Multi-turn rollout: one coroutine per sample, all in flight together.
+
+engine.generate (token ids in, token ids + log-probs out) -> env.interact may add tool messages ->
+their template tokens are appended (action_mask 0) -> again, up to max_turns -> env.reward scores
+the sample the moment it finishes, while other samples are still generating.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from train.datasets.tokenize import TokenizationError, continuation_ids, prompt_ids
+from train.engines.base import RolloutEngine, SamplingParams
+from train.workers.environment import EnvCallError, Environment
+
+
+@dataclass
+class Sample:
+    group: int  # index of the prompt within this rank's batch; samples of a group are contiguous
+    messages: list[dict]
+    answer: Any
+    ids: list[int]  # prompt + every turn, exactly as sampled / templated
+    action_mask: list[int]  # 1 on tokens the policy sampled (end-of-turn included)
+    sampler_logprobs: list[float]  # engine log-prob per token (0.0 where action_mask is 0)
+    reward: float = 0.0
+    finish_reason: str = "stop"
+    n_turns: int = 0
+    env_error: str | None = None
+    events: list[dict] = field(default_factory=list)
+
+    @property
+    def n_action_tokens(self) -> int:
+        return sum(self.action_mask)
+
+
+def sample_seed(base_seed: int, step: int, index: int) -> int:
+    """A request seed that depends only on (run seed, step, global sample index)."""
+    return (base_seed * 1_000_003 + step * 100_003 + index * 7919) % (2**31 - 1)
+
+
+class RolloutWorker:
+    def __init__(self, engine: RolloutEngine, env: Environment, tokenizer, *, max_turns: int,
+                 env_error_reward: float, max_total_length: int):
+        self.engine, self.env, self.tokenizer = engine, env, tokenizer
+        self.max_turns = max_turns
+        self.env_error_reward = env_error_reward
+        self.max_total_length = max_total_length
+        # One loop for the worker's life: the engine's batching task and env clients bind to it.
+        self.loop = asyncio.new_event_loop()
+
+    async def _run_one(self, row: dict, group: int, sampling: SamplingParams, seed: int) -> Sample:
+        tok = self.tokenizer
+        messages = [dict(m) for m in row["messages"]]
+        tools = row.get("tools")
+        ids = prompt_ids(tok, messages, tools)
+        sample = Sample(group, messages, row.get("answer"), ids, [0] * len(ids), [0.0] * len(ids))
+        try:
+            for turn in range(self.max_turns):
+                room = self.max_total_length - len(sample.ids)
+                if room <= 0:
+                    sample.finish_reason = "length"
+                    break
+                params = replace(sampling, seed=seed + turn, max_new_tokens=min(sampling.max_new_tokens, room))
+                gen = await self.engine.generate(sample.ids, params)
+                sample.ids += gen.token_ids
+                sample.action_mask += [1] * len(gen.token_ids)
+                sample.sampler_logprobs += list(gen.logprobs)
+                sample.finish_reason = gen.finish_reason
+                sample.n_turns = turn + 1
+                ended_with_eos = bool(gen.token_ids) and gen.token_ids[-1] == tok.eos_token_id
+                text_ids = gen.token_ids[:-1] if ended_with_eos else gen.token_ids
+                messages.append({"role": "assistant", "content": tok.decode(text_ids, skip_special_tokens=True)})
+                if gen.finish_reason != "stop" or turn == self.max_turns - 1:
+                    break
+                new = await self.env.interact(messages)
+                if not new:
+                    break
+                extra = continuation_ids(tok, messages, new, tools, ended_with_eos=ended_with_eos)
+                sample.events += [{"type": "tool", "turn": turn, "messages": new}]
+                messages += new
+                sample.ids += extra
+                sample.action_mask += [0] * len(extra)
+                sample.sampler_logprobs += [0.0] * len(extra)
+            sample.reward = await self.env.reward(messages, sample.answer)
+        except EnvCallError as e:
+            sample.reward = self.env_error_reward
+            sample.env_error = str(e)
+        except TokenizationError:
+            raise  # a template problem is a configuration error, not a bad sample
+        return sample
+
+    async def _run_all(self, rows: list[dict], n: int, sampling: SamplingParams, base_seed: int,
+                       ) -> list[Sample]:
+        jobs = [self._run_one(row, g, sampling, base_seed + (g * n + k) * 7919)
+                for g, row in enumerate(rows) for k in range(n)]
+        return list(await asyncio.gather(*jobs))
+
+    def rollout(self, rows: list[dict], responses_per_prompt: int, sampling: SamplingParams,
+                base_seed: int) -> tuple[list[Sample], float]:
+        """All samples of `rows` (each repeated `responses_per_prompt` times, contiguous) and the
+        wall time. Order is deterministic whatever order the samples finish in."""
+        start = time.perf_counter()
+        samples = self.loop.run_until_complete(self._run_all(rows, responses_per_prompt, sampling, base_seed))
+        return samples, time.perf_counter() - start
+
+    def close(self) -> None:
+        # Background tasks (the engine's batcher) end with the loop, not after it.
+        pending = asyncio.all_tasks(self.loop)
+        for task in pending:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.close()
+        self.env.close()
+        close_engine = getattr(self.engine, "close", None)
+        if close_engine is not None:
+            close_engine()
