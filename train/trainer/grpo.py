@@ -27,6 +27,7 @@ from train.engines import make_engine
 from train.engines.base import SamplingParams
 from train.trainer.config import ConfigError, validate
 from train.trainer.step import StepInputs, compute_advantages, filter_groups, rollout_metrics
+from train.utils import api_stats
 from train.utils import checkpoint as ckpt
 from train.utils.distributed import DistContext, all_reduce_sum, cleanup, gather_to_main, init_distributed
 from train.utils.logging import RunLogger
@@ -126,7 +127,7 @@ class Trainer:
         seed = sample_seed(cfg.trainer.seed, step, ctx.rank * len(rows) * n)
         samples, rollout_s = self.rollout.rollout(rows, n, self.train_sampling, seed)
         metrics = rollout_metrics(samples, len(rows), n, cfg, ctx)
-        self._log_samples(step, samples)
+        metrics.update(self._log_samples(step, samples))
 
         kept = filter_groups(samples, n, cfg.rollout.dynamic_filtering, cfg.rollout.mask_truncated)
         n_kept = all_reduce_sum([float(len(kept))], ctx.device)[0]
@@ -160,19 +161,28 @@ class Trainer:
         metrics.update(adv_metrics)
         return metrics
 
-    def _log_samples(self, step: int, samples: list[Sample]) -> None:
+    def _log_samples(self, step: int, samples: list[Sample]) -> dict[str, float]:
+        """Sampled conversations, env errors and external-call latencies to rank 0's logs;
+        returns the latency metrics (on rank 0)."""
         k = self.cfg.trainer.log_samples
         errors = [{"error": s.env_error, "messages": s.messages} for s in samples if s.env_error]
         shown = [{"messages": s.messages, "answer": s.answer, "reward": s.reward, "finish_reason": s.finish_reason,
                   "n_turns": s.n_turns, "events": s.events} for s in samples[:k]]
-        gathered = gather_to_main({"errors": errors, "samples": shown}, self.ctx)
+        calls = self.env.pop_api_calls()
+        gathered = gather_to_main({"errors": errors, "samples": shown, "calls": calls}, self.ctx)
         if gathered is None:
-            return
+            return {}
+        all_calls = []
         for rank, part in enumerate(gathered):
             for e in part["errors"]:
                 self.log.event("env_error", step, {"rank": rank, **e})
             for s in part["samples"]:
                 self.log.event("sample", step, {"rank": rank, **s})
+            all_calls += part["calls"]
+        stats = api_stats.summarize(all_calls)
+        if stats:
+            self.log.event("api_stats", step, {"stats": stats})
+        return stats
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self, step: int) -> float:

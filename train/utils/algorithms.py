@@ -58,7 +58,7 @@ def group_baseline_advantages(rewards: Tensor, group_size: int, norm_var: bool, 
     """A_i = r_i - mean_g(r), and if norm_var: A_i / (std_g(r) + eps) (population std); group_size 1 -> 0."""
     r = _groups(rewards, group_size)
     adv = r - r.mean(dim=1, keepdim=True)  # exactly 0 when group_size == 1
-    if norm_var:
+    if norm_var and r.numel() > 0:  # a rank whose groups were all filtered has none
         adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
     return adv.reshape(-1)
 

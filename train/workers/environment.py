@@ -99,6 +99,12 @@ class Environment:
             raise EnvCallError("reward_fn", "exception", "returned NaN")
         return value
 
+    def pop_api_calls(self) -> list[dict]:
+        """Records of external calls made since the last pop, if the module keeps them
+        (see train.utils.api_stats); env modules that call nothing return []."""
+        pop = getattr(self.module, "pop_api_calls", None)
+        return list(pop()) if callable(pop) else []
+
     def close(self) -> None:
         self._slots.clear()
 
