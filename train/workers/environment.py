@@ -9,6 +9,7 @@ import copy
 import importlib.util
 import inspect
 import os
+import queue
 import sys
 import threading
 from types import ModuleType
@@ -62,19 +63,23 @@ class Environment:
                 "or set rollout.max_turns=1")
         self.timeout_s = timeout_s
         self.max_workers = max_workers
-        self._slots: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+        self._pool = DaemonThreadPool(max_workers)
+        self._extra_workers = 0
 
     async def _call(self, name: str, fn, *args) -> Any:
         args = copy.deepcopy(args)  # env code must not mutate the rollout's conversation
         try:
             if inspect.iscoroutinefunction(fn):
                 return await asyncio.wait_for(fn(*args), self.timeout_s)
-            loop = asyncio.get_running_loop()
-            slots = self._slots.setdefault(loop, asyncio.Semaphore(self.max_workers))
-            async with slots:
-                return await asyncio.wait_for(_in_daemon_thread(loop, fn, args), self.timeout_s)
+            future = self._pool.submit(asyncio.get_running_loop(), fn, args)
+            try:
+                return await asyncio.wait_for(future, self.timeout_s)
+            except asyncio.TimeoutError:
+                # The hung call keeps its (daemon) worker thread; give the pool a new one.
+                self._pool.add_worker()
+                self._extra_workers += 1
+                raise
         except asyncio.TimeoutError:
-            # A hung sync function keeps its worker thread; the rollout moves on without it.
             raise EnvCallError(name, "timeout", f"no answer within rollout.env_timeout_s={self.timeout_s}") from None
         except asyncio.CancelledError:
             raise
@@ -106,29 +111,52 @@ class Environment:
         return list(pop()) if callable(pop) else []
 
     def close(self) -> None:
-        self._slots.clear()
+        self._pool.shutdown(self.max_workers + self._extra_workers)
 
 
-def _in_daemon_thread(loop: asyncio.AbstractEventLoop, fn, args) -> asyncio.Future:
-    """Run a sync env function in a daemon thread. Unlike a ThreadPoolExecutor, whose workers are
-    joined at interpreter exit, a call that hangs forever cannot keep the trainer from exiting."""
-    future = loop.create_future()
+class DaemonThreadPool:
+    """A fixed set of daemon worker threads for sync env functions. Unlike ThreadPoolExecutor,
+    whose workers are joined at interpreter exit, a call that hangs forever cannot keep the
+    trainer from exiting; `add_worker` replaces the capacity a hung call holds."""
 
-    def deliver(setter, value) -> None:
-        if not future.done():
-            setter(value)
+    def __init__(self, n_workers: int):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(n_workers):
+            self.add_worker()
 
-    def target() -> None:
-        try:
-            result = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            setter, value = future.set_exception, e
-        else:
-            setter, value = future.set_result, result
-        try:
-            loop.call_soon_threadsafe(deliver, setter, value)
-        except RuntimeError:  # the loop closed while this call hung: nobody is waiting
-            pass
+    def add_worker(self) -> None:
+        threading.Thread(target=self._work, name="env-call", daemon=True).start()
 
-    threading.Thread(target=target, name="env-call", daemon=True).start()
-    return future
+    def submit(self, loop: asyncio.AbstractEventLoop, fn, args) -> asyncio.Future:
+        future = loop.create_future()
+        self._queue.put((loop, future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            loop, future, fn, args = item
+            try:
+                outcome = (True, fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+                outcome = (False, e)
+            try:
+                loop.call_soon_threadsafe(_deliver, future, outcome)
+            except RuntimeError:  # the loop closed while this call ran: nobody is waiting
+                pass
+
+    def shutdown(self, n_workers: int) -> None:
+        for _ in range(n_workers):
+            self._queue.put(None)
+
+
+def _deliver(future: asyncio.Future, outcome: tuple[bool, object]) -> None:
+    if future.done():  # cancelled by a timeout
+        return
+    ok, value = outcome
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)

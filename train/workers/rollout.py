@@ -50,12 +50,12 @@ class RolloutWorker:
         # One loop for the worker's life: the engine's batching task and env clients bind to it.
         self.loop = asyncio.new_event_loop()
 
-    async def _run_one(self, row: dict, group: int, sampling: SamplingParams, seed: int) -> Sample:
+    async def _run_one(self, row: dict, ids: list[int], group: int, sampling: SamplingParams,
+                       seed: int) -> Sample:
         tok = self.tokenizer
         messages = [dict(m) for m in row["messages"]]
         tools = row.get("tools")
-        ids = prompt_ids(tok, messages, tools)
-        sample = Sample(group, messages, row.get("answer"), ids, [0] * len(ids), [0.0] * len(ids))
+        sample = Sample(group, messages, row.get("answer"), list(ids), [0] * len(ids), [0.0] * len(ids))
         try:
             for turn in range(self.max_turns):
                 room = self.max_total_length - len(sample.ids)
@@ -93,7 +93,9 @@ class RolloutWorker:
 
     async def _run_all(self, rows: list[dict], n: int, sampling: SamplingParams, base_seed: int,
                        ) -> list[Sample]:
-        jobs = [self._run_one(row, g, sampling, base_seed + (g * n + k) * 7919)
+        # The prompt is templated once per row, not once per sample.
+        prompts = [prompt_ids(self.tokenizer, row["messages"], row.get("tools")) for row in rows]
+        jobs = [self._run_one(row, prompts[g], g, sampling, base_seed + (g * n + k) * 7919)
                 for g, row in enumerate(rows) for k in range(n)]
         return list(await asyncio.gather(*jobs))
 
