@@ -18,6 +18,7 @@ from train.engines.base import SamplingParams  # noqa: E402
 from train.engines.hf import HFEngine  # noqa: E402
 from train.utils.distributed import cleanup, init_distributed  # noqa: E402
 from train.workers.actor import Actor, TrainBatch  # noqa: E402
+from train.workers.critic import Critic, CriticBatch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "stub", "model")
@@ -77,6 +78,68 @@ def grads(args, ctx) -> None:
         torch.save({"grads": grads, "norm": norm, "weights": weights}, args.out)
 
 
+def critic_cfg(**overrides):
+    cfg = OmegaConf.load(os.path.join(ROOT, "config", "grpo.yaml")).critic
+    cfg.lr = 1e-3
+    for k, v in overrides.items():
+        OmegaConf.update(cfg, k, v)
+    return cfg
+
+
+def critic_grads(args, ctx) -> None:
+    """The critic follows the actor's rule: global token normaliser x world size (1 vs 2 ranks)."""
+    torch.manual_seed(0)
+    critic = Critic(critic_cfg(max_length_per_device=args.max_tokens, max_grad_norm=args.clip, clip=0.2),
+                    ctx, MODEL, pad_token_id=0, total_updates=1)
+    with torch.no_grad():  # a non-zero head, so the backbone gets gradients too
+        g = torch.Generator().manual_seed(7)
+        w = torch.randn(critic.model.value_head.weight.shape, generator=g) * 0.1
+        local = critic.model.value_head.weight.to_local()
+        local.copy_(w[ctx.rank * local.shape[0]:(ctx.rank + 1) * local.shape[0]] if local.numel() else local)
+    batch = fixed_batch()
+    g = torch.Generator().manual_seed(99)
+    returns = [torch.randn(len(s) - 1, generator=g) for s in batch.ids]
+    old = [torch.randn(len(s) - 1, generator=g) * 0.1 for s in batch.ids]
+    n = len(batch.ids)
+    if ctx.world_size == 1:
+        index = list(range(n))
+    elif args.split == "uneven":
+        index = list(range(0, 7)) if ctx.rank == 0 else list(range(7, n))
+    else:
+        index = list(range(n)) if ctx.rank == 0 else []
+    local_batch = CriticBatch([batch.ids[i] for i in index], [batch.action_mask[i] for i in index],
+                              [returns[i] for i in index], [old[i] for i in index])
+    sums: dict = {}
+    critic.accumulate_gradients(local_batch, list(range(len(index))), sums)
+    grads = {name: p.grad.full_tensor().clone() for name, p in critic.model.named_parameters()}
+    norm = critic._optimizer_step()
+    weights = {name: p.full_tensor().detach().clone() for name, p in critic.model.named_parameters()}
+    if ctx.is_main:
+        torch.save({"grads": grads, "norm": norm, "weights": weights}, args.out)
+
+
+def reference(args, ctx) -> None:
+    """The reference actor shares no storage with the policy and does not move when the policy trains."""
+    torch.manual_seed(0)
+    cfg = actor_cfg(**{"kl.coef": 0.5, "kl.type": "low_var_kl"})
+    actor = Actor(cfg, ctx, MODEL, pad_token_id=0, train=True, temperature=1.0, total_updates=4)
+    ref = Actor(cfg, ctx, MODEL, pad_token_id=0, train=False, temperature=1.0)
+    before = {k: v.clone() for k, v in ref.named_full_tensors()}
+    ptrs = lambda m: {t.to_local().untyped_storage().data_ptr() for t in m.state_dict().values()}  # noqa: E731
+    shared = ptrs(actor.model) & ptrs(ref.model)
+    batch = fixed_batch()
+    batch.ref_logp = ref.compute_logprobs(batch.ids, batch.action_mask)
+    kls = []
+    for _ in range(3):
+        kls.append(actor.update(batch, 32)["actor/kl"])
+    after = dict(ref.named_full_tensors())
+    moved = max(float((after[k] - v).abs().max()) for k, v in before.items())
+    policy_moved = max(float((dict(actor.named_full_tensors())[k] - v).abs().max()) for k, v in before.items())
+    if ctx.is_main:
+        torch.save({"shared": len(shared), "ref_moved": moved, "policy_moved": policy_moved, "kls": kls,
+                    "ref_requires_grad": any(p.requires_grad for p in ref.model.parameters())}, args.out)
+
+
 def match(args, ctx) -> None:
     """Sampler (hf engine) log-probs vs the trainer's recomputation, and the weight push."""
     torch.manual_seed(0)
@@ -109,7 +172,7 @@ def match(args, ctx) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["grads", "match"])
+    parser.add_argument("mode", choices=["grads", "match", "critic_grads", "reference"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--agg", default="all_token_mean")
     parser.add_argument("--split", default="uneven")
@@ -119,7 +182,7 @@ def main() -> None:
     torch.set_num_threads(1)
     ctx = init_distributed()
     try:
-        {"grads": grads, "match": match}[args.mode](args, ctx)
+        {"grads": grads, "match": match, "critic_grads": critic_grads, "reference": reference}[args.mode](args, ctx)
     finally:
         cleanup()
 

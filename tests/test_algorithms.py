@@ -597,3 +597,186 @@ def test_overlong_penalty(buf, pen):
     close(got64, ref_overlong(L, Lmax, buf, pen))
     with pytest.raises(ValueError):
         alg.overlong_penalty(torch.tensor(L), Lmax, Lmax + 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# token-level rewards and returns (REINFORCE++ / PPO)
+
+
+def ref_token_rewards(R, mask, kl, coef):
+    B, T = mask.shape
+    out = np.zeros((B, T))
+    for b in range(B):
+        pos = action_positions(mask[b])
+        for t in pos:
+            out[b, t] = -coef * kl[b, t] if kl is not None else 0.0
+        if pos:
+            out[b, pos[-1]] += R[b]
+    return out
+
+
+def ref_returns(r, mask, gamma):
+    B, T = r.shape
+    out = np.zeros((B, T))
+    for b in range(B):
+        pos = action_positions(mask[b])
+        for k, t in enumerate(pos):
+            out[b, t] = sum(gamma ** j * r[b, pos[k + j]] for j in range(len(pos) - k))
+    return out
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.05])
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_token_rewards_and_discounted_returns(coef, gamma):
+    rng = np.random.default_rng(20)
+    B, T = 6, 35
+    mask = ragged_mask(rng, B, T, empty_row=True)
+    R = rng.normal(size=B)
+    kl = rng.normal(size=(B, T))
+    kl[mask == 0] = np.nan  # off-mask KL must not leak
+    tr = alg.token_level_rewards(t64(R), tmask(mask), t64(kl), coef)
+    ref_r = ref_token_rewards(R, mask, np.nan_to_num(kl), coef)
+    close(tr, ref_r)
+    close(alg.discounted_returns(tr, tmask(mask), gamma), ref_returns(ref_r, mask, gamma))
+    # no KL: only the outcome on the last action token
+    close(alg.token_level_rewards(t64(R), tmask(mask)), ref_token_rewards(R, mask, None, 0.0))
+
+
+# ----------------------------------------------------------------------------------------------
+# critic
+
+
+def ref_value_loss(v, old, R, mask, clip):
+    out = np.zeros_like(v)
+    for b in range(v.shape[0]):
+        for t in action_positions(mask[b]):
+            a = (v[b, t] - R[b, t]) ** 2
+            if clip is None:
+                out[b, t] = 0.5 * a
+            else:
+                vc = old[b, t] + min(max(v[b, t] - old[b, t], -clip), clip)
+                out[b, t] = 0.5 * max(a, (vc - R[b, t]) ** 2)
+    return out
+
+
+@pytest.mark.parametrize("clip", [None, 0.2, 0.5])
+def test_value_loss_values_grads_and_clip_fraction(clip):
+    rng = np.random.default_rng(21)
+    B, T = 6, 30
+    mask = ragged_mask(rng, B, T, empty_row=True)
+    old = rng.normal(size=(B, T))
+    v = old + rng.normal(size=(B, T)) * 0.5
+    R = rng.normal(size=(B, T))
+    x = t64(v).requires_grad_(True)
+    tl, stats = alg.value_loss(x, t64(old), t64(R), tmask(mask), clip)
+    close(tl, ref_value_loss(v, old, R, mask, clip))
+    # the aggregated loss (global token mean) and its gradient
+    n = float(mask.sum())
+    loss = alg.aggregate_loss(tl, tmask(mask), "all_token_mean", n_tokens_global=n, n_seqs_global=B)
+    close(loss, ref_value_loss(v, old, R, mask, clip).sum() / n)
+    loss.backward()
+    close(x.grad, num_grad(lambda z: ref_value_loss(z, old, R, mask, clip).sum() / n, v))
+    sel = mask > 0
+    if clip is None:
+        close(stats["clip_fraction"], 0.0)
+    else:
+        vc = old + np.clip(v - old, -clip, clip)
+        cut = ((vc - R) ** 2 > (v - R) ** 2)[sel]
+        close(stats["clip_fraction"], cut.mean())
+        assert cut.any()
+    close(stats["values"], v[sel].mean())
+    close(stats["returns"], R[sel].mean())
+
+
+def test_explained_variance():
+    rng = np.random.default_rng(22)
+    mask = ragged_mask(rng, 5, 30)
+    R = rng.normal(size=(5, 30))
+    V = R + rng.normal(size=(5, 30)) * 0.5
+    V[mask == 0] = 1e6  # off-mask values must not leak
+    sel = mask > 0
+    ref = 1 - np.var(R[sel] - V[sel]) / np.var(R[sel])
+    close(alg.explained_variance(t64(V), t64(R), tmask(mask)), ref)
+    close(alg.explained_variance(t64(R), t64(R), tmask(mask)), 1.0)  # a perfect critic
+    const = np.full_like(R, R[sel].mean())
+    close(alg.explained_variance(t64(const), t64(R), tmask(mask)), 0.0)  # the mean is no better than nothing
+    assert math.isnan(alg.explained_variance(t64(V), t64(np.ones_like(R)), tmask(mask)))  # Var(R) = 0
+    # from all-reduced moments: two "ranks" summed give the whole batch's value
+    parts = [(R[:2], V[:2], mask[:2]), (R[2:], V[2:], mask[2:])]
+    sums = np.zeros(5)
+    for r, v, m in parts:
+        s = m > 0
+        e = r[s] - v[s]
+        sums += [s.sum(), r[s].sum(), (r[s] ** 2).sum(), e.sum(), (e ** 2).sum()]
+    close(alg.explained_variance_from_moments(*sums), ref)
+
+
+def test_merge_moments_equals_concatenated_data():
+    rng = np.random.default_rng(23)
+    chunks = [rng.normal(loc=rng.normal(), scale=rng.uniform(0.1, 3), size=int(rng.integers(1, 40)))
+              for _ in range(7)]
+    count, mean, var = 0.0, 0.0, 0.0
+    for c in chunks:
+        count, mean, var = alg.merge_moments(count, mean, var, len(c), float(np.mean(c)), float(np.var(c)))
+    allv = np.concatenate(chunks)
+    close(count, len(allv)), close(mean, np.mean(allv)), close(var, np.var(allv))
+    assert alg.merge_moments(0, 0, 0, 0, 0, 0) == (0.0, 0.0, 0.0)
+
+
+def ref_entropy_coef(k, total, c0, floor, kind):
+    if kind == "constant":
+        return c0
+    p = min(1.0, k / total)
+    v = c0 - (c0 - floor) * p if kind == "linear" else floor + (c0 - floor) * (1 + math.cos(math.pi * p)) / 2
+    return max(v, floor)
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+def test_entropy_coef_schedule(kind):
+    total, c0, floor = 40, 0.01, 0.002
+    got = [alg.entropy_coef_schedule(k, total, c0, floor, kind) for k in range(60)]
+    close(got, [ref_entropy_coef(k, total, c0, floor, kind) for k in range(60)])
+    assert got[0] == c0
+    if kind != "constant":
+        assert min(got) >= floor and got[-1] == pytest.approx(floor)  # the floor holds after the decay
+        assert all(a >= b - 1e-15 for a, b in zip(got, got[1:]))  # non-increasing
+    with pytest.raises(ValueError):
+        alg.entropy_coef_schedule(0, 10, 0.01, 0.0, "step")
+
+
+# ----------------------------------------------------------------------------------------------
+# DAPO dynamic sampling
+
+
+def test_informative_groups():
+    r = t64([1, 1, 1, 0, 1, 0, 0.5, 0.5, 0.5, 2, 2, 2.0000001])
+    assert alg.informative_groups(r, 3).tolist() == [False, True, False, True]
+    assert alg.informative_groups(t64([1.0, 2.0]), 1).tolist() == [False, False]  # a group of one: no signal
+
+
+def ref_split_quota(counts, target):
+    """Round-robin: one item at a time to the next rank that still has one."""
+    keep = [0] * len(counts)
+    left = min(target, sum(counts))
+    r = 0
+    while left:
+        if keep[r] < counts[r]:
+            keep[r] += 1
+            left -= 1
+        r = (r + 1) % len(counts)
+    return keep
+
+
+@pytest.mark.parametrize("counts,target", [([3, 5], 4), ([0, 9], 4), ([1, 1, 7, 0], 6), ([2, 2], 9),
+                                           ([4, 4, 4], 12), ([5, 0, 3, 8], 7), ([0, 0], 3), ([1, 5, 5], 6),
+                                           ([4, 4, 4], 7), ([2, 9, 1, 6], 11)])
+def test_split_quota(counts, target):
+    got = alg.split_quota(counts, target)
+    assert sum(got) == min(target, sum(counts))
+    assert all(0 <= g <= c for g, c in zip(got, counts))
+    assert got == ref_split_quota(counts, target)
+    # as even as the counts allow: no rank keeps 2+ more than a rank that had items left over
+    for i, (gi, ci) in enumerate(zip(got, counts)):
+        for gj, cj in zip(got, counts):
+            if cj > gj:
+                assert gi <= gj + 1

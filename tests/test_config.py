@@ -79,3 +79,13 @@ def test_cli_env_without_reward_fn(tmp_path):
     proc = run_trainer([f"trainer.save_dir={tmp_path / 'run'}", f"rollout.env_path={env}"], check=False)
     assert proc.returncode != 0
     assert "defines no reward_fn" in proc.stderr
+
+
+def test_values_with_equals_are_quoted_for_hydra():
+    from train.trainer.grpo import quote_values_with_equals
+
+    assert quote_values_with_equals(["data.train_data_path=verifiers:train?limit=32", "a=b", "--config-name",
+                                     "stub", "x='y=z'"]) == [
+        "data.train_data_path='verifiers:train?limit=32'", "a=b", "--config-name", "stub", "x='y=z'"]
+    cfg = load(["trainer.save_dir=/tmp/x", *quote_values_with_equals(["data.train_data_path=verifiers:eval?limit=8"])])
+    assert cfg.data.train_data_path == "verifiers:eval?limit=8"

@@ -275,9 +275,9 @@ def test_corrupt_parquet_and_arrow(tmp_path):
 # ------------------------------------------------------------------------------------------ schemes
 
 
-def test_verifiers_not_available():
-    with pytest.raises(DataError, match="verifiers adapter.*not available yet"):
-        load_rows("verifiers:train?limit=32")
+def test_verifiers_uri_is_routed_and_checked():
+    with pytest.raises(DataError, match="verifiers"):
+        load_rows("verifiers:nosuchsplit?limit=32")
 
 
 def test_scheme_registry_is_replaceable(monkeypatch):

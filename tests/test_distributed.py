@@ -40,3 +40,26 @@ def test_sampler_and_trainer_logprobs_agree_and_push_updates_engine(tmp_path):
     assert out["max_logprob_diff"] < 1e-4
     assert out["push_diff"] == 0.0
     assert out["changed"]  # the engine samples from the new weights
+
+
+@pytest.mark.parametrize("split", ["uneven", "all_on_rank0"])
+def test_critic_one_and_two_ranks_give_the_same_gradients(tmp_path, split):
+    """The clipped value loss is normalised by the global action-token count, x world size."""
+    one = launch(1, tmp_path / "one.pt", "critic_grads", "--max_tokens", "200", "--clip", "0.05")
+    two = launch(2, tmp_path / "two.pt", "critic_grads", "--split", split, "--max_tokens", "64", "--clip", "0.05")
+    assert one["grads"].keys() == two["grads"].keys()
+    assert float(one["grads"]["model.layers.0.mlp.up_proj.weight"].abs().max()) > 0  # the backbone learns too
+    for name, g in one["grads"].items():
+        scale = float(g.abs().max())
+        torch.testing.assert_close(two["grads"][name], g, rtol=0, atol=1e-5 * scale, msg=name)
+    assert one["norm"] > 0.05 and abs(one["norm"] - two["norm"]) < 1e-5 * one["norm"]
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], w, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_reference_actor_shares_nothing_with_the_policy(tmp_path):
+    out = launch(2, tmp_path / "ref.pt", "reference")
+    assert out["shared"] == 0 and not out["ref_requires_grad"]
+    assert out["ref_moved"] == 0.0 and out["policy_moved"] > 0
+    assert out["kls"][0] == pytest.approx(0.0, abs=1e-6)  # the same weights at first: KL 0
+    assert out["kls"][-1] > 1e-4  # then the policy drifts away from the frozen reference

@@ -161,3 +161,18 @@ def test_a_call_that_never_returns_does_not_block_exit(tmp_path):
     """))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=20)
     assert proc.returncode == 0 and "scored: timeout" in proc.stdout
+
+
+def test_env_file_with_dataclasses_and_future_annotations(tmp_path):
+    path = write_env(tmp_path, """
+        from __future__ import annotations
+        from dataclasses import dataclass
+
+        @dataclass
+        class Score:
+            value: float
+
+        def reward_fn(messages, answer):
+            return Score(0.25).value
+    """, name="dc_env.py")
+    assert asyncio.run(make(path).reward([], None)) == 0.25

@@ -6,7 +6,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import ROOT, STUB_MATH, read_jsonl, run_trainer
+from conftest import STUB_MATH, read_jsonl, run_trainer
 
 SMALL = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",
          "trainer.test_freq=null", "trainer.log_samples=100"]
@@ -39,6 +39,7 @@ def test_run_leaves_the_documented_files(straight_run):
         assert all(key in m and math.isfinite(m[key]) for m in metrics), key
     # The hf engine and the trainer agree on log-probs to float rounding.
     assert all(m["actor/sampler_abs_diff"] < 1e-4 for m in metrics)
+    assert all(abs(m["actor/sampler_kl"]) < 1e-8 and m["actor/sampler_ratio_max"] < 1 + 1e-4 for m in metrics)
     kinds = {e["type"] for e in read_jsonl(run / "trajectories.jsonl")}
     assert {"sample", "checkpoint"} <= kinds
     for step in (2, 4):
@@ -175,3 +176,151 @@ def test_evaluation_before_and_after(tmp_path):
     metrics = read_jsonl(run / "metrics.jsonl")
     assert [m["step"] for m in metrics if "rewards/test" in m] == [0, 1, 2]
     assert "test reward:" in proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# the algorithm set (issue 7): PPO + critic, target KL, DAPO, governor
+
+
+def test_ppo_with_critic_metrics_and_exact_resume(tmp_path):
+    """PPO (GAE + critic) on 2 ranks: the documented metrics, and 2 + resume + 2 steps == 4 steps for
+    the actor, the critic, both optimizers and schedulers, and the running reward statistics."""
+    args = ["algorithm=ppo", "trainer.total_steps=4", "trainer.save_freq=2", *SMALL]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_trainer([f"trainer.save_dir={straight}", *args], nproc=2)
+    run_trainer([f"trainer.save_dir={resumed}", f"trainer.load_ckpt_from={straight / 'step2'}", *args], nproc=2)
+    metrics = read_jsonl(straight / "metrics.jsonl")
+    for key in ["critic/value_loss", "critic/explained_variance", "critic/grad_norm", "critic/clip_fraction",
+                "critic/reward_scale", "actor/approx_kl", "actor/clip_fraction", "actor/ratio_max", "actor/ratio_min",
+                "actor/epochs", "actor/early_stopped", "actor/entropy_coef"]:
+        assert all(key in m and math.isfinite(m[key]) for m in metrics), key
+    assert all(m["actor/optimizer_steps"] >= 1 for m in metrics)
+    for name in ("model.pt", "optimizer.pt", "scheduler.pt", "critic_model.pt", "critic_optimizer.pt",
+                 "critic_scheduler.pt"):
+        a = _flatten(torch.load(straight / "step4" / name, weights_only=False))
+        b = _flatten(torch.load(resumed / "step4" / name, weights_only=False))
+        assert a.keys() == b.keys(), name
+        for key in a:
+            same = torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key]
+            assert same, (name, key)
+    critic_sd = torch.load(straight / "step4" / "critic_model.pt")
+    assert "value_head.weight" in critic_sd and float(critic_sd["value_head.weight"].abs().max()) > 0
+    state = [json.loads((d / "step4" / "trainer_state.json").read_text())["reward_moments"] for d in (straight, resumed)]
+    assert state[0] == state[1] and state[0]["count"] == 4 * 16
+
+
+def test_target_kl_stops_the_epochs_early(tmp_path):
+    run = tmp_path / "run"
+    run_trainer([f"trainer.save_dir={run}", "trainer.total_steps=2", "actor.update_per_rollout=6",
+                 "actor.target_kl=1e-4", "actor.lr=1e-3", "actor.tis_cap=2.0", "actor.tis_level=sequence",
+                 *SMALL], nproc=1)
+    metrics = read_jsonl(run / "metrics.jsonl")
+    stopped = [m for m in metrics if m["actor/early_stopped"] == 1.0]
+    assert stopped, metrics
+    for m in stopped:  # stopped in epoch e: fewer optimizer steps than the 6 planned
+        assert 1 <= m["actor/stop_epoch"] <= 6 and m["actor/epochs"] == m["actor/stop_epoch"]
+        assert m["actor/optimizer_steps"] < 6 and m["actor/optimizer_steps"] == m["actor/stop_epoch"] - 1
+
+
+HALF_INFORMATIVE_ENV = """
+def reward_fn(messages, answer):
+    if int(answer) % 2:  # odd answers: every response scores the same, the group carries no signal
+        return 1.0
+    return float(sum(map(ord, messages[-1]["content"])) % 2)
+"""
+
+
+def test_dapo_dynamic_sampling_refills_to_a_full_batch(tmp_path):
+    """About half the groups are uninformative: refills bring every step to prompts_per_rollout
+    informative groups, on 2 ranks that must agree on every round."""
+    env = tmp_path / "half.py"
+    env.write_text(textwrap.dedent(HALF_INFORMATIVE_ENV))
+    run = tmp_path / "run"
+    run_trainer([f"trainer.save_dir={run}", f"rollout.env_path={env}", "algorithm=dapo", "trainer.total_steps=3",
+                 "rollout.dynamic_sampling_max_rounds=8", "data.prompts_per_rollout=4", "data.responses_per_prompt=4",
+                 "trainer.test_freq=null"], nproc=2)
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert all(m["batch/groups"] == 4 and m["dynamic_sampling/groups"] == 4 for m in metrics)
+    assert max(m["dynamic_sampling/rounds"] for m in metrics) >= 2  # refills happened
+    assert all(m["dynamic_filtering_ratio"] > 0 for m in metrics)
+
+
+def test_dapo_dynamic_sampling_is_bounded_and_logged(tmp_path):
+    env = tmp_path / "const.py"
+    env.write_text("def reward_fn(messages, answer):\n    return 1.0\n")
+    run = tmp_path / "run"
+    run_trainer([f"trainer.save_dir={run}", f"rollout.env_path={env}", "rollout.dynamic_sampling=true",
+                 "rollout.dynamic_sampling_max_rounds=3", "data.prompts_per_rollout=4", "data.responses_per_prompt=2",
+                 "trainer.total_steps=1", "trainer.test_freq=null"], nproc=2)
+    (m,) = read_jsonl(run / "metrics.jsonl")
+    assert m["dynamic_sampling/rounds"] == 3 and m["dynamic_sampling/groups"] == 0 and m["actor/skipped"] == 1.0
+    events = [e for e in read_jsonl(run / "trajectories.jsonl") if e["type"] == "dynamic_sampling.short"]
+    assert events and events[0]["rounds"] == 3 and events[0]["target"] == 4
+
+
+def test_overlong_shaping_turns_length_into_signal(tmp_path):
+    """A constant reward gives no signal (every step would be skipped, see above); the soft overlong
+    penalty over the whole 12-token budget makes longer responses score lower, so groups are kept."""
+    env = tmp_path / "const.py"
+    env.write_text("def reward_fn(messages, answer):\n    return 1.0\n")
+    run = tmp_path / "run"
+    run_trainer([f"trainer.save_dir={run}", f"rollout.env_path={env}", "rollout.overlong_buffer=12",
+                 "rollout.overlong_penalty=0.5", "data.prompts_per_rollout=8", "trainer.total_steps=2",
+                 "trainer.test_freq=null"], nproc=1)
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert sum(m["batch/groups"] for m in metrics) > 0 and any("actor/loss" in m for m in metrics)
+    assert all(-0.5 <= m["rewards/overlong_penalty"] < 0 and m["rewards/train"] == 1.0 for m in metrics)
+
+
+GOVERNOR_ENV = """
+import itertools, threading
+
+_calls, _lock = itertools.count(), threading.Lock()
+PER_STEP = 16  # 4 prompts x 4 responses, one process
+
+def reward_fn(messages, answer):
+    with _lock:
+        step = next(_calls) // PER_STEP + 1
+    r = (sum(map(ord, messages[-1]["content"])) % 3) / 2
+    if step == 5:
+        return float("inf")  # (NaN itself is an env error) inf - inf: NaN advantages, loss and gradients
+    if step == 8:
+        return 1e4 * r  # a loss / grad-norm spike
+    return r
+"""
+
+
+def test_governor_rolls_back_nan_and_spike_and_the_engine_never_sees_them(tmp_path):
+    """PPO with a critic: at step 5 an inf reward makes the losses and gradients NaN; at step 8 rewards
+    x 1e4 make the critic's value loss spike. Both updates are rolled back (actor, critic, optimizers),
+    their batches skipped, `governor.rollback` events logged, and the engine only ever received the
+    weights of accepted steps."""
+    env = tmp_path / "bad.py"
+    env.write_text(textwrap.dedent(GOVERNOR_ENV))
+    run = tmp_path / "run"
+    run_trainer([f"trainer.save_dir={run}", f"rollout.env_path={env}", "trainer.total_steps=10", "algorithm=ppo",
+                 "actor.update_per_rollout=1", "critic.update_per_rollout=1", "critic.reward_norm=false",
+                 "trainer.governor.enable=true", "trainer.governor.min_history=3", "trainer.governor.k_sigma=10",
+                 *SMALL], nproc=1)
+    metrics = {m["step"]: m for m in read_jsonl(run / "metrics.jsonl")}
+    rolled = [s for s, m in metrics.items() if m["governor/rollback"] == 1.0]
+    assert rolled == [5, 8]
+    for s in rolled:  # the batch is skipped: nothing pushed to the engine
+        assert "time/weight_sync_s" not in metrics[s] and "engine/weights_fingerprint" not in metrics[s]
+    pushed = {s: m["engine/weights_fingerprint"] for s, m in metrics.items() if "engine/weights_fingerprint" in m}
+    assert sorted(pushed) == [1, 2, 3, 4, 6, 7, 9, 10]
+    events = {e["step"]: e for e in read_jsonl(run / "trajectories.jsonl") if e["type"] == "governor.rollback"}
+    assert sorted(events) == [5, 8]
+    assert "is nan" in events[5]["reason"] or "is inf" in events[5]["reason"]
+    assert "critic/value_loss spike" in events[8]["reason"]
+    for s, prev in ((5, 4), (8, 7)):
+        e = events[s]
+        assert e["restored_fingerprint"] == pushed[prev] == e["engine_fingerprint"]  # back to what the engine has
+    # step 8's update did move the actor; the engine never held those weights
+    assert events[8]["bad_fingerprint"] != events[8]["restored_fingerprint"]
+    assert events[8]["bad_fingerprint"] not in pushed.values()
+    # step 5's non-finite gradients never reached the weights (the optimizer step is skipped too)
+    assert events[5]["bad_fingerprint"] == events[5]["restored_fingerprint"]
+    # after a rollback training goes on from the restored weights, with sane losses
+    assert pushed[6] != pushed[4] and pushed[9] != pushed[7]
+    assert metrics[9]["critic/value_loss"] < 100 * metrics[7]["critic/value_loss"] + 1

@@ -16,6 +16,20 @@ How it works:
 - Sampling draws one uniform number per row and step and inverts the (filtered) CDF. A request
   with `seed` draws from its own generator, so its sample depends only on (seed, model, prompt,
   sampling params) and not on the batch around it.
+
+On CUDA (docs/gpu.md):
+- `from_pretrained` loads bfloat16 weights by default (float32 on CPU); the worker thread selects
+  the engine's GPU before every batch (the current CUDA device is per thread).
+- `sleep()` moves the weights to pinned host memory; a push onto a sleeping engine writes each
+  pushed tensor straight into new GPU storage (one device-to-device copy with the dtype cast), so
+  pushed weights never travel back from the host; only tensors that were not pushed are uploaded
+  at `wake()`.
+- A pushed tensor that already is the engine's storage (an engine sharing its weights with the
+  trainer: same device, dtype and memory) is not copied at all.
+- The cache stays a `DynamicCache` with finished rows evicted: a static (CUDA-graph) cache has a
+  fixed batch, so it would keep decoding finished rows, which is what eviction saves.
+- `stats["generated_tokens"] / stats["generation_seconds"]` is the decode throughput
+  (`tokens_per_second()`); benchmarks/hf_engine_throughput.py measures it.
 """
 from __future__ import annotations
 
@@ -114,15 +128,16 @@ class HFEngine:
         cls,
         path: str,
         tokenizer: Any = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str | None = None,
         device: str | torch.device = "cpu",
         **kw: Any,
     ) -> "HFEngine":
-        """Load a local checkpoint directory. `kw` goes to the constructor; `eos_token_ids`
-        defaults to the generation config's EOS ids, else the tokenizer's."""
+        """Load a local checkpoint directory. `dtype` None means bfloat16 on CUDA, float32
+        elsewhere. `kw` goes to the constructor; `eos_token_ids` defaults to the generation
+        config's EOS ids, else the tokenizer's."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(path)
         if "eos_token_ids" not in kw:
@@ -148,7 +163,9 @@ class HFEngine:
         """Copy full tensors into the engine's parameters/buffers by state_dict name.
 
         Waits for a running batch to finish first. Tied weights share storage, so pushing either
-        name updates both. DTensors are gathered with `full_tensor()`."""
+        name updates both. DTensors are gathered with `full_tensor()`. A tensor that already is
+        the target's storage is skipped (no copy); on a sleeping GPU engine, pushed tensors go
+        straight to the GPU (see the module docstring)."""
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
         with self._lock:
@@ -169,7 +186,23 @@ class HFEngine:
                             f"update_weights: shape mismatch for {name!r}: got {tuple(tensor.shape)}, "
                             f"the engine's model has {tuple(target.shape)}"
                         )
-                    target.copy_(tensor.detach())
+                    self._write(target, tensor.detach())
+
+    def _write(self, target: torch.Tensor, tensor: torch.Tensor) -> None:
+        if same_storage(target, tensor):
+            return  # the engine shares this tensor with the trainer: nothing to copy
+        if self._offloaded and target.device != self.device:
+            # Asleep: new device storage filled from the pushed tensor, not from the host copy.
+            fresh = torch.empty(target.shape, dtype=target.dtype, device=self.device)
+            fresh.copy_(tensor)
+            target.data = fresh
+            return
+        target.copy_(tensor)
+
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second of batched generation so far."""
+        seconds = self.stats["generation_seconds"]
+        return self.stats["generated_tokens"] / seconds if seconds > 0 else 0.0
 
     def sleep(self) -> None:
         """Free accelerator memory for training. On CPU this is a no-op: the model stays resident
@@ -180,9 +213,16 @@ class HFEngine:
                 return
             self._asleep = True
             if self.device.type != "cpu":
-                self.model.to("cpu")
+                pin = self.device.type == "cuda"
+                with torch.no_grad():
+                    for tensor in self._named_targets().values():
+                        if tensor.device.type != "cpu":  # pinned host memory: faster copies back
+                            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+                            host.copy_(tensor)
+                            tensor.data = host
                 self._offloaded = True
-                if self.device.type == "cuda":
+                if pin:
+                    torch.cuda.synchronize(self.device)
                     torch.cuda.empty_cache()
 
     def wake(self) -> None:
@@ -253,6 +293,8 @@ class HFEngine:
 
     def _generate_batch(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
         with self._lock, torch.inference_mode():
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # per thread: this worker thread's default is cuda:0
             self._wake_locked()
             start = time.perf_counter()
             results = self._decode(requests)
@@ -378,7 +420,15 @@ class HFEngine:
 
     def _wake_locked(self) -> None:
         if self._offloaded:
-            self.model.to(self.device)
+            hosts = []  # kept alive until the asynchronous uploads are done
+            with torch.no_grad():
+                for tensor in self._named_targets().values():
+                    if tensor.device != self.device:  # not pushed while asleep: upload the host copy
+                        hosts.append(tensor.data)
+                        tensor.data = tensor.data.to(self.device, non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            del hosts
             self._offloaded = False
         self._asleep = False
 
@@ -421,6 +471,28 @@ def sample_tokens(
         sampled = (order.gather(1, pos) if order is not None else pos).squeeze(1)
         chosen = torch.where(greedy, chosen, sampled)
     return chosen, logp.gather(1, chosen[:, None]).squeeze(1)
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: str | torch.device) -> torch.dtype:
+    """None: bfloat16 on CUDA (tensor cores, half the memory), float32 elsewhere."""
+    if dtype is None:
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"engine dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        return getattr(torch, dtype)
+    return dtype
+
+
+def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when `b` is exactly `a`'s memory (same device, dtype, shape, strides and address)."""
+    return (
+        a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.data_ptr() == b.data_ptr()
+    )
 
 
 def default_eos_token_ids(model: torch.nn.Module, tokenizer: Any = None) -> list[int]:

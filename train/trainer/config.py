@@ -22,8 +22,10 @@ REQUIRED = {
 
 AGG_MODES = ("all_token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-ESTIMATORS = ("reinforce", "rloo")
+ESTIMATORS = ("reinforce", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 LOSSES = ("ppo", "gspo")
+TIS_LEVELS = ("token", "sequence")
+ENTROPY_SCHEDULES = ("constant", "linear", "cosine")
 ENGINES = ("hf", "sglang")
 
 
@@ -50,6 +52,35 @@ def _choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> None:
     value = _get(cfg, key)
     if value not in choices:
         _fail(key, f"expected one of {', '.join(choices)}; got {value!r}", f"{key}={choices[0]}")
+
+
+def _number(cfg: DictConfig, key: str, low: float | None = None, high: float | None = None, *,
+            low_open: bool = False, allow_none: bool = False, example: str | None = None) -> None:
+    """A real number in [low, high] ((low, high] with low_open)."""
+    value = _get(cfg, key)
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value <= high
+    if not ok:
+        lo = "-inf" if low is None else f"{low:g}"
+        hi = "inf" if high is None else f"{high:g}"
+        bounds = f"{'(' if low_open else '['}{lo}, {hi}]"
+        _fail(key, f"expected a number in {bounds}{' or null' if allow_none else ''}, got {value!r}",
+              example or f"{key}={high if high is not None else 1}")
+
+
+def resolve_aliases(cfg: DictConfig) -> None:
+    """Accept `adv.lambda` for the seed's `adv.lamda` (the same GAE lambda)."""
+    alias = _get(cfg, "adv.lambda")
+    if alias is None:
+        return
+    if _get(cfg, "adv.lamda") not in (None, 1.0, alias):
+        _fail("adv.lambda", f"conflicts with adv.lamda={cfg.adv.lamda}; set only one", "adv.lamda=0.95")
+    cfg.adv.lamda = alias
 
 
 def validate(cfg: DictConfig, world_size: int = 1) -> None:
@@ -82,6 +113,8 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     _choice(cfg, "rollout.engine", ENGINES)
     _choice(cfg, "actor.scheduler", ("constant", "cosine"))
     _choice(cfg, "actor.dtype", ("float32", "bfloat16"))
+    _validate_algorithms(cfg)
+    _validate_gpu_keys(cfg, world_size)
 
     ppr = cfg.data.prompts_per_rollout
     if ppr % world_size != 0:
@@ -108,3 +141,108 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     if load is not None and load != "latest" and not os.path.isdir(load):
         _fail("trainer.load_ckpt_from", f"'{load}' is not a checkpoint folder",
               "trainer.load_ckpt_from=latest")
+
+
+def _validate_algorithms(cfg: DictConfig) -> None:
+    """Keys of the algorithm set (issue 7): estimators, critic, clipping, KL, TIS, DAPO, governor."""
+    _choice(cfg, "actor.tis_level", TIS_LEVELS)
+    _number(cfg, "actor.tis_cap", 0.0, low_open=True, allow_none=True, example="actor.tis_cap=2.0")
+    _number(cfg, "actor.clip", 0.0, low_open=True, example="actor.clip=0.2")
+    for key in ("actor.clip_low", "actor.clip_high", "actor.gspo_clip_low", "actor.gspo_clip_high"):
+        _number(cfg, key, 0.0, low_open=True, allow_none=True, example=f"{key}=0.28")
+    if _get(cfg, "actor.clip_low") is not None and cfg.actor.clip_low >= 1.0:
+        _fail("actor.clip_low", f"must be < 1 (the ratio floor is 1 - clip_low), got {cfg.actor.clip_low}",
+              "actor.clip_low=0.2")
+    _number(cfg, "actor.dual_clip", 1.0, low_open=True, allow_none=True, example="actor.dual_clip=3.0")
+    _number(cfg, "actor.target_kl", 0.0, low_open=True, allow_none=True, example="actor.target_kl=0.02")
+    _positive_int(cfg, "actor.loss_norm_length", allow_none=True)
+    _number(cfg, "actor.entropy.coef", 0.0, example="actor.entropy.coef=0.001")
+    _number(cfg, "actor.entropy.min_coef", 0.0, example="actor.entropy.min_coef=0.0")
+    _choice(cfg, "actor.entropy.schedule", ENTROPY_SCHEDULES)
+    _positive_int(cfg, "actor.entropy.decay_steps", allow_none=True)
+    if cfg.actor.entropy.schedule != "constant" and cfg.actor.entropy.min_coef > cfg.actor.entropy.coef:
+        _fail("actor.entropy.min_coef", f"the floor {cfg.actor.entropy.min_coef} is above the start coef "
+              f"{cfg.actor.entropy.coef}", f"actor.entropy.min_coef={cfg.actor.entropy.coef / 10:g}")
+
+    _number(cfg, "adv.gamma", 0.0, 1.0, low_open=True, example="adv.gamma=1.0")
+    _number(cfg, "adv.lamda", 0.0, 1.0, example="adv.lamda=0.95")
+    if cfg.adv.estimator in ("reinforce", "rloo") and _get(cfg, "adv.gamma") != 1.0:
+        _fail("adv.gamma", f"{cfg.adv.estimator} has one advantage per sequence; discounting needs "
+              "adv.estimator=reinforce_pp or gae", "adv.estimator=gae")
+    if cfg.adv.estimator == "gae":
+        for key in ("critic.update_per_rollout", "critic.mini_batches", "critic.max_length_per_device"):
+            _positive_int(cfg, key)
+        _number(cfg, "critic.lr", 0.0, low_open=True, example="critic.lr=1e-5")
+        _number(cfg, "critic.clip", 0.0, low_open=True, allow_none=True, example="critic.clip=0.5")
+        _number(cfg, "critic.max_grad_norm", 0.0, low_open=True, example="critic.max_grad_norm=1.0")
+        _number(cfg, "critic.warmup_ratio", 0.0, 1.0, example="critic.warmup_ratio=0.0")
+        path = _get(cfg, "critic.model_name")
+        if path is not None and not os.path.exists(path):
+            _fail("critic.model_name", f"path '{path}' does not exist", "critic.model_name=null (the actor's)")
+
+    kl = cfg.actor.kl
+    if kl.reward_estimator is not None and cfg.adv.estimator in ("reinforce", "rloo") and kl.coef == 0:
+        _fail("actor.kl.coef", "actor.kl.reward_estimator is set but the KL coefficient is 0",
+              "actor.kl.coef=0.01")
+
+    n = cfg.data.responses_per_prompt
+    if cfg.rollout.dynamic_sampling:
+        _positive_int(cfg, "rollout.dynamic_sampling_max_rounds")
+        if n < 2:
+            _fail("rollout.dynamic_sampling", "needs groups (data.responses_per_prompt >= 2): a group of "
+                  "one is never informative", "data.responses_per_prompt=8")
+    limit = cfg.rollout.train_sampling_params.max_new_tokens * cfg.rollout.max_turns
+    buf = _get(cfg, "rollout.overlong_buffer")
+    if buf is not None:
+        if isinstance(buf, bool) or not isinstance(buf, (int, float)) or buf <= 0 or \
+                (isinstance(buf, float) and buf >= 1.0) or (isinstance(buf, int) and buf > limit):
+            _fail("rollout.overlong_buffer", f"expected a token count in [1, {limit}] (max_new_tokens x "
+                  f"max_turns) or a fraction in (0, 1) of it, got {buf!r}", "rollout.overlong_buffer=0.2")
+    _number(cfg, "rollout.overlong_penalty", 0.0, example="rollout.overlong_penalty=1.0")
+
+    gov = cfg.trainer.governor
+    if gov.enable:
+        _positive_int(cfg, "trainer.governor.window")
+        _positive_int(cfg, "trainer.governor.min_history")
+        _positive_int(cfg, "trainer.governor.min_panics")
+        _number(cfg, "trainer.governor.k_sigma", 0.0, low_open=True, example="trainer.governor.k_sigma=6")
+        _number(cfg, "trainer.governor.rel_std_floor", 0.0, example="trainer.governor.rel_std_floor=0.25")
+        if gov.min_history > gov.window:
+            _fail("trainer.governor.min_history", f"{gov.min_history} is above the window {gov.window}",
+                  f"trainer.governor.min_history={gov.window}")
+        if not gov.watch:
+            _fail("trainer.governor.watch", "lists no metric", "trainer.governor.watch=[actor/loss,actor/grad_norm]")
+
+
+def _validate_gpu_keys(cfg: DictConfig, world_size: int) -> None:
+    """rollout.dtype/tp_size/gpu_memory_utilization/bucket_size_mb/base_port/offload_weights/
+    sglang_kwargs and actor.use_liger_kernel (docs/gpu.md). Absent keys keep their defaults."""
+    if _get(cfg, "rollout.dtype") is not None:
+        _choice(cfg, "rollout.dtype", ("bfloat16", "float32", "float16"))
+    _positive_int(cfg, "rollout.tp_size", allow_none=True)
+    tp = _get(cfg, "rollout.tp_size") or 1
+    if tp > 1 and cfg.rollout.engine != "sglang":
+        _fail("rollout.tp_size", f"tensor-parallel rollout ({tp}) needs the sglang engine", "rollout.engine=sglang")
+    if world_size % tp:
+        _fail("rollout.tp_size", f"{tp} does not divide the {world_size} ranks", "rollout.tp_size=1")
+    _number(cfg, "rollout.gpu_memory_utilization", 0.0, 1.0, low_open=True, allow_none=True,
+            example="rollout.gpu_memory_utilization=0.5")
+    _number(cfg, "rollout.bucket_size_mb", 0.0, low_open=True, allow_none=True, example="rollout.bucket_size_mb=512")
+    port = _get(cfg, "rollout.base_port")
+    if port is not None and (not isinstance(port, int) or isinstance(port, bool)
+                             or not 1024 <= port <= 65535 - world_size):
+        _fail("rollout.base_port", f"expected a port in [1024, {65535 - world_size}] (one per rank), got {port!r}",
+              "rollout.base_port=30000")
+    extra = _get(cfg, "rollout.sglang_kwargs")
+    if extra is not None and not isinstance(extra, DictConfig):
+        _fail("rollout.sglang_kwargs", f"expected a mapping of sglang ServerArgs fields, got {extra!r}",
+              "'rollout.sglang_kwargs={context_length: 8192}'")
+    offload = _get(cfg, "rollout.offload_weights")
+    if offload is not None and not isinstance(offload, bool):
+        _fail("rollout.offload_weights", f"expected true or false, got {offload!r}", "rollout.offload_weights=true")
+    liger = _get(cfg, "actor.use_liger_kernel")
+    if liger is not None and not isinstance(liger, bool):
+        _fail("actor.use_liger_kernel", f"expected true or false, got {liger!r}", "actor.use_liger_kernel=true")
+    if liger and (_get(cfg, "actor.tp_size") or 1) > 1:
+        _fail("actor.use_liger_kernel", "the fused log-prob head needs an unsharded lm_head (actor.tp_size=1)",
+              "actor.use_liger_kernel=false")

@@ -25,13 +25,18 @@ from train.datasets.loading import DataError, load_rows
 from train.datasets.tokenize import TokenizationError
 from train.engines import make_engine
 from train.engines.base import SamplingParams
-from train.trainer.config import ConfigError, validate
-from train.trainer.step import StepInputs, compute_advantages, filter_groups, rollout_metrics
+from train.engines.options import engine_kwargs
+from train.trainer.config import ConfigError, resolve_aliases, validate
+from train.trainer.governor import Governor, Snapshot
+from train.trainer.step import (RunningMoments, StepInputs, compute_advantages, mask_truncated, rollout_metrics,
+                                select_groups, shaped_rewards)
+from train.utils import algorithms as alg
 from train.utils import api_stats
 from train.utils import checkpoint as ckpt
 from train.utils.distributed import DistContext, all_reduce_sum, cleanup, gather_to_main, init_distributed
 from train.utils.logging import RunLogger
 from train.workers.actor import Actor, TrainBatch
+from train.workers.critic import Critic, CriticBatch
 from train.workers.environment import EnvLoadError, Environment
 from train.workers.rollout import RolloutWorker, Sample, sample_seed
 
@@ -51,6 +56,7 @@ def seed_everything(seed: int, rank: int) -> None:
 class Trainer:
     def __init__(self, cfg: DictConfig, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx
+        resolve_aliases(cfg)
         validate(cfg, ctx.world_size)  # before anything heavy loads
         if ctx.device.type == "cpu":
             torch.set_num_threads(cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // ctx.local_world_size))
@@ -79,15 +85,27 @@ class Trainer:
         if cfg.actor.kl.coef > 0:
             self.ref = Actor(cfg.actor, ctx, cfg.ref_actor.model_name or cfg.actor.model_name,
                              pad_token_id=self.pad_id, train=False, temperature=temperature)
-        self.engine = make_engine(cfg.rollout.engine, path=cfg.actor.model_name, tokenizer=self.tokenizer,
-                                  device=ctx.device, max_batch_size=cfg.rollout.max_batch_size,
-                                  seed=cfg.trainer.seed + ctx.rank)
+        self.critic = None
+        if cfg.adv.estimator == "gae":
+            critic_updates = self.total_steps * cfg.critic.update_per_rollout * cfg.critic.mini_batches
+            self.critic = Critic(cfg.critic, ctx, cfg.critic.model_name or cfg.actor.model_name,
+                                 pad_token_id=self.pad_id, total_updates=critic_updates,
+                                 gradient_checkpointing=cfg.actor.gradient_checkpointing, dtype=cfg.actor.dtype)
+        self.reward_moments = RunningMoments()  # PPO reward scaling (critic.reward_norm)
+        gov = cfg.trainer.governor
+        self.governor = (Governor(gov.watch, gov.window, gov.k_sigma, gov.min_history, gov.min_panics,
+                                  gov.rel_std_floor) if gov.enable else None)
+        self.pushed_fingerprint: float | None = None
+        self.engine = make_engine(cfg.rollout.engine, **engine_kwargs(
+            cfg.rollout, ctx, model_path=cfg.actor.model_name, tokenizer=self.tokenizer, seed=cfg.trainer.seed))
         max_len = getattr(self.actor.model.config, "max_position_embeddings", 4096)
         self.rollout = RolloutWorker(self.engine, self.env, self.tokenizer, max_turns=cfg.rollout.max_turns,
                                      env_error_reward=cfg.rollout.env_error_reward, max_total_length=max_len)
+        self._engine_seen = (0.0, 0.0)  # engine token / time counters at the last step
         self.start_step = 0
         self.test_history: list[tuple[int, float]] = []
         self._maybe_resume()
+        self.snapshot = Snapshot(self._parts()) if self.governor is not None else None
         self.log = RunLogger(cfg, ctx.is_main, self.total_steps, self.start_step)
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -99,67 +117,205 @@ class Trainer:
         if path is None:  # `latest` with nothing saved yet: a fresh start (restart-on-preemption loops)
             return
         state, rank_state = ckpt.load_checkpoint(path, self.actor.model, self.actor.optimizer,
-                                                 self.actor.scheduler, self.ctx)
+                                                 self.actor.scheduler, self.ctx, extras=self._extras())
         self.start_step = state["step"]
         self.test_history = [tuple(x) for x in state.get("test_history", [])]
+        if "reward_moments" in state:
+            self.reward_moments.load_state_dict(state["reward_moments"])
+        if self.governor is not None and "governor" in state:
+            self.governor.load_state_dict(state["governor"])
         self.loader.load_state_dict(rank_state["dataloader"])
         ckpt.set_rng_state(rank_state["rng"])
         self.push_weights()
 
+    def _extras(self) -> dict[str, tuple]:
+        """Components saved beside the actor in a checkpoint."""
+        if self.critic is None:
+            return {}
+        return {"critic": (self.critic.model, self.critic.optimizer, self.critic.scheduler)}
+
+    def _parts(self) -> list[tuple]:
+        """(model, optimizer, scheduler) of everything an update changes: what the governor snapshots."""
+        return [(self.actor.model, self.actor.optimizer, self.actor.scheduler), *self._extras().values()]
+
     def save(self, step: int) -> None:
+        state = {"step": step, "test_history": self.test_history, "reward_moments": self.reward_moments.state_dict()}
+        if self.governor is not None:
+            state["governor"] = self.governor.state_dict()
         path = ckpt.save_checkpoint(
             self.cfg.trainer.save_dir, step, self.actor.model, self.actor.optimizer, self.actor.scheduler,
-            {"step": step, "test_history": self.test_history},
-            {"dataloader": self.loader.state_dict(), "rng": ckpt.rng_state()}, self.ctx)
+            state, {"dataloader": self.loader.state_dict(), "rng": ckpt.rng_state()}, self.ctx,
+            extras=self._extras())
         self.log.event("checkpoint", step, {"path": path})
 
     # -- one step --------------------------------------------------------------------------
     def push_weights(self) -> float:
         start = time.perf_counter()
-        self.engine.update_weights(self.actor.named_full_tensors())
+        if self.governor is None:
+            self.engine.update_weights(self.actor.named_full_tensors())
+        else:  # a fingerprint of exactly what the engine receives: the governor's evidence
+            acc = [0.0]
+            self.engine.update_weights(_fingerprinted(self.actor.named_full_tensors(), acc))
+            self.pushed_fingerprint = acc[0]
         return time.perf_counter() - start
+
+    def weights_fingerprint(self) -> float:
+        """The same fingerprint of the actor's current weights (a collective: every rank calls it)."""
+        acc = [0.0]
+        for _ in _fingerprinted(self.actor.named_full_tensors(), acc):
+            pass
+        return acc[0]
+
+    def _generate(self, step: int, round_: int) -> tuple[list[Sample], list[float], list[float], float]:
+        """One rollout of this rank's next prompts: samples, shaped rewards, overlong penalties, wall time."""
+        cfg, ctx = self.cfg, self.ctx
+        rows = self.loader.next_batch()
+        n = cfg.data.responses_per_prompt
+        # round 0 keeps the seeds of a plain step; refills draw fresh ones
+        seed = sample_seed(cfg.trainer.seed, step, (round_ * ctx.world_size + ctx.rank) * len(rows) * n)
+        samples, rollout_s = self.rollout.rollout(rows, n, self.train_sampling, seed)
+        rewards, penalties = shaped_rewards(samples, cfg)
+        return samples, rewards, penalties, rollout_s
+
+    def collect(self, step: int) -> tuple[list[Sample], list[float], list[Sample], list[float], dict[str, float]]:
+        """Rollouts for one step: (all samples, their shaped rewards, kept samples, kept rewards, metrics).
+
+        With `rollout.dynamic_sampling` (DAPO), new prompts are drawn and rolled out until the kept
+        (informative) groups of all ranks reach `prompts_per_rollout`, at most
+        `rollout.dynamic_sampling_max_rounds` rounds; the surplus is trimmed evenly across ranks. Each
+        decision uses all-reduced counts, so every rank runs the same number of rounds."""
+        cfg, ctx = self.cfg, self.ctx
+        n = cfg.data.responses_per_prompt
+        dynamic = cfg.rollout.dynamic_sampling
+        target = cfg.data.prompts_per_rollout
+        all_samples, all_rewards, penalties, kept, kept_r = [], [], [], [], []
+        rollout_s, rounds = 0.0, 0
+        self.engine.wake()  # a no-op on CPU; SGLang takes its GPU memory back for the rollout
+        max_rounds = cfg.rollout.dynamic_sampling_max_rounds if dynamic else 1
+        while rounds < max_rounds:
+            samples, rewards, pen, secs = self._generate(step, rounds)
+            rounds += 1
+            rollout_s += secs
+            all_samples += samples
+            all_rewards += rewards
+            penalties += pen
+            k, kr = select_groups(samples, rewards, n, cfg.rollout.dynamic_filtering or dynamic)
+            kept += k
+            kept_r += kr
+            if not dynamic:
+                break
+            counts = [0.0] * ctx.world_size
+            counts[ctx.rank] = float(len(kept) // n)
+            counts = [int(c) for c in all_reduce_sum(counts, ctx.device)]
+            if sum(counts) >= target:
+                break
+        metrics = rollout_metrics(all_samples, len(all_samples) // n, n, cfg, ctx, rewards=all_rewards)
+        metrics["time/rollout_s"] = rollout_s
+        if cfg.rollout.overlong_buffer:
+            total, count = all_reduce_sum([sum(penalties), float(len(penalties))], ctx.device)
+            metrics["rewards/overlong_penalty"] = total / max(count, 1.0)
+        if dynamic:
+            quota = alg.split_quota(counts, target)[ctx.rank]
+            kept, kept_r = kept[: quota * n], kept_r[: quota * n]
+            metrics["dynamic_sampling/rounds"] = float(rounds)
+            metrics["dynamic_sampling/groups"] = float(min(sum(counts), target))
+            if sum(counts) < target:
+                self.log.event("dynamic_sampling.short", step, {"rounds": rounds, "groups": sum(counts),
+                                                                "target": target})
+        if cfg.rollout.mask_truncated:
+            mask_truncated(kept)
+        return all_samples, all_rewards, kept, kept_r, metrics
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg, ctx = self.cfg, self.ctx
         t0 = time.perf_counter()
-        rows = self.loader.next_batch()
         n = cfg.data.responses_per_prompt
-        seed = sample_seed(cfg.trainer.seed, step, ctx.rank * len(rows) * n)
-        samples, rollout_s = self.rollout.rollout(rows, n, self.train_sampling, seed)
-        metrics = rollout_metrics(samples, len(rows), n, cfg, ctx)
+        samples, _, kept, kept_r, metrics = self.collect(step)
+        self.engine.sleep()  # free the engine's accelerator memory for the update (no-op on CPU)
+        metrics.update(self._engine_metrics())
         metrics.update(self._log_samples(step, samples))
-
-        kept = filter_groups(samples, n, cfg.rollout.dynamic_filtering, cfg.rollout.mask_truncated)
         n_kept = all_reduce_sum([float(len(kept))], ctx.device)[0]
-        metrics["time/rollout_s"] = rollout_s
+        metrics["batch/groups"] = n_kept / n
         t1 = time.perf_counter()
+        frozen = step <= cfg.actor.freeze_steps
         if n_kept == 0:  # nothing to learn from on any rank: skip together, no collective left hanging
             metrics["actor/skipped"] = 1.0
-        elif step <= cfg.actor.freeze_steps:
-            metrics["actor/frozen"] = 1.0
         else:
-            metrics.update(self._update(kept, n))
-            metrics["time/weight_sync_s"] = self.push_weights()
+            if frozen:
+                metrics["actor/frozen"] = 1.0
+            metrics.update(self._update(kept, kept_r, n, update_actor=not frozen))
+            if self.governor is None:
+                if not frozen:
+                    metrics["time/weight_sync_s"] = self.push_weights()
+            else:
+                metrics.update(self._govern(step, metrics, push=not frozen))
         metrics["time/update_s"] = time.perf_counter() - t1 - metrics.get("time/weight_sync_s", 0.0)
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
 
-    def _update(self, kept: list[Sample], n: int) -> dict[str, float]:
+    def _govern(self, step: int, metrics: dict[str, float], push: bool) -> dict[str, float]:
+        """Accept the update (snapshot it, push it), hold it (no push), or roll back to the last good
+        snapshot; the verdict comes from all-reduced metrics, so every rank takes the same branch."""
+        verdict = self.governor.observe(metrics)
+        out = {"governor/panic": float(verdict.action != "accept"), "governor/rollback": 0.0}
+        if verdict.action == "accept":
+            self.snapshot = Snapshot(self._parts())
+            if push:
+                out["time/weight_sync_s"] = self.push_weights()
+                out["engine/weights_fingerprint"] = self.pushed_fingerprint
+        elif verdict.action == "hold":  # suspect weights stay out of the engine until judged
+            self.log.event("governor.panic", step, {"reason": verdict.reason, "panics": self.governor.panics})
+        else:
+            bad = self.weights_fingerprint()
+            self.snapshot.restore()
+            restored = self.weights_fingerprint()
+            out["governor/rollback"] = 1.0
+            # The engine never received weights after the snapshot (pushes wait for an accept), so
+            # it already holds the restored ones: nothing to push.
+            self.log.event("governor.rollback", step, {
+                "reason": verdict.reason, "skipped_step": step, "bad_fingerprint": bad,
+                "restored_fingerprint": restored, "engine_fingerprint": self.pushed_fingerprint})
+            self.log.write(f"step {step}: governor rolled back ({verdict.reason})")
+        return out
+
+    def _update(self, kept: list[Sample], rewards: list[float], n: int, update_actor: bool = True
+                ) -> dict[str, float]:
         cfg = self.cfg
         ids = [s.ids for s in kept]
         masks = [s.action_mask for s in kept]
-        inputs = StepInputs(kept, n)
+        inputs = StepInputs(kept, n, rewards)
         ref_logp = self.ref.compute_logprobs(ids, masks) if self.ref is not None else None
-        advantages, adv_metrics = compute_advantages(inputs, cfg, self.ctx, ref_logp)
         old_logp = None
         if cfg.actor.update_per_rollout > 1 or cfg.actor.mini_batches > 1:
             old_logp = self.actor.compute_logprobs(ids, masks)  # with one update the ratio is 1: skip
-        batch = TrainBatch(ids, masks, advantages,
-                           [torch.tensor(s.sampler_logprobs[1:], dtype=torch.float32) for s in kept],
-                           old_logp, ref_logp)
-        metrics = self.actor.update(batch, self.train_sampling.max_new_tokens)
-        metrics.update(adv_metrics)
+        values, scale = None, 1.0
+        if self.critic is not None:
+            values = self.critic.compute_values(ids, masks)
+            if cfg.critic.reward_norm:
+                self.reward_moments.update(rewards, self.ctx)
+                scale = 1.0 / (self.reward_moments.std + 1e-8) if self.reward_moments.count > 1 else 1.0
+        adv = compute_advantages(inputs, cfg, self.ctx, ref_logp, policy_logp=old_logp, values=values,
+                                 reward_scale=scale)
+        metrics = dict(adv.metrics)
+        if self.critic is not None:
+            metrics.update(self.critic.update(CriticBatch(ids, masks, adv.returns, values)))
+        if update_actor:
+            batch = TrainBatch(ids, masks, adv.advantages,
+                               [torch.tensor(s.sampler_logprobs[1:], dtype=torch.float32) for s in kept],
+                               old_logp, ref_logp)
+            metrics.update(self.actor.update(batch, self.train_sampling.max_new_tokens))
         return metrics
+
+    def _engine_metrics(self) -> dict[str, float]:
+        """Decode throughput of this step's rollout, summed over ranks (engines that count it)."""
+        stats = getattr(self.engine, "stats", None)
+        if not stats:
+            return {}
+        now = (float(stats.get("generated_tokens", 0)), float(stats.get("generation_seconds", 0.0)))
+        tokens, seconds = (a - b for a, b in zip(now, self._engine_seen))
+        self._engine_seen = now
+        tokens, seconds = all_reduce_sum([tokens, seconds], self.ctx.device)
+        return {"rollout/tokens": tokens, "rollout/tokens_per_s": tokens / max(seconds / self.ctx.world_size, 1e-9)}
 
     def _log_samples(self, step: int, samples: list[Sample]) -> dict[str, float]:
         """Sampled conversations, env errors and external-call latencies to rank 0's logs;
@@ -187,12 +343,15 @@ class Trainer:
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self, step: int) -> float:
         ctx = self.ctx
+        self.engine.wake()
         rows = self.test_rows[ctx.rank::ctx.world_size]
         samples, _ = self.rollout.rollout(rows, 1, self.test_sampling, sample_seed(self.cfg.trainer.seed, -1, ctx.rank))
         total, count, errors = all_reduce_sum(
             [sum(s.reward for s in samples), float(len(samples)), float(sum(bool(s.env_error) for s in samples))],
             ctx.device)
         score = total / max(count, 1.0)
+        stats = getattr(self.engine, "stats", None) or {}  # keep eval tokens out of the next step's rate
+        self._engine_seen = (float(stats.get("generated_tokens", 0)), float(stats.get("generation_seconds", 0.0)))
         self.test_history.append((step, score))
         self.log.event("eval", step, {"rewards/test": score, "n": count, "env_errors": errors})
         return score
@@ -228,6 +387,13 @@ class Trainer:
         self.rollout.close()
 
 
+def _fingerprinted(named, acc: list[float]):
+    """Pass (name, tensor) pairs through, adding sum|w| (float64) of each into acc[0]."""
+    for name, value in named:
+        acc[0] += float(value.detach().double().abs().sum())
+        yield name, value
+
+
 def run(cfg: DictConfig) -> None:
     transformers.utils.logging.disable_progress_bar()  # our own bar is the one to watch
     ctx = init_distributed()
@@ -255,5 +421,18 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
+def quote_values_with_equals(argv: list[str]) -> list[str]:
+    """Hydra's override grammar rejects an unquoted '=' inside a value, as in
+    `data.train_data_path=verifiers:train?limit=32`; quote such values so commands work as written."""
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and not arg.startswith("-") and "=" in value and value[:1] not in "'\"[{" and "'" not in value:
+            arg = f"{key}='{value}'"
+        out.append(arg)
+    return out
+
+
 if __name__ == "__main__":
+    sys.argv = sys.argv[:1] + quote_values_with_equals(sys.argv[1:])
     main()

@@ -422,3 +422,144 @@ def overlong_penalty(response_lengths: Tensor, max_new_tokens: int, buffer: int,
     else:
         frac = ((L - start) / buffer).clamp(0.0, 1.0)
     return 0.0 - penalty * frac  # (not -penalty * frac: no -0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# token-level rewards and returns (PPO / REINFORCE++)
+
+
+def token_level_rewards(outcome: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
+    """r_t = -kl_coef * kl_t on every action token, plus the outcome reward on the last action token.
+
+    `outcome` [B]; `kl` [B, T] (a per-token KL estimate, e.g. k1) or None. 0 on non-action tokens.
+    """
+    out = place_on_last_action_token(outcome, mask)
+    if kl is not None and kl_coef:
+        out = out - kl_coef * torch.where(_bmask(mask), kl.to(out.dtype), torch.zeros((), dtype=out.dtype,
+                                                                                        device=out.device))
+    return out
+
+
+@torch.no_grad()
+def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """G_t = sum_{k>=0} gamma^k r_{t_k} over the action tokens t = t_0 < t_1 < ... of the row (REINFORCE++);
+    non-action tokens are skipped, not discounted, and hold 0. Equal to GAE with V = 0 and lambda = 1."""
+    values = torch.zeros_like(token_rewards)
+    return gae(token_rewards, values, mask, gamma, 1.0)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# critic
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token PPO value loss 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, -c, c).
+
+    With clip None it is 0.5 * (V - R)^2. 0 on non-action tokens. stats (detached, over action
+    tokens): clip_fraction (share of tokens where the clipped term is the larger, i.e. the gradient
+    is cut), values / returns means.
+    """
+    m = _bmask(mask)
+    unclipped = (values - returns) ** 2
+    if clip is not None:
+        v_clip = old_values + (values - old_values).clamp(-clip, clip)
+        clipped = (v_clip - returns) ** 2
+        loss = 0.5 * torch.maximum(unclipped, clipped)
+        cut = clipped > unclipped
+    else:
+        loss = 0.5 * unclipped
+        cut = torch.zeros_like(m)
+    token_loss = torch.where(m, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
+    with torch.no_grad():
+        stats = {
+            "clip_fraction": masked_mean(cut.to(values.dtype), m),
+            "values": masked_mean(values.detach(), m),
+            "returns": masked_mean(returns, m),
+        }
+    return token_loss, stats
+
+
+def explained_variance_from_moments(n: float, sum_r: float, sumsq_r: float, sum_e: float, sumsq_e: float) -> float:
+    """1 - Var(e) / Var(R), e = R - V, from (all-reduced) counts and sums; nan if Var(R) == 0 or n == 0."""
+    if n <= 0:
+        return math.nan
+    var_r = sumsq_r / n - (sum_r / n) ** 2
+    var_e = sumsq_e / n - (sum_e / n) ** 2
+    if var_r <= 0:
+        return math.nan
+    return 1.0 - var_e / var_r
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over action tokens (population variances): 1 is a perfect critic, 0 is
+    no better than a constant, < 0 worse."""
+    m = _bmask(mask)
+    r = returns[m].double()
+    e = (returns - values)[m].double()
+    return explained_variance_from_moments(float(m.sum()), float(r.sum()), float((r * r).sum()),
+                                           float(e.sum()), float((e * e).sum()))
+
+
+def merge_moments(count: float, mean: float, var: float, batch_count: float, batch_mean: float,
+                  batch_var: float) -> tuple[float, float, float]:
+    """Running (count, mean, population var) merged with a batch's (Chan et al.'s parallel update):
+    the result equals the moments of the concatenated data."""
+    total = count + batch_count
+    if total <= 0:
+        return 0.0, 0.0, 0.0
+    delta = batch_mean - mean
+    new_mean = mean + delta * batch_count / total
+    m2 = var * count + batch_var * batch_count + delta * delta * count * batch_count / total
+    return total, new_mean, m2 / total
+
+
+# ----------------------------------------------------------------------------------------------
+# schedules
+
+
+ENTROPY_SCHEDULES = ("constant", "linear", "cosine")
+
+
+def entropy_coef_schedule(step: int, total_steps: int, coef: float, min_coef: float, kind: str) -> float:
+    """Entropy bonus coefficient at optimizer step `step` (0-based) of `total_steps`: `coef` decayed
+    to the floor `min_coef` (linear or cosine), never below the floor; "constant" is `coef`."""
+    if kind == "constant":
+        return coef
+    progress = min(1.0, max(0.0, step / max(1, total_steps)))
+    if kind == "linear":
+        value = coef + (min_coef - coef) * progress
+    elif kind == "cosine":
+        value = min_coef + (coef - min_coef) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"unknown entropy schedule {kind!r}; valid: {', '.join(ENTROPY_SCHEDULES)}")
+    return max(value, min_coef)
+
+
+# ----------------------------------------------------------------------------------------------
+# DAPO dynamic sampling
+
+
+def informative_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """[n_groups] bool: True where the group's rewards are not all equal (it carries a learning signal)."""
+    r = _groups(rewards, group_size)
+    return (r != r[:, :1]).any(dim=1)
+
+
+def split_quota(counts: list[int], target: int) -> list[int]:
+    """How many of its `counts[r]` items each rank keeps so that `min(target, sum)` are kept in all,
+    as evenly as the counts allow (max-min fair: every rank keeps min(count, L) or L + 1, the extra
+    ones going to the lowest ranks). Deterministic: every rank computes the same answer from the same
+    all-reduced counts."""
+    total = min(target, sum(counts))
+    level = 0  # the largest L with sum(min(c, L)) <= total
+    while sum(min(c, level + 1) for c in counts) <= total and level < max(counts, default=0):
+        level += 1
+    keep = [min(c, level) for c in counts]
+    left = total - sum(keep)
+    for r, c in enumerate(counts):
+        if left and c > level:
+            keep[r] += 1
+            left -= 1
+    return keep

@@ -61,18 +61,25 @@ def _replace_dir(tmp: str, final: str) -> None:
 
 
 def save_checkpoint(save_dir: str, step: int, model, optimizer, scheduler, trainer_state: dict,
-                    rank_state: dict, ctx: DistContext) -> str:
+                    rank_state: dict, ctx: DistContext, extras: dict[str, tuple] | None = None) -> str:
+    """`extras` maps a name to another (model, optimizer, scheduler), e.g. the critic: saved as
+    `{name}_model.pt`, `{name}_optimizer.pt`, `{name}_scheduler.pt` in the same atomic folder."""
     final = os.path.join(save_dir, f"step{step}")
     tmp = final + ".tmp"
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd = get_model_state_dict(model, options=options)  # collective: every rank calls it
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
+    parts = {"": (model, optimizer, scheduler), **{f"{k}_": v for k, v in (extras or {}).items()}}
+    states = {}
+    for prefix, (m, opt, sched) in parts.items():
+        # collectives: every rank calls them, in the same order
+        states[prefix] = (get_model_state_dict(m, options=options), get_optimizer_state_dict(m, opt, options=options),
+                          sched.state_dict())
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        torch.save(model_sd, os.path.join(tmp, "model.pt"))
-        torch.save(optim_sd, os.path.join(tmp, "optimizer.pt"))
-        torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+        for prefix, (model_sd, optim_sd, sched_sd) in states.items():
+            torch.save(model_sd, os.path.join(tmp, f"{prefix}model.pt"))
+            torch.save(optim_sd, os.path.join(tmp, f"{prefix}optimizer.pt"))
+            torch.save(sched_sd, os.path.join(tmp, f"{prefix}scheduler.pt"))
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(trainer_state, f)
     barrier()
@@ -85,8 +92,10 @@ def save_checkpoint(save_dir: str, step: int, model, optimizer, scheduler, train
     return final
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler, ctx: DistContext) -> tuple[dict, dict]:
-    """Restore model/optimizer/scheduler in place; return (trainer_state, this rank's state)."""
+def load_checkpoint(path: str, model, optimizer, scheduler, ctx: DistContext,
+                    extras: dict[str, tuple] | None = None) -> tuple[dict, dict]:
+    """Restore model/optimizer/scheduler (and `extras`, as saved) in place; return (trainer_state,
+    this rank's state)."""
     if not os.path.exists(os.path.join(path, COMPLETE)):
         raise FileNotFoundError(f"trainer.load_ckpt_from: '{path}' is not a complete checkpoint")
     rank_file = os.path.join(path, f"rank{ctx.rank}.pt")
@@ -94,11 +103,16 @@ def load_checkpoint(path: str, model, optimizer, scheduler, ctx: DistContext) ->
         raise ValueError(f"trainer.load_ckpt_from: '{path}' was written by fewer ranks; resume with "
                          "the same number of processes")
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    model_sd = torch.load(os.path.join(path, "model.pt"), weights_only=False) if ctx.is_main else {}
-    set_model_state_dict(model, model_sd, options=options)
-    optim_sd = torch.load(os.path.join(path, "optimizer.pt"), weights_only=False) if ctx.is_main else {}
-    set_optimizer_state_dict(model, optimizer, optim_sd, options=options)
-    scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=False))
+    parts = {"": (model, optimizer, scheduler), **{f"{k}_": v for k, v in (extras or {}).items()}}
+    for prefix, (m, opt, sched) in parts.items():
+        if not os.path.exists(os.path.join(path, f"{prefix}model.pt")):
+            raise ValueError(f"trainer.load_ckpt_from: '{path}' has no {prefix}model.pt (it was saved by a run "
+                             "without this component); resume with the same algorithm settings")
+        model_sd = torch.load(os.path.join(path, f"{prefix}model.pt"), weights_only=False) if ctx.is_main else {}
+        set_model_state_dict(m, model_sd, options=options)
+        optim_sd = torch.load(os.path.join(path, f"{prefix}optimizer.pt"), weights_only=False) if ctx.is_main else {}
+        set_optimizer_state_dict(m, opt, optim_sd, options=options)
+        sched.load_state_dict(torch.load(os.path.join(path, f"{prefix}scheduler.pt"), weights_only=False))
     with open(os.path.join(path, "trainer_state.json")) as f:
         trainer_state = json.load(f)
     return trainer_state, torch.load(rank_file, weights_only=False)

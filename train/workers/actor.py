@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from train.utils import algorithms as alg
-from train.utils.batching import MicroBatch, build_micro_batch, plan_micro_batches
+from train.utils.batching import MicroBatch
 from train.utils.distributed import DistContext, all_reduce_max, all_reduce_sum
+from train.utils.fused_logprobs import FusedLogprobHead
 from train.workers import base
 
 
@@ -21,16 +22,30 @@ class TrainBatch:
     """This rank's share of a mini-batch; per-token tensors have length len(ids) - 1."""
     ids: list[list[int]]
     action_mask: list[list[int]]
-    advantages: list[float]  # one per sequence, placed on its action tokens
+    # one float per sequence (placed on its action tokens), or one [len-1] tensor per sequence
+    # (per-token advantages: GAE, REINFORCE++)
+    advantages: list[float] | list[torch.Tensor]
     sampler_logp: list[torch.Tensor]
     old_logp: list[torch.Tensor] | None = None  # None: one update per rollout, ratio = 1
     ref_logp: list[torch.Tensor] | None = None
+
+
+def policy_clip_range(cfg) -> tuple[float, float]:
+    """(clip_low, clip_high): explicit actor.clip_low/clip_high win; otherwise PPO uses actor.clip on
+    both sides and GSPO its own small sequence-level ranges (actor.gspo_clip_low/high, 3e-4/4e-4 in the paper)."""
+    if cfg.loss == "gspo":
+        low_default, high_default = cfg.get("gspo_clip_low", 3e-4), cfg.get("gspo_clip_high", 4e-4)
+    else:
+        low_default = high_default = cfg.clip
+    return (cfg.clip_low if cfg.clip_low is not None else low_default,
+            cfg.clip_high if cfg.clip_high is not None else high_default)
 
 
 class Actor:
     def __init__(self, cfg, ctx: DistContext, model_path: str, *, pad_token_id: int, train: bool,
                  temperature: float, total_updates: int = 1):
         self.cfg, self.ctx, self.pad_id, self.train = cfg, ctx, pad_token_id, train
+        self.total_updates = total_updates
         self.temperature = temperature
         self.model = base.load_causal_lm(model_path, device=ctx.device)
         if train and cfg.gradient_checkpointing:
@@ -38,6 +53,8 @@ class Actor:
         param_dtype = cfg.dtype if ctx.device.type == "cuda" else "float32"
         base.apply_fsdp(self.model, ctx.mesh, param_dtype=param_dtype)
         self.infer_tokens = cfg.max_inference_length_per_device or 2 * cfg.max_length_per_device
+        # actor.use_liger_kernel: fused log-prob/entropy head, no [b, L, vocab] logits (train/utils/fused_logprobs.py)
+        self.fused_head = FusedLogprobHead(self.model) if cfg.get("use_liger_kernel") else None
         if train:
             self.optimizer = base.build_optimizer(self.model, cfg.lr, cfg.betas, cfg.weight_decay)
             self.scheduler = base.build_scheduler(self.optimizer, total_updates, cfg.warmup_ratio,
@@ -48,22 +65,32 @@ class Actor:
 
     # -- forward ---------------------------------------------------------------------------
     def _micro_batches(self, index: list[int], ids, masks, max_tokens: int) -> list[MicroBatch]:
-        plan = [[index[j] for j in g] for g in plan_micro_batches([len(ids[i]) for i in index], max_tokens)]
-        # Every rank must run as many forwards as the busiest one (FSDP collectives).
-        n = int(all_reduce_max(len(plan), self.ctx.device))
-        plan += [[] for _ in range(n - len(plan))]
-        return [build_micro_batch(g, ids, masks, self.pad_id, self.ctx.device) for g in plan]
+        return base.padded_micro_batches(index, ids, masks, max_tokens, self.pad_id, self.ctx)
 
     def _forward(self, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        if self.fused_head is not None:  # actor.use_liger_kernel
+            return self.fused_head(self.model, mb.input_ids, mb.attention_mask, mb.labels, self.temperature,
+                                   with_entropy)
+        # Logits only from the first action position on: prompt positions are never trained and
+        # the LM head over them (and its backward) is most of the vocabulary-sized work.
+        acting = mb.action_mask.any(dim=0).nonzero()
+        first = int(acting[0]) if len(acting) else 0
+        keep = mb.input_ids.shape[1] - first
+        logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
+                            logits_to_keep=keep).logits
         logits = logits[:, :-1].float()
-        logp = alg.logprobs_from_logits(logits, mb.labels, temperature=self.temperature)
-        entropy = alg.entropy_from_logits(logits / self.temperature) if with_entropy else None
-        return logp, entropy
+        logp = alg.logprobs_from_logits(logits, mb.labels[:, first:], temperature=self.temperature)
+        entropy = None
+        if with_entropy:  # a metric unless the entropy bonus is on: no graph for it then
+            bonus = bool(self.cfg.entropy.coef or self.cfg.entropy.get("min_coef"))
+            with torch.set_grad_enabled(torch.is_grad_enabled() and bonus):
+                entropy = torch.nn.functional.pad(alg.entropy_from_logits(logits / self.temperature), (first, 0))
+        return torch.nn.functional.pad(logp, (first, 0)), entropy
 
     @torch.no_grad()
     def compute_logprobs(self, ids: list[list[int]], masks: list[list[int]]) -> list[torch.Tensor]:
-        """log p(token t+1 | tokens <= t) for every sequence, as [len-1] CPU tensors."""
+        """log p(token t+1 | tokens <= t) for every sequence, as [len-1] CPU tensors; exact on action
+        positions (before a micro-batch's first action position the values are 0)."""
         out: list[torch.Tensor | None] = [None] * len(ids)
         for mb in self._micro_batches(list(range(len(ids))), ids, masks, self.infer_tokens):
             logp, _ = self._forward(mb, with_entropy=False)
@@ -72,43 +99,91 @@ class Actor:
         return out
 
     # -- update ----------------------------------------------------------------------------
+    def entropy_coef(self) -> float:
+        """The entropy bonus coefficient at the current optimizer step (schedule with a floor)."""
+        e = self.cfg.entropy
+        total = e.get("decay_steps") or self.total_updates
+        return alg.entropy_coef_schedule(self.scheduler.last_epoch, total, e.coef, e.get("min_coef") or 0.0,
+                                         e.get("schedule") or "constant")
+
     def update(self, batch: TrainBatch, max_new_tokens: int) -> dict[str, float]:
-        """`update_per_rollout` passes over the batch, `mini_batches` optimizer steps per pass."""
+        """`update_per_rollout` passes over the batch, `mini_batches` optimizer steps per pass.
+
+        With `target_kl`, each mini-batch's approx_kl (old -> current policy, all ranks) is checked
+        after its backward: above the target, that step is dropped and the remaining epochs are
+        skipped (the decision uses all-reduced numbers, so every rank stops at the same place)."""
         cfg = self.cfg
         sums: dict[str, float] = {}
         maxima = {"ratio_max": 0.0, "sampler_ratio_max": 0.0}
+        minima = {"ratio_min": float("inf")}
         grad_norms: list[float] = []
+        target_kl = cfg.get("target_kl")
+        check_kl = target_kl is not None and batch.old_logp is not None
+        stop_epoch = None
+        coefs: list[float] = []
         self.model.train()
-        for _ in range(cfg.update_per_rollout):
+        for epoch in range(cfg.update_per_rollout):
             for part in range(cfg.mini_batches):
                 index = list(range(len(batch.ids)))[part::cfg.mini_batches]
-                self.accumulate_gradients(batch, index, max_new_tokens, sums, maxima)
+                before = dict(sums)
+                coef = self.entropy_coef()
+                self.accumulate_gradients(batch, index, max_new_tokens, sums, maxima, entropy_coef=coef,
+                                          minima=minima)
+                if check_kl:
+                    kl, tok = all_reduce_sum([sums.get("approx_kl", 0.0) - before.get("approx_kl", 0.0),
+                                              sums.get("tokens", 0.0) - before.get("tokens", 0.0)], self.ctx.device)
+                    if kl / max(tok, 1.0) > target_kl and grad_norms:
+                        self.optimizer.zero_grad(set_to_none=True)  # this step is not taken
+                        sums = before
+                        stop_epoch = epoch + 1
+                        break
+                coefs.append(coef)
                 grad_norms.append(self._optimizer_step())
+            if stop_epoch is not None:
+                break
         keys = sorted(sums)
         totals = dict(zip(keys, all_reduce_sum([sums[k] for k in keys], self.ctx.device)))
         tokens = max(totals.pop("tokens"), 1.0)
         metrics = {"actor/loss": totals.pop("loss") / len(grad_norms)}
         metrics.update({f"actor/{k}": v / tokens for k, v in totals.items()})
         metrics.update({f"actor/{k}": all_reduce_max(v, self.ctx.device) for k, v in maxima.items()})
+        for k, v in minima.items():
+            low = -all_reduce_max(-v, self.ctx.device)
+            if low != float("inf"):  # inf: no action token on any rank
+                metrics[f"actor/{k}"] = low
         metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["actor/grad_norm_max"] = max(grad_norms)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        metrics["actor/entropy_coef"] = coefs[-1]
+        metrics["actor/optimizer_steps"] = float(len(grad_norms))
+        if target_kl is not None:
+            metrics["actor/early_stopped"] = float(stop_epoch is not None)
+            metrics["actor/epochs"] = float(stop_epoch or cfg.update_per_rollout)
+            if stop_epoch is not None:
+                metrics["actor/stop_epoch"] = float(stop_epoch)
         return metrics
 
     def accumulate_gradients(self, batch: TrainBatch, index: list[int], max_new_tokens: int,
-                             sums: dict[str, float], maxima: dict[str, float]) -> None:
+                             sums: dict[str, float], maxima: dict[str, float], *,
+                             entropy_coef: float | None = None, minima: dict[str, float] | None = None) -> None:
         """Backward over this rank's samples `index` of one mini-batch; gradients summed into .grad."""
         cfg = self.cfg
-        clip_low = cfg.clip_low if cfg.clip_low is not None else cfg.clip
-        clip_high = cfg.clip_high if cfg.clip_high is not None else cfg.clip
+        clip_low, clip_high = policy_clip_range(cfg)
         norm_len = cfg.loss_norm_length or max_new_tokens
         kl_in_loss = cfg.kl.coef > 0 and cfg.kl.reward_estimator is None
+        ent_coef = cfg.entropy.coef if entropy_coef is None else entropy_coef
+        token_adv = bool(batch.advantages) and isinstance(batch.advantages[0], torch.Tensor)
         n_tok, n_seq = all_reduce_sum(
             [float(sum(sum(batch.action_mask[i][1:]) for i in index)), float(len(index))], self.ctx.device)
         for mb in self._micro_batches(index, batch.ids, batch.action_mask, cfg.max_length_per_device):
             logp, entropy = self._forward(mb, with_entropy=True)
             mask = mb.action_mask
-            adv_seq = torch.tensor([batch.advantages[i] for i in mb.index] or [0.0], device=logp.device)
-            adv = alg.broadcast_to_tokens(adv_seq, mask)
+            if token_adv:
+                adv = mb.pad_token_tensor(batch.advantages).to(logp.device) * mask
+                adv_seq = adv  # GSPO-token: per-token advantages
+            else:
+                adv_seq = torch.tensor([batch.advantages[i] for i in mb.index] or [0.0], device=logp.device)
+                adv = alg.broadcast_to_tokens(adv_seq, mask)
             old = (mb.pad_token_tensor(batch.old_logp).to(logp.device) if batch.old_logp is not None
                    else logp.detach())
             if cfg.loss == "gspo":
@@ -118,9 +193,10 @@ class Actor:
                                                       dual_clip=cfg.dual_clip)
             sampler = mb.pad_token_tensor(batch.sampler_logp).to(logp.device)
             if cfg.tis_cap is not None:
-                token_loss = token_loss * alg.tis_weights(old, sampler, mask, cfg.tis_cap)
-            if cfg.entropy.coef:
-                token_loss = token_loss - cfg.entropy.coef * entropy * mask
+                token_loss = token_loss * alg.tis_weights(old, sampler, mask, cfg.tis_cap,
+                                                          level=cfg.get("tis_level") or "token")
+            if ent_coef:
+                token_loss = token_loss - ent_coef * entropy * mask
             if kl_in_loss:
                 ref = mb.pad_token_tensor(batch.ref_logp).to(logp.device)
                 kl = alg.kl_estimate(logp, ref, cfg.kl.type) * mask
@@ -136,13 +212,17 @@ class Actor:
             self._add(sums, "entropy", (entropy.detach() * mask).sum())
             self._add(sums, "clip_fraction", float(stats["clip_fraction"]) * n_mask)
             self._add(sums, "approx_kl", float(stats["approx_kl"]) * n_mask)
-            diff = (sampler - logp.detach()) * mask  # log(sampler / trainer) on action tokens
+            # Sampler vs trainer at the sampling weights: old log-probs when recomputed, else this
+            # forward (one update per rollout: nothing has changed the weights yet).
+            diff = (sampler - old) * mask  # log(sampler / trainer) on action tokens
             self._add(sums, "sampler_kl", ((torch.exp(-diff) - 1 + diff) * mask).sum())
             self._add(sums, "sampler_abs_diff", diff.abs().sum())
             self._add(sums, "tokens", n_mask)
             if n_mask > 0:
                 maxima["ratio_max"] = max(maxima.get("ratio_max", 0.0), float(stats["ratio_max"]))
-                ratio = torch.exp(logp.detach() - sampler)[mask > 0]
+                if minima is not None:
+                    minima["ratio_min"] = min(minima.get("ratio_min", float("inf")), float(stats["ratio_min"]))
+                ratio = torch.exp(old - sampler)[mask > 0]
                 maxima["sampler_ratio_max"] = max(maxima.get("sampler_ratio_max", 0.0), float(ratio.max()))
 
     @staticmethod
@@ -150,14 +230,7 @@ class Actor:
         sums[key] = sums.get(key, 0.0) + float(value)
 
     def _optimizer_step(self) -> float:
-        # clip_grad_norm_ over DTensor grads reduces across all shards: a global norm.
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        if torch.isfinite(norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return float(norm)
+        return base.clip_and_step(self.model, self.optimizer, self.scheduler, self.cfg.max_grad_norm)
 
     def named_full_tensors(self):
         return base.full_named_tensors(self.model)

@@ -7,7 +7,10 @@ import math
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM
+from transformers import AutoModel, AutoModelForCausalLM
+
+from train.utils.batching import MicroBatch, build_micro_batch, plan_micro_batches
+from train.utils.distributed import DistContext, all_reduce_max
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -16,6 +19,34 @@ def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str
     # Parameters stay fp32 for the optimizer; bf16 compute comes from FSDP's mixed precision.
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model.to(device)
+
+
+class ValueModel(torch.nn.Module):
+    """The critic: the actor's architecture without its LM head, and a linear value head over the
+    final hidden state. `model.model.layers` is where FSDP / AC find the decoder blocks, as for the actor."""
+
+    def __init__(self, backbone: torch.nn.Module):
+        super().__init__()
+        self.model = backbone
+        self.config = backbone.config
+        self.value_head = torch.nn.Linear(backbone.config.hidden_size, 1)
+        # A zero head: V = 0 at the start, the same on every rank and run (no RNG drawn).
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        # [b, L]: V of the state ending at each position (a copy, not a view: FSDP hooks the output)
+        return self.value_head(hidden).squeeze(-1).clone()
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        self.model.gradient_checkpointing_enable(**kwargs)
+
+
+def load_value_model(path: str, device: torch.device | str = "cpu") -> ValueModel:
+    """A causal LM folder's backbone (its LM head is not loaded) plus a fresh value head."""
+    backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
+    return ValueModel(backbone).to(device)
 
 
 def transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -69,3 +100,26 @@ def full_named_tensors(model: torch.nn.Module):
         if hasattr(value, "full_tensor"):
             value = value.full_tensor()
         yield name, value.detach()
+
+
+def padded_micro_batches(index: list[int], ids: list[list[int]], masks: list[list[int]], max_tokens: int,
+                         pad_id: int, ctx: DistContext) -> list[MicroBatch]:
+    """This rank's samples `index` as micro-batches under a token budget, padded with empty
+    micro-batches to the busiest rank's count: FSDP collectives need every rank to run as many forwards."""
+    plan = [[index[j] for j in g] for g in plan_micro_batches([len(ids[i]) for i in index], max_tokens)]
+    n = int(all_reduce_max(len(plan), ctx.device))
+    plan += [[] for _ in range(n - len(plan))]
+    return [build_micro_batch(g, ids, masks, pad_id, ctx.device) for g in plan]
+
+
+def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  scheduler: torch.optim.lr_scheduler.LRScheduler, max_norm: float) -> float:
+    """Global gradient clipping, then the optimizer step unless the norm is not finite; returns the
+    pre-clip norm. clip_grad_norm_ over DTensor grads reduces across all shards: a global norm."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    if torch.isfinite(norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return float(norm)

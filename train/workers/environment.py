@@ -39,9 +39,12 @@ def load_env_module(path: str) -> ModuleType:
     env_dir = os.path.dirname(os.path.abspath(path))
     if env_dir not in sys.path:
         sys.path.insert(0, env_dir)
+    # Registered before running, as a normal import would be (dataclasses and pickling look it up).
+    sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - report any import-time failure with the file name
+        sys.modules.pop(name, None)
         raise EnvLoadError(f"rollout.env_path: importing '{path}' failed: {type(e).__name__}: {e}") from e
     return module
 

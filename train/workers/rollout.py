@@ -112,7 +112,8 @@ class RolloutWorker:
         pending = asyncio.all_tasks(self.loop)
         for task in pending:
             task.cancel()
-        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        if pending:
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.loop.close()
         self.env.close()
         close_engine = getattr(self.engine, "close", None)

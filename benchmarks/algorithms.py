@@ -1,0 +1,91 @@
+"""Every algorithm of the set on the stub math task, through the real CLI, one after the other.
+
+    .venv/bin/python benchmarks/algorithms.py                    # all 7, 100 steps each, 2 ranks
+    .venv/bin/python benchmarks/algorithms.py --steps 60 --only grpo ppo
+    .venv/bin/python benchmarks/algorithms.py --markdown         # the table as markdown (docs/algorithms.md)
+
+Each run is `torchrun --nproc_per_node=N -m train.trainer.grpo --config-name stub algorithm=<name>
+trainer.total_steps=S trainer.test_freq=S`: greedy test reward on the 256 held-out sums before
+training (step 0) and after the last step, with the preset's published settings and the stub's
+learning rate. The table shows both, the change, the mean train reward over the last 20 steps,
+the time per step and the run's wall time. A run "learns" if its last test reward beats the first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ALGORITHMS = {  # name -> (preset, extra overrides)
+    "GRPO": ("grpo", []),
+    "Dr. GRPO": ("dr_grpo", []),
+    "DAPO": ("dapo", []),
+    "GSPO": ("gspo", []),
+    "RLOO": ("rloo", []),
+    "REINFORCE++": ("reinforce_pp", []),
+    "PPO+GAE": ("ppo", []),
+}
+
+
+def run_one(preset: str, extra: list[str], steps: int, nproc: int, out: Path, seed: int) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+           "-m", "train.trainer.grpo", "--config-name", "stub", f"algorithm={preset}",
+           f"trainer.total_steps={steps}", f"trainer.test_freq={steps}", f"trainer.save_dir={out}",
+           f"trainer.seed={seed}", "trainer.progress_bar=false", "trainer.log_samples=0", *extra]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{preset} failed:\n{proc.stderr[-4000:]}")
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    tests = [(m["step"], m["rewards/test"]) for m in rows if "rewards/test" in m]
+    train = [m["rewards/train"] for m in rows if "rewards/train" in m]
+    step_s = [m["time/step_s"] for m in rows if "time/step_s" in m]
+    return {"first": tests[0][1], "last": tests[-1][1], "train_last20": statistics.mean(train[-20:]),
+            "step_s": statistics.median(step_s), "wall_s": wall, "command": " ".join(cmd[1:])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--only", nargs="*", help="presets to run (grpo dr_grpo dapo gspo rloo reinforce_pp ppo)")
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--keep", help="folder for the runs (default: a temporary one)")
+    args = parser.parse_args()
+
+    chosen = {k: v for k, v in ALGORITHMS.items() if not args.only or v[0] in args.only}
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="algos-"))
+    results = {}
+    t0 = time.perf_counter()
+    for name, (preset, extra) in chosen.items():
+        results[name] = run_one(preset, extra, args.steps, args.nproc, root / preset, args.seed)
+        r = results[name]
+        print(f"{name:12s} test {r['first']:.3f} -> {r['last']:.3f} ({r['last'] - r['first']:+.3f})  "
+              f"{r['step_s']:.2f} s/step  {r['wall_s']:.0f} s", flush=True)
+    total = time.perf_counter() - t0
+
+    header = ["algorithm", "preset", "test reward, step 0", f"step {args.steps}", "change",
+              "train reward (last 20 steps)", "s/step", "wall s"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, r in results.items():
+        lines.append(f"| {name} | `algorithm={chosen[name][0]}` | {r['first']:.3f} | {r['last']:.3f} | "
+                     f"{r['last'] - r['first']:+.3f} | {r['train_last20']:.3f} | {r['step_s']:.2f} | {r['wall_s']:.0f} |")
+    print()
+    print("\n".join(lines) if args.markdown else "\n".join(line.replace("|", " ") for line in lines[:1] + lines[2:]))
+    print(f"\n{len(results)} runs, {args.steps} steps each, {args.nproc} ranks, {total / 60:.1f} min in all; "
+          f"learned (last test > first): {sum(r['last'] > r['first'] for r in results.values())}/{len(results)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The algorithm keys: presets compose and validate, bad values fail with the key and an example."""
+import pytest
+from hydra import compose, initialize_config_dir
+
+from conftest import ROOT
+from train.trainer.config import ConfigError, resolve_aliases, validate
+
+PRESETS = ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo"]
+
+
+def load(overrides=(), name="stub"):
+    with initialize_config_dir(config_dir=str(ROOT / "config"), version_base=None):
+        return compose(config_name=name, overrides=["trainer.save_dir=/tmp/x", *overrides])
+
+
+@pytest.fixture(autouse=True)
+def _cwd(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_presets_compose_and_validate(preset):
+    cfg = load([f"algorithm={preset}"])
+    validate(cfg, world_size=2)
+    assert cfg.actor.lr == 1e-4  # the stub's settings survive the preset
+
+
+def test_presets_select_the_published_settings():
+    assert load(["algorithm=dapo"]).actor.clip_high == 0.28
+    assert load(["algorithm=dapo"]).rollout.dynamic_sampling
+    assert load(["algorithm=ppo"]).adv.estimator == "gae"
+    assert load(["algorithm=gspo"]).actor.loss == "gspo"
+    assert load(["algorithm=dr_grpo"]).adv.norm_var is False
+    assert load(["algorithm=rloo"]).adv.estimator == "rloo"
+    assert load(["algorithm=reinforce_pp"]).actor.kl.reward_estimator == "k1"
+    # the default stays the seed's GRPO
+    base = load()
+    assert (base.adv.estimator, base.actor.loss, base.actor.agg_mode, base.actor.kl.coef) == \
+        ("reinforce", "ppo", "all_token_mean", 0.0)
+    # command-line keys win over a preset
+    assert load(["algorithm=dapo", "actor.clip_high=0.3"]).actor.clip_high == 0.3
+
+
+def test_lambda_alias():
+    cfg = load(["adv.estimator=gae", "adv.lambda=0.9"])
+    resolve_aliases(cfg)
+    assert cfg.adv.lamda == 0.9
+    cfg = load(["adv.estimator=gae", "adv.lambda=0.9", "adv.lamda=0.8"])
+    with pytest.raises(ConfigError, match="adv.lambda.*conflicts"):
+        resolve_aliases(cfg)
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    (["adv.estimator=ppo"], r"'adv.estimator'.*one of reinforce, rloo.*Example override: adv.estimator="),
+    (["adv.estimator=gae", "adv.lamda=1.5"], r"'adv.lamda'.*\[0, 1\].*Example override: adv.lamda=0.95"),
+    (["adv.gamma=0.9"], r"'adv.gamma'.*adv.estimator=gae"),
+    (["adv.estimator=gae", "critic.clip=-1"], r"'critic.clip'.*Example override: critic.clip=0.5"),
+    (["adv.estimator=gae", "critic.update_per_rollout=0"], r"'critic.update_per_rollout'.*positive integer"),
+    (["actor.target_kl=0"], r"'actor.target_kl'.*Example override: actor.target_kl=0.02"),
+    (["actor.tis_level=step"], r"'actor.tis_level'.*token, sequence"),
+    (["actor.tis_cap=0"], r"'actor.tis_cap'"),
+    (["actor.clip_low=1.2"], r"'actor.clip_low'.*< 1"),
+    (["actor.entropy.schedule=exp"], r"'actor.entropy.schedule'"),
+    (["actor.entropy.schedule=linear", "actor.entropy.coef=0.001", "actor.entropy.min_coef=0.01"],
+     r"'actor.entropy.min_coef'.*floor"),
+    (["rollout.dynamic_sampling=true", "data.responses_per_prompt=1"], r"'rollout.dynamic_sampling'.*>= 2"),
+    (["rollout.overlong_buffer=100"], r"'rollout.overlong_buffer'.*\[1, 12\]"),
+    (["rollout.overlong_buffer=1.5"], r"'rollout.overlong_buffer'"),
+    (["actor.kl.reward_estimator=k1"], r"'actor.kl.coef'.*Example override: actor.kl.coef=0.01"),
+    (["actor.kl.reward_estimator=k9", "actor.kl.coef=0.1"], r"'actor.kl.reward_estimator'"),
+    (["trainer.governor.enable=true", "trainer.governor.min_history=99"], r"'trainer.governor.min_history'"),
+    (["trainer.governor.enable=true", "trainer.governor.k_sigma=0"], r"'trainer.governor.k_sigma'"),
+])
+def test_bad_algorithm_values(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        validate(load(overrides), world_size=2)

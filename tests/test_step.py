@@ -1,0 +1,221 @@
+"""train/trainer/step.py: every advantage estimator end to end (samples in, per-sequence or per-token
+advantages out) against float64 numpy references written from the papers' formulas; reward shaping,
+group selection and the running reward statistics."""
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import ROOT
+from train.trainer import step as st
+from train.workers.rollout import Sample
+
+CTX = SimpleNamespace(device=torch.device("cpu"), rank=0, world_size=1)  # no process group: sums are local
+
+
+def cfg(**overrides):
+    c = OmegaConf.load(ROOT / "config" / "grpo.yaml")
+    for k, v in overrides.items():
+        OmegaConf.update(c, k, v)
+    return c
+
+
+def make_samples(rng, n_groups=3, G=4, binary=False):
+    """Ragged multi-turn samples: prompt (0), response turns (1) with a tool span (0) between them."""
+    out = []
+    for g in range(n_groups):
+        for _ in range(G):
+            prompt = int(rng.integers(2, 6))
+            turns = [int(rng.integers(1, 7)) for _ in range(int(rng.integers(1, 3)))]
+            mask = [0] * prompt
+            for k, t in enumerate(turns):
+                mask += [1] * t + ([0] * 3 if k < len(turns) - 1 else [])
+            ids = list(rng.integers(3, 100, size=len(mask)))
+            logp = [float(-abs(x)) if m else 0.0 for x, m in zip(rng.normal(size=len(mask)), mask)]
+            reward = float(rng.integers(0, 2)) if binary else float(rng.normal())
+            out.append(Sample(g, [], None, ids, mask, logp, reward=reward))
+    return out
+
+
+def positions(s):
+    """Per-token index t (token t+1) of each action token."""
+    return [t for t, m in enumerate(s.action_mask[1:]) if m]
+
+
+def ref_logps(rng, samples):
+    return [torch.tensor(np.array(s.sampler_logprobs[1:]) + rng.normal(size=len(s.ids) - 1) * 0.3)
+            for s in samples]
+
+
+def as_np(adv, samples):
+    """Per-token advantages (list of tensors) on action tokens only, flattened in sample order."""
+    return np.concatenate([np.asarray(a, dtype=np.float64)[positions(s)] for a, s in zip(adv, samples)])
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("estimator", ["reinforce", "rloo"])
+@pytest.mark.parametrize("norm_var,global_norm", [(True, False), (False, False), (False, True)])
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_group_estimators(estimator, norm_var, global_norm, kl_coef):
+    rng = np.random.default_rng(1)
+    G = 4
+    samples = make_samples(rng, G=G)
+    ref = ref_logps(rng, samples)
+    c = cfg(**{"adv.estimator": estimator, "adv.norm_var": norm_var, "adv.global_norm": global_norm,
+               "actor.kl.coef": kl_coef, "actor.kl.reward_estimator": "k1" if kl_coef else None})
+    out = st.compute_advantages(st.StepInputs(samples, G), c, CTX, ref if kl_coef else None)
+    # reference: R_i = r_i - beta * sum_t (log pi - log ref) over action tokens
+    R = np.array([s.reward - kl_coef * sum(s.sampler_logprobs[t + 1] - float(r[t]) for t in positions(s))
+                  for s, r in zip(samples, ref)])
+    A = np.zeros_like(R)
+    for g0 in range(0, len(R), G):
+        grp = R[g0:g0 + G]
+        for i in range(G):
+            if estimator == "rloo":
+                A[g0 + i] = grp[i] - (grp.sum() - grp[i]) / (G - 1)
+            else:
+                A[g0 + i] = grp[i] - grp.mean()
+                if norm_var:
+                    A[g0 + i] /= math.sqrt(((grp - grp.mean()) ** 2).mean()) + 1e-6
+    if global_norm:
+        A = (A - A.mean()) / (A.std() + 1e-6)
+    np.testing.assert_allclose(out.advantages, A, rtol=1e-6, atol=1e-6)
+    assert out.returns is None
+    if kl_coef:
+        assert out.metrics["kl/reward_penalty"] == pytest.approx((np.array([s.reward for s in samples]) - R).mean()
+                                                                 / kl_coef, rel=1e-6)
+
+
+@pytest.mark.parametrize("baseline", [False, True])
+@pytest.mark.parametrize("gamma,kl_coef", [(1.0, 0.0), (1.0, 0.05), (0.9, 0.05)])
+def test_reinforce_pp(baseline, gamma, kl_coef):
+    rng = np.random.default_rng(2)
+    G = 4
+    samples = make_samples(rng, G=G)
+    ref = ref_logps(rng, samples)
+    c = cfg(**{"adv.estimator": "reinforce_pp_baseline" if baseline else "reinforce_pp", "adv.gamma": gamma,
+               "actor.kl.coef": kl_coef, "actor.kl.reward_estimator": "k1"})
+    out = st.compute_advantages(st.StepInputs(samples, G), c, CTX, ref)
+    r = np.array([s.reward for s in samples])
+    if baseline:
+        r = r - np.repeat(r.reshape(-1, G).mean(1), G)
+    returns = []
+    for s, rl, outcome in zip(samples, ref, r):
+        pos = positions(s)
+        tok = [-kl_coef * (s.sampler_logprobs[t + 1] - float(rl[t])) for t in pos]
+        tok[-1] += outcome
+        returns.append([sum(gamma ** j * tok[k + j] for j in range(len(tok) - k)) for k in range(len(tok))])
+    flat = np.concatenate(returns)
+    expected = (flat - flat.mean()) / (flat.std() + 1e-6)
+    np.testing.assert_allclose(as_np(out.advantages, samples), expected, rtol=1e-6, atol=1e-6)
+    for a, s in zip(out.advantages, samples):  # exactly 0 off the action tokens
+        off = [t for t in range(len(s.ids) - 1) if not s.action_mask[t + 1]]
+        assert a.shape == (len(s.ids) - 1,) and (a[off] == 0).all()
+
+
+@pytest.mark.parametrize("gamma,lam,whiten,scale,kl_coef", [(1.0, 1.0, False, 1.0, 0.0), (1.0, 0.95, True, 2.5, 0.0),
+                                                            (0.99, 0.9, True, 1.0, 0.1)])
+def test_gae_estimator(gamma, lam, whiten, scale, kl_coef):
+    rng = np.random.default_rng(3)
+    samples = make_samples(rng, G=2)
+    values = [torch.tensor(rng.normal(size=len(s.ids) - 1)) for s in samples]
+    ref = ref_logps(rng, samples)
+    c = cfg(**{"adv.estimator": "gae", "adv.gamma": gamma, "adv.lamda": lam, "adv.whiten": whiten,
+               "actor.kl.coef": kl_coef, "actor.kl.reward_estimator": "k1"})
+    out = st.compute_advantages(st.StepInputs(samples, 2), c, CTX, ref if kl_coef else None, values=values,
+                                reward_scale=scale)
+    advs, rets, vals = [], [], []
+    for s, v, rl in zip(samples, values, ref):
+        pos = positions(s)
+        tok = [-kl_coef * (s.sampler_logprobs[t + 1] - float(rl[t])) for t in pos]
+        tok[-1] += s.reward
+        tok = [x * scale for x in tok]
+        V = [float(v[t]) for t in pos]
+        a, last = [0.0] * len(pos), 0.0
+        for k in reversed(range(len(pos))):
+            v_next = V[k + 1] if k + 1 < len(pos) else 0.0
+            last = tok[k] + gamma * v_next - V[k] + gamma * lam * last
+            a[k] = last
+        advs += a
+        rets += [x + y for x, y in zip(a, V)]
+        vals += V
+    advs, rets, vals = map(np.array, (advs, rets, vals))
+    np.testing.assert_allclose(as_np(out.returns, samples), rets, rtol=1e-6, atol=1e-6)
+    expected = (advs - advs.mean()) / math.sqrt(advs.var() + 1e-8) if whiten else advs
+    np.testing.assert_allclose(as_np(out.advantages, samples), expected, rtol=1e-5, atol=1e-6)
+    ev = 1 - np.var(rets - vals) / np.var(rets)
+    assert out.metrics["critic/explained_variance"] == pytest.approx(ev, rel=1e-6, abs=1e-9)
+
+
+def test_kl_metric_in_the_loss_placement():
+    """KL in the loss (no reward estimator): advantages untouched, the policy-vs-reference KL logged."""
+    rng = np.random.default_rng(4)
+    samples = make_samples(rng)
+    ref = ref_logps(rng, samples)
+    c = cfg(**{"actor.kl.coef": 0.1, "actor.kl.type": "k3"})
+    with_ref = st.compute_advantages(st.StepInputs(samples, 4), c, CTX, ref)
+    without = st.compute_advantages(st.StepInputs(samples, 4), c, CTX, None)
+    assert with_ref.advantages == without.advantages
+    d = np.concatenate([[s.sampler_logprobs[t + 1] - float(r[t]) for t in positions(s)] for s, r in zip(samples, ref)])
+    assert with_ref.metrics["kl/k3"] == pytest.approx(np.mean(np.exp(-d) + d - 1), rel=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------
+# shaping, selection, running moments
+
+
+def test_overlong_shaping_and_group_selection():
+    rng = np.random.default_rng(5)
+    samples = make_samples(rng, n_groups=2, G=3)
+    for s in samples:
+        s.reward = 1.0  # every group is uninformative before shaping
+    c = cfg(**{"rollout.train_sampling_params.max_new_tokens": 8, "rollout.overlong_buffer": 4,
+               "rollout.overlong_penalty": 0.5})
+    rewards, pen = st.shaped_rewards(samples, c)
+    for s, r, p in zip(samples, rewards, pen):
+        L = s.n_action_tokens
+        ref = 0.0 if L <= 4 else (-0.5 * (L - 4) / 4 if L <= 8 else -0.5)
+        assert p == pytest.approx(ref) and r == pytest.approx(1.0 + ref)
+    kept, kept_r = st.select_groups(samples, rewards, 3, dynamic_filtering=True)
+    informative = [len(set(rewards[g * 3:(g + 1) * 3])) > 1 for g in range(2)]
+    assert len(kept) == 3 * sum(informative) and kept_r == [r for g, ok in enumerate(informative) if ok
+                                                            for r in rewards[g * 3:(g + 1) * 3]]
+    assert st.select_groups(samples, [1.0] * 6, 3, True) == ([], [])  # unshaped: nothing kept
+    off = cfg(**{"rollout.overlong_buffer": None})
+    assert st.shaped_rewards(samples, off) == ([1.0] * 6, [0.0] * 6)
+    frac = cfg(**{"rollout.train_sampling_params.max_new_tokens": 10, "rollout.overlong_buffer": 0.2})
+    L = np.array([s.n_action_tokens for s in samples])
+    np.testing.assert_allclose(st.shaped_rewards(samples, frac)[1], -np.clip((L - 8) / 2, 0, 1))
+
+
+def test_running_moments():
+    rng = np.random.default_rng(6)
+    m = st.RunningMoments()
+    seen = []
+    for _ in range(5):
+        batch = list(rng.normal(loc=2.0, scale=3.0, size=int(rng.integers(1, 20))))
+        m.update(batch, CTX)
+        seen += batch
+        assert m.count == len(seen)
+        assert m.mean == pytest.approx(np.mean(seen), rel=1e-9) and m.std == pytest.approx(np.std(seen), rel=1e-9)
+    again = st.RunningMoments()
+    again.load_state_dict(m.state_dict())
+    assert again == m
+
+
+def test_mask_truncated_keeps_the_baseline_but_drops_the_tokens():
+    rng = np.random.default_rng(7)
+    samples = make_samples(rng, n_groups=2, G=4)
+    samples[1].finish_reason = samples[6].finish_reason = "length"
+    before = st.compute_advantages(st.StepInputs(samples, 4), cfg(), CTX, None).advantages
+    kept = st.filter_groups(samples, 4, dynamic_filtering=False, mask_truncated_=True)
+    assert kept == samples
+    assert sum(samples[1].action_mask) == 0 and sum(samples[6].action_mask) == 0
+    assert all(sum(s.action_mask) > 0 for i, s in enumerate(samples) if i not in (1, 6))
+    after = st.compute_advantages(st.StepInputs(samples, 4), cfg(), CTX, None).advantages
+    assert after == before  # the truncated rewards still shape their group's baseline

@@ -1,0 +1,168 @@
+"""Next-token log-probs and entropy straight from hidden states and the lm_head weight, a chunk of
+tokens at a time (`actor.use_liger_kernel`): the [batch, seq, vocab] logits, their float32 copy and
+the softmax the plain path keeps for backward are never materialised (for a 150k vocabulary and 16k
+tokens that is ~10 GB each in float32).
+
+- `fused_logprobs_entropy`: one pass gives both outputs; a custom backward recomputes each chunk's
+  logits and forms the gradient of `g_logp * logp + g_ent * entropy` in closed form:
+  d logp_y / dz = onehot(y) - p, d H / dz = -p (z - E_p[z]), with z = logits / T.
+  Plain torch, so it runs (and is tested against the plain path) on CPU as well as GPU.
+- On CUDA with liger-kernel installed, log-prob-only passes (reference / old log-probs, no grad)
+  use liger's fused linear cross-entropy kernel (`reduction="none"` gives -logp per token).
+- `FusedLogprobHead` plugs this into a Hugging Face causal LM without touching its parameters:
+  for one forward it swaps the `lm_head` module's `forward` for the fused computation, so under
+  FSDP2 the head still runs inside the root module's forward (weights gathered, gradients reduced)
+  and the model returns log-probs (and entropy) in place of logits.
+Requires an unsharded lm_head (actor tensor parallel size 1) without bias or logit post-processing.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+DEFAULT_CHUNK_TOKENS = 2048
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    # The plain path's order: matmul in the parameter dtype, then float32, then / T.
+    z = (h @ weight.t()).float()
+    return z / temperature if temperature != 1.0 else z
+
+
+class _ChunkedLogprobEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
+                chunk: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        for s in range(0, n, chunk):
+            z = _chunk_logits(hidden[s:s + chunk], weight, temperature)
+            lse = torch.logsumexp(z, dim=-1)
+            logp[s:s + chunk] = z.gather(1, labels[s:s + chunk, None]).squeeze(1) - lse
+            if with_entropy:
+                p = torch.softmax(z, dim=-1)  # the plain path's arithmetic (train/utils/algorithms.py)
+                entropy[s:s + chunk] = lse - (p * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, labels)
+        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx: Any, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None):
+        hidden, weight, labels = ctx.saved_tensors
+        T, chunk = ctx.temperature, ctx.chunk
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        use_ent = ctx.with_entropy and g_ent is not None
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s:s + chunk]
+            z = _chunk_logits(h, weight, T)
+            p = torch.softmax(z, dim=-1)
+            gz = torch.zeros_like(z)
+            if g_logp is not None:
+                g = g_logp[s:s + chunk, None].float()
+                gz -= p * g
+                gz.scatter_add_(1, labels[s:s + chunk, None], g)
+            if use_ent:
+                mean_z = (p * z).sum(-1, keepdim=True)
+                gz -= g_ent[s:s + chunk, None].float() * p * (z - mean_z)
+            if T != 1.0:
+                gz /= T
+            gz = gz.to(hidden.dtype)  # back through the float32 cast, like autograd on the plain path
+            if need_h:
+                grad_h[s:s + chunk] = gz @ weight
+            if need_w:
+                grad_w += (gz.t() @ h).float()
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+
+
+def fused_logprobs_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = True,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    use_liger: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(h W^T / T)[label] and the entropy of softmax(h W^T / T), per position.
+
+    `hidden` [..., H], `weight` [V, H], `labels` [...] (valid ids everywhere) -> float32 [...].
+    `use_liger` None: liger-kernel for no-grad log-prob-only calls on CUDA when it is installed."""
+    shape = labels.shape
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1).long()
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if use_liger is None:
+        use_liger = not with_entropy and not needs_grad and hidden.is_cuda and liger_available()
+    if use_liger and not with_entropy:
+        return liger_logprobs(h, weight, y, temperature).reshape(shape), None
+    logp, entropy = _ChunkedLogprobEntropy.apply(h, weight, y, float(temperature), int(chunk_tokens), with_entropy)
+    return logp.reshape(shape), (entropy.reshape(shape) if with_entropy else None)
+
+
+def liger_available() -> bool:
+    try:
+        import liger_kernel.transformers.functional  # noqa: F401  (needs triton)
+    except Exception:  # ImportError, or triton failing without a GPU
+        return False
+    return True
+
+
+def liger_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    """-cross_entropy per token from liger's fused linear cross-entropy; h / T gives logits / T."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    h = hidden / temperature if temperature != 1.0 else hidden
+    loss = liger_fused_linear_cross_entropy(h.contiguous(), weight.contiguous(), labels, reduction="none")
+    return -loss.float()
+
+
+class FusedLogprobHead:
+    """See the module docstring. Call it instead of `model(...).logits` + log_softmax."""
+
+    def __init__(self, model: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+        check_supported(model)
+        self.chunk_tokens = chunk_tokens
+
+    def __call__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 labels: torch.Tensor, temperature: float, with_entropy: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-probs [b, L-1], entropy [b, L-1] or None) of tokens 1.. given tokens ..L-2, like
+        the plain path's `logits[:, :-1]` with `labels = input_ids[:, 1:]`."""
+        head = model.get_output_embeddings()
+
+        def fused_forward(hidden: torch.Tensor) -> torch.Tensor:
+            logp, ent = fused_logprobs_entropy(hidden[:, :-1], head.weight, labels, temperature,
+                                               with_entropy=with_entropy, chunk_tokens=self.chunk_tokens)
+            return torch.stack([logp, ent], dim=-1) if with_entropy else logp[..., None]
+
+        previous = head.__dict__.get("forward")
+        head.forward = fused_forward  # an instance attribute, for this call only
+        try:
+            packed = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        finally:
+            if previous is None:
+                del head.forward
+            else:
+                head.forward = previous
+        return packed[..., 0], (packed[..., 1] if with_entropy else None)
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """The fused head replaces `logits = lm_head(h)`; models that post-process logits are refused."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError("actor.use_liger_kernel: the model has no nn.Linear output head (lm_head)")
+    if head.bias is not None:
+        raise ValueError("actor.use_liger_kernel: an lm_head with a bias is not supported")
+    config = getattr(model, "config", None)
+    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+        if getattr(config, attr, None) not in (None, 1, 1.0):
+            raise ValueError(f"actor.use_liger_kernel: {type(model).__name__} post-processes its logits "
+                             f"({attr}); use the plain path (actor.use_liger_kernel=false)")
