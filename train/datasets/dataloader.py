@@ -111,23 +111,7 @@ class RLDataLoader:
         self._iter = iter(self.loader)
 
 
-def build_dataloader(
-    rows: list[dict],
-    *,
-    batch_size: int,
-    rank: int,
-    world_size: int,
-    seed: int,
-    shuffle: bool = True,
-    drop_last: bool = False,
-) -> RLDataLoader:
-    """Build the loader of rank ``rank`` of ``world_size``; ``batch_size`` is per rank."""
-    return RLDataLoader(
-        rows,
-        batch_size=batch_size,
-        rank=rank,
-        world_size=world_size,
-        seed=seed,
-        shuffle=shuffle,
-        drop_last=drop_last,
-    )
+def build_dataloader(rows: list[dict], **kwargs: Any) -> RLDataLoader:
+    """Build the loader of one rank (keywords as `RLDataLoader`: batch_size per rank, rank,
+    world_size, seed, shuffle, drop_last)."""
+    return RLDataLoader(rows, **kwargs)
