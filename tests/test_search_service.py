@@ -1,0 +1,197 @@
+"""The local search service, started for real from its documented commands on 127.0.0.1, and
+searchr1.py against it: single and batch forms, 200 concurrent queries, errors, interact/reward."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from train.workers.environment import load_env_module
+
+ROOT = Path(__file__).resolve().parents[1]
+SEARCH_DATA = ROOT / "stub" / "data" / "search"
+
+
+# ----------------------------------------------------------- helpers (other test files import these)
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(cmd: list[str], health_url: str, log_path: Path, timeout: float = 180.0,
+            env: dict | None = None) -> Iterator[subprocess.Popen]:
+    """Start a server process, wait until `health_url` answers 200, stop it afterwards."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+                                 "TRANSFORMERS_OFFLINE": "1", **(env or {})})
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"{cmd[:3]} exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(health_url, timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{cmd[:3]} not healthy after {timeout}s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.3)
+        yield proc
+    finally:
+        stop(proc)
+        log.close()
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def build_index(index_path: Path) -> None:
+    cmd = [sys.executable, "environments/build_search_index.py", "--corpus_path", str(SEARCH_DATA / "corpus.jsonl"),
+           "--index_path", str(index_path)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "indexed 60 documents" in out.stdout
+
+
+@contextlib.contextmanager
+def search_service(tmp: Path, top_k: int = 3) -> Iterator[str]:
+    index = tmp / "stub.index"
+    if not index.exists():
+        build_index(index)
+    port = free_port()
+    cmd = [sys.executable, "environments/local_search_service.py", "--index_path", str(index),
+           "--corpus_path", str(SEARCH_DATA / "corpus.jsonl"), "--top_k", str(top_k), "--port", str(port)]
+    url = f"http://127.0.0.1:{port}"
+    with running(cmd, url + "/health", tmp / "search.log"):
+        yield url
+
+
+def qa_rows() -> list[dict]:
+    rows = []
+    for split in ("train", "test"):
+        with open(SEARCH_DATA / f"{split}.jsonl") as f:
+            rows += [json.loads(line) for line in f]
+    return rows
+
+
+# ------------------------------------------------------------------------------------- tests
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    with search_service(tmp_path_factory.mktemp("search")) as url:
+        yield url
+
+
+def test_index_metadata_and_health(service, tmp_path_factory):
+    health = httpx.get(service + "/health").json()
+    assert health["status"] == "ok" and health["documents"] == 60 and health["top_k"] == 3
+
+
+def test_single_query_top_k_with_ids_and_scores(service):
+    out = httpx.post(service + "/search", json={"query": "What is the capital of Quutark?"}).json()
+    results = out["results"]
+    assert len(results) == 3 and results[0]["id"] == "d000" and "Naleth" in results[0]["contents"]
+    scores = [r["score"] for r in results]
+    assert scores == sorted(scores, reverse=True) and 0 < scores[0] <= 1.0001  # cosine similarity
+    assert len(httpx.post(service + "/search", json={"query": "Naleth", "top_k": 1}).json()["results"]) == 1
+
+
+def test_batch_form_keeps_request_order_and_ids(service):
+    body = [{"query": "capital of Quutark", "id": "q-a", "request_idx": 7},
+            {"query": "How high is Mount Lirail?", "id": "q-b", "request_idx": 3, "top_k": 1},
+            {"query": "no request_idx here"}]
+    for path in ("/search", "/batch_search"):
+        out = httpx.post(service + path, json=body).json()
+        assert [o["request_idx"] for o in out] == [7, 3, 2] and [o["id"] for o in out] == ["q-a", "q-b", None]
+        assert out[0]["results"][0]["id"] == "d000" and [r["id"] for r in out[1]["results"]] == ["d003"]
+        assert len(out[2]["results"]) == 3
+
+
+def test_bad_requests_are_422(service):
+    assert httpx.post(service + "/search", json={"q": "x"}).status_code == 422
+    assert httpx.post(service + "/search", json={"query": "x", "top_k": 0}).status_code == 422
+    r = httpx.post(service + "/search", json={"query": "x", "top_k": 1000})
+    assert r.status_code == 422 and "max_top_k" in r.text
+
+
+def test_200_concurrent_queries_are_answered_correctly(service):
+    rows = qa_rows()
+    queries = [(rows[i % len(rows)]["messages"][-1]["content"], rows[i % len(rows)]["answer"]["gold_ids"])
+               for i in range(200)]
+    # Reference: every distinct question alone, one request at a time.
+    alone = {q: httpx.post(service + "/search", json={"query": q}).json()["results"] for q, _ in queries[: len(rows)]}
+
+    async def burst():
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=service, limits=limits, timeout=60) as client:
+            start = time.perf_counter()
+            replies = await asyncio.gather(*(client.post("/search", json={"query": q}) for q, _ in queries))
+            return replies, time.perf_counter() - start
+
+    replies, elapsed = asyncio.run(burst())
+    assert all(r.status_code == 200 for r in replies)
+    for (q, gold), r in zip(queries, replies):
+        out = r.json()
+        assert out["query"] == q
+        assert [d["id"] for d in out["results"]] == [d["id"] for d in alone[q]]
+        assert [d["score"] for d in out["results"]] == pytest.approx([d["score"] for d in alone[q]], abs=1e-4)
+        assert out["results"][0]["id"] in gold  # the gold passage ranks first for every stub question
+    print(f"\n200 concurrent queries in {elapsed:.2f}s: {200 / elapsed:.0f} queries/s")
+    health = httpx.get(service + "/health").json()
+    assert health["batches"] < health["queries"]  # concurrent queries were batched together
+
+
+def test_searchr1_interact_and_reward_against_the_live_service(service, monkeypatch):
+    monkeypatch.setenv("SEARCH_URL", service)
+    monkeypatch.setenv("SEARCH_TOP_K", "2")
+    env = load_env_module("environments/searchr1.py")
+    convo = [{"role": "user", "content": "What is the capital of Quutark?"},
+             {"role": "assistant", "content": "Let me look. <search>capital of Quutark</search>"}]
+    out = asyncio.run(env.interact(convo))
+    assert len(out) == 1 and out[0]["role"] == "tool" and out[0]["doc_ids"][0] == "d000" and len(out[0]["doc_ids"]) == 2
+    assert out[0]["content"].splitlines()[0] == "[d000] Quutark: Quutark is a small country. Its capital is Naleth."
+    calls = env.pop_api_calls()
+    assert [(c["type"], c["ok"]) for c in calls] == [("search", True)]
+    answer = {"target": "Naleth", "gold_ids": ["d000"]}
+    final = convo + out + [{"role": "assistant", "content": "<answer>  the NALETH. </answer>"}]
+    assert env.reward_fn(final, answer) == 1.0
+    assert env.reward_fn(convo + out + [{"role": "assistant", "content": "<answer>Quutark</answer>"}], answer) == 0.0
+    assert env.reward_fn(final, ["x", "Naleth"]) == 1.0 and env.reward_fn(final, "naleth") == 1.0
+    # an answer (or no tag) ends the episode; an empty query gets a hint, not a request
+    assert asyncio.run(env.interact(final)) == []
+    assert asyncio.run(env.interact([{"role": "assistant", "content": "hmm"}])) == []
+    hint = asyncio.run(env.interact([{"role": "assistant", "content": "<search> </search>"}]))
+    assert "Empty query" in hint[0]["content"] and env.pop_api_calls() == []
+    monkeypatch.setenv("SEARCH_INVALID_REPLY", "1")
+    assert "No action found" in asyncio.run(env.interact([{"role": "assistant", "content": "hmm"}]))[0]["content"]
+
+
+def test_search_failure_is_retried_then_raised(monkeypatch):
+    monkeypatch.setenv("SEARCH_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("SEARCH_RETRIES", "1")
+    env = load_env_module("environments/searchr1.py")
+    with pytest.raises(httpx.ConnectError):
+        asyncio.run(env.interact([{"role": "assistant", "content": "<search>x</search>"}]))
+    assert [(c["type"], c["ok"]) for c in env.pop_api_calls()] == [("search", False)] * 2

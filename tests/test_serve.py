@@ -1,0 +1,125 @@
+"""train.serve: the official `openai` client, unmodified, against a real server on 127.0.0.1, and
+the served tokens checked against the hf engine directly."""
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.test_search_service import free_port, running
+from train.datasets.tokenize import prompt_ids
+from train.engines.base import SamplingParams
+from train.engines.hf import HFEngine
+from train.serve import ModelServer, create_app, cut_at_stop
+
+MODEL = "stub/model"
+PROMPT = [{"role": "user", "content": "23 + 45"}]
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory):
+    port = free_port()
+    cmd = [sys.executable, "-m", "train.serve", "--model", MODEL, "--port", str(port), "--served-model-name", "stub"]
+    with running(cmd, f"http://127.0.0.1:{port}/health", tmp_path_factory.mktemp("serve") / "serve.log"):
+        yield f"http://127.0.0.1:{port}/v1"
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    with openai.OpenAI(base_url=base_url, api_key="unused") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = HFEngine.from_pretrained(MODEL)
+    yield eng
+    eng.close()
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["stub"] and models.data[0].object == "model"
+    assert client.models.retrieve("stub").id == "stub"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+
+
+def test_greedy_reply_is_the_engines_tokens(client, engine):
+    r = client.chat.completions.create(model="stub", messages=PROMPT, temperature=0, max_tokens=12, logprobs=True)
+    ids = prompt_ids(engine.tokenizer, PROMPT)
+    gen = asyncio.run(engine.generate(ids, SamplingParams(max_new_tokens=12, temperature=0.0)))
+    expected = engine.tokenizer.decode(gen.token_ids[:-1] if gen.finish_reason == "stop" else gen.token_ids,
+                                       skip_special_tokens=True)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and r.model == "stub" and choice.message.role == "assistant"
+    assert choice.message.content == expected and choice.message.content.startswith("<answer>")
+    assert choice.finish_reason == gen.finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(gen.token_ids)
+    assert r.usage.total_tokens == len(ids) + len(gen.token_ids)
+    lps = [t.logprob for t in choice.logprobs.content]
+    assert lps == pytest.approx(gen.logprobs, abs=1e-5) and all(lp <= 0 for lp in lps)
+
+
+def test_sampling_n_seed_stop_and_length(client):
+    kw = dict(model="stub", messages=PROMPT, temperature=1.0, max_tokens=12, seed=7)
+    a = client.chat.completions.create(n=3, **kw)
+    b = client.chat.completions.create(n=3, **kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]  # seeded
+    r = client.chat.completions.create(model="stub", messages=PROMPT, temperature=0, max_tokens=12, stop=["</answer>"])
+    assert "</answer>" not in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(model="stub", messages=PROMPT, temperature=0, max_completion_tokens=2)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 2
+
+
+def test_stream_matches_the_plain_reply(client):
+    kw = dict(model="stub", messages=PROMPT, temperature=0, max_tokens=12)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain and chunks[-1].usage.completion_tokens > 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_what_the_engine_cannot_do_is_a_400(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model="stub", messages=PROMPT, response_format=fmt)
+    with pytest.raises(openai.NotFoundError, match="model_not_found|does not exist"):
+        client.chat.completions.create(model="gpt-4o", messages=PROMPT)
+    with pytest.raises(openai.BadRequestError, match="context_length_exceeded"):
+        client.chat.completions.create(model="stub", messages=[{"role": "user", "content": "1 + 1 " * 400}])
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="stub", messages=PROMPT, temperature=5)
+
+
+def test_concurrent_requests_with_the_async_client(base_url):
+    async def many():
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused") as c:
+            return await asyncio.gather(*(c.chat.completions.create(
+                model="stub", messages=[{"role": "user", "content": f"{10 + i} + 11"}], temperature=0, max_tokens=8)
+                for i in range(16)))
+
+    replies = asyncio.run(many())
+    assert len(replies) == 16 and all(r.choices[0].message.content for r in replies)
+
+
+def test_api_key_and_text_parts_in_process(engine):
+    server = ModelServer(engine, engine.tokenizer, "stub", MODEL, api_key="secret")
+    with TestClient(create_app(server)) as http:
+        body = {"model": "stub", "messages": [{"role": "user", "content": [{"type": "text", "text": "23 + 45"}]}],
+                "temperature": 0, "max_tokens": 8}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = http.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer secret"})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith("<answer>")
+
+
+def test_cut_at_stop():
+    assert cut_at_stop("abc</x>def", ["</x>", "zz"]) == ("abc", True)
+    assert cut_at_stop("a.b.c", ["b", "."]) == ("a", True)
+    assert cut_at_stop("abc", []) == ("abc", False)
