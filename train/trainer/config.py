@@ -6,6 +6,8 @@ import os
 
 from omegaconf import DictConfig, OmegaConf
 
+from train.engines import ENGINE_NAMES
+
 
 class ConfigError(ValueError):
     pass
@@ -26,7 +28,6 @@ ESTIMATORS = ("reinforce", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae
 LOSSES = ("ppo", "gspo")
 TIS_LEVELS = ("token", "sequence")
 ENTROPY_SCHEDULES = ("constant", "linear", "cosine")
-ENGINES = ("hf", "sglang")
 
 
 def _get(cfg: DictConfig, key: str):
@@ -110,7 +111,7 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
         _choice(cfg, "actor.kl.reward_estimator", KL_TYPES)
     _choice(cfg, "adv.estimator", ESTIMATORS)
     _choice(cfg, "actor.loss", LOSSES)
-    _choice(cfg, "rollout.engine", ENGINES)
+    _choice(cfg, "rollout.engine", ENGINE_NAMES)
     _choice(cfg, "actor.scheduler", ("constant", "cosine"))
     _choice(cfg, "actor.dtype", ("float32", "bfloat16"))
     _validate_algorithms(cfg)
