@@ -1,18 +1,17 @@
 """1 rank vs 2 data-parallel ranks (torchrun, gloo): the same gradients, global clip norm and
 updated weights for the same rollout data, whatever the split and micro-batching."""
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, trainer_env
+from conftest import ROOT, run_torchrun
 
 
 def launch(nproc: int, out, *args: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
            str(ROOT / "tests" / "dist_checks.py"), *args, "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(cmd, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return torch.load(out)
 

@@ -5,14 +5,13 @@ On CPU the plain-torch fused implementation is compared with full-logits log_sof
 The real liger-kernel comparison needs CUDA + triton and is skipped here with the reason."""
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import ROOT, trainer_env
+from conftest import ROOT, run_torchrun
 from train.utils import algorithms as alg
 from train.utils.fused_logprobs import FusedLogprobHead, check_supported, fused_logprobs_entropy, liger_available
 
@@ -109,7 +108,7 @@ def test_fsdp_actor_fused_matches_plain(tmp_path) -> None:
     out = tmp_path / "liger.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
            str(ROOT / "tests" / "liger_dist_check.py"), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(cmd, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     res = torch.load(out)
     plain_, fused = res["plain"], res["fused"]

@@ -25,7 +25,7 @@ import zipfile
 import pytest
 import torch
 
-from conftest import ROOT, trainer_env
+from conftest import ROOT, run_torchrun, trainer_env
 from fake_sglang import EOS, RecordingFakeSGLangEngine, expected_tokens, fake_bindings
 from train.engines.base import SamplingParams
 from train.engines.sglang import (
@@ -327,7 +327,7 @@ def test_tp2_owner_serves_feeder_and_push_gathers_every_rank(tmp_path) -> None:
     ranks and hands SGLang one payload per TP rank."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
            str(ROOT / "tests" / "sglang_dist_check.py"), "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(cmd, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())
