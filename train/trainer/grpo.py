@@ -306,12 +306,18 @@ class Trainer:
             metrics.update(self.actor.update(batch, self.train_sampling.max_new_tokens))
         return metrics
 
-    def _engine_metrics(self) -> dict[str, float]:
-        """Decode throughput of this step's rollout, summed over ranks (engines that count it)."""
+    def _engine_counters(self) -> tuple[float, float] | None:
+        """The engine's running (generated tokens, generation seconds), if it counts them."""
         stats = getattr(self.engine, "stats", None)
         if not stats:
+            return None
+        return float(stats.get("generated_tokens", 0)), float(stats.get("generation_seconds", 0.0))
+
+    def _engine_metrics(self) -> dict[str, float]:
+        """Decode throughput of this step's rollout, summed over ranks (engines that count it)."""
+        now = self._engine_counters()
+        if now is None:
             return {}
-        now = (float(stats.get("generated_tokens", 0)), float(stats.get("generation_seconds", 0.0)))
         tokens, seconds = (a - b for a, b in zip(now, self._engine_seen))
         self._engine_seen = now
         tokens, seconds = all_reduce_sum([tokens, seconds], self.ctx.device)
@@ -350,8 +356,7 @@ class Trainer:
             [sum(s.reward for s in samples), float(len(samples)), float(sum(bool(s.env_error) for s in samples))],
             ctx.device)
         score = total / max(count, 1.0)
-        stats = getattr(self.engine, "stats", None) or {}  # keep eval tokens out of the next step's rate
-        self._engine_seen = (float(stats.get("generated_tokens", 0)), float(stats.get("generation_seconds", 0.0)))
+        self._engine_seen = self._engine_counters() or (0.0, 0.0)  # eval tokens stay out of the next rate
         self.test_history.append((step, score))
         self.log.event("eval", step, {"rewards/test": score, "n": count, "env_errors": errors})
         return score

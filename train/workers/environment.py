@@ -65,9 +65,7 @@ class Environment:
                 f"rollout.max_turns={max_turns} needs; define it (return [] to end the episode) "
                 "or set rollout.max_turns=1")
         self.timeout_s = timeout_s
-        self.max_workers = max_workers
         self._pool = DaemonThreadPool(max_workers)
-        self._extra_workers = 0
 
     async def _call(self, name: str, fn, *args) -> Any:
         args = copy.deepcopy(args)  # env code must not mutate the rollout's conversation
@@ -80,7 +78,6 @@ class Environment:
             except asyncio.TimeoutError:
                 # The hung call keeps its (daemon) worker thread; give the pool a new one.
                 self._pool.add_worker()
-                self._extra_workers += 1
                 raise
         except asyncio.TimeoutError:
             raise EnvCallError(name, "timeout", f"no answer within rollout.env_timeout_s={self.timeout_s}") from None
@@ -114,7 +111,7 @@ class Environment:
         return list(pop()) if callable(pop) else []
 
     def close(self) -> None:
-        self._pool.shutdown(self.max_workers + self._extra_workers)
+        self._pool.shutdown()
 
 
 class DaemonThreadPool:
@@ -124,10 +121,12 @@ class DaemonThreadPool:
 
     def __init__(self, n_workers: int):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.n_workers = 0
         for _ in range(n_workers):
             self.add_worker()
 
     def add_worker(self) -> None:
+        self.n_workers += 1
         threading.Thread(target=self._work, name="env-call", daemon=True).start()
 
     def submit(self, loop: asyncio.AbstractEventLoop, fn, args) -> asyncio.Future:
@@ -150,8 +149,8 @@ class DaemonThreadPool:
             except RuntimeError:  # the loop closed while this call ran: nobody is waiting
                 pass
 
-    def shutdown(self, n_workers: int) -> None:
-        for _ in range(n_workers):
+    def shutdown(self) -> None:
+        for _ in range(self.n_workers):
             self._queue.put(None)
 
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from train.datasets.tokenize import TokenizationError, continuation_ids, prompt_ids
+from train.datasets.tokenize import continuation_ids, prompt_ids
 from train.engines.base import RolloutEngine, SamplingParams
 from train.workers.environment import EnvCallError, Environment
 
@@ -87,8 +87,6 @@ class RolloutWorker:
         except EnvCallError as e:
             sample.reward = self.env_error_reward
             sample.env_error = str(e)
-        except TokenizationError:
-            raise  # a template problem is a configuration error, not a bad sample
         return sample
 
     async def _run_all(self, rows: list[dict], n: int, sampling: SamplingParams, base_seed: int,
