@@ -57,18 +57,29 @@ def shard(batch: TrainBatch, index: list[int]) -> TrainBatch:
                       [batch.advantages[i] for i in index], [batch.sampler_logp[i] for i in index])
 
 
+UNEVEN = {1: [0], 2: [0, 7], 4: [0, 3, 5, 9]}  # where each rank's own samples start
+
+
+def own_samples(n: int, split: str, rank: int, world: int) -> list[int]:
+    """The samples a rank rolled out itself: an uneven split, or all on rank 0 (e.g. every group of
+    the other ranks was filtered)."""
+    if split == "all_on_rank0":
+        return list(range(n)) if rank == 0 else []
+    starts = UNEVEN[world] + [n]
+    return list(range(starts[rank], starts[rank + 1]))
+
+
+def layout_overrides(args) -> dict:
+    return {"ddp_size": args.ddp, "tp_size": args.tp, "sp_size": args.sp}
+
+
 def grads(args, ctx) -> None:
     torch.manual_seed(0)
-    cfg = actor_cfg(agg_mode=args.agg, max_length_per_device=args.max_tokens, max_grad_norm=args.clip)
+    cfg = actor_cfg(agg_mode=args.agg, max_length_per_device=args.max_tokens, max_grad_norm=args.clip,
+                    loss=args.loss, **{"entropy.coef": args.entropy}, **layout_overrides(args))
     actor = Actor(cfg, ctx, MODEL, pad_token_id=0, train=True, temperature=1.0, total_updates=1)
     batch = fixed_batch()
-    n = len(batch.ids)
-    if ctx.world_size == 1:
-        index = list(range(n))
-    elif args.split == "uneven":
-        index = list(range(0, 7)) if ctx.rank == 0 else list(range(7, n))
-    else:  # everything on rank 0, nothing on rank 1 (e.g. all its groups were filtered)
-        index = list(range(n)) if ctx.rank == 0 else []
+    index = own_samples(len(batch.ids), args.split, ctx.rank, ctx.world_size)
     local = shard(batch, index)
     actor.accumulate_gradients(local, list(range(len(index))), 32, {}, {})  # metrics unused here
     grads = {name: p.grad.full_tensor().clone() for name, p in actor.model.named_parameters()}
@@ -76,6 +87,33 @@ def grads(args, ctx) -> None:
     weights = {name: p.full_tensor().detach().clone() for name, p in actor.model.named_parameters()}
     if ctx.is_main:
         torch.save({"grads": grads, "norm": norm, "weights": weights}, args.out)
+
+
+def packing(args, ctx) -> None:
+    """Packed actor vs a plain per-sequence reference (see tests/test_packing.py)."""
+    from train.workers.base import load_causal_lm
+
+    torch.manual_seed(0)
+    cfg = actor_cfg(max_length_per_device=48)
+    actor = Actor(cfg, ctx, MODEL, pad_token_id=0, train=True, temperature=0.7, total_updates=1)
+    batch = fixed_batch()
+    n = len(batch.ids)
+    packs = len(actor._micro_batches(list(range(n)), batch.ids, batch.action_mask, 48))
+    logp = actor.compute_logprobs(batch.ids, batch.action_mask)
+    actor.accumulate_gradients(batch, list(range(n)), 32, {}, {})
+    got = {name: p.grad.full_tensor().clone() for name, p in actor.model.named_parameters()}
+    plain = load_causal_lm(MODEL)
+    n_tok = sum(sum(m[1:]) for m in batch.action_mask)
+    loss, err = 0.0, 0.0
+    for seq, mask, adv, lp in zip(batch.ids, batch.action_mask, batch.advantages, logp):
+        logits = plain(input_ids=torch.tensor([seq])).logits[0, :-1].double() / 0.7
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:])[:, None]).squeeze(-1)
+        m = torch.tensor(mask[1:], dtype=torch.float64)
+        err = max(err, float(((ref.detach() - lp.double()) * m).abs().max()))
+        loss = loss - adv * (ref * m).sum() / n_tok  # the PPO loss's gradient at ratio 1
+    loss.backward()
+    grads = {name: (got[name], p.grad.float()) for name, p in plain.named_parameters()}
+    torch.save({"packs": packs, "logp_err": err, "grads": grads}, args.out)
 
 
 def critic_cfg(**overrides):
@@ -89,24 +127,18 @@ def critic_cfg(**overrides):
 def critic_grads(args, ctx) -> None:
     """The critic follows the actor's rule: global token normaliser x world size (1 vs 2 ranks)."""
     torch.manual_seed(0)
-    critic = Critic(critic_cfg(max_length_per_device=args.max_tokens, max_grad_norm=args.clip, clip=0.2),
-                    ctx, MODEL, pad_token_id=0, total_updates=1)
+    critic = Critic(critic_cfg(max_length_per_device=args.max_tokens, max_grad_norm=args.clip, clip=0.2,
+                               **layout_overrides(args)), ctx, MODEL, pad_token_id=0, total_updates=1)
     with torch.no_grad():  # a non-zero head, so the backbone gets gradients too
         g = torch.Generator().manual_seed(7)
         w = torch.randn(critic.model.value_head.weight.shape, generator=g) * 0.1
-        local = critic.model.value_head.weight.to_local()
-        local.copy_(w[ctx.rank * local.shape[0]:(ctx.rank + 1) * local.shape[0]] if local.numel() else local)
+        weight = critic.model.value_head.weight
+        weight.copy_(torch.distributed.tensor.distribute_tensor(w, weight.device_mesh, weight.placements))
     batch = fixed_batch()
     g = torch.Generator().manual_seed(99)
     returns = [torch.randn(len(s) - 1, generator=g) for s in batch.ids]
     old = [torch.randn(len(s) - 1, generator=g) * 0.1 for s in batch.ids]
-    n = len(batch.ids)
-    if ctx.world_size == 1:
-        index = list(range(n))
-    elif args.split == "uneven":
-        index = list(range(0, 7)) if ctx.rank == 0 else list(range(7, n))
-    else:
-        index = list(range(n)) if ctx.rank == 0 else []
+    index = own_samples(len(batch.ids), args.split, ctx.rank, ctx.world_size)
     local_batch = CriticBatch([batch.ids[i] for i in index], [batch.action_mask[i] for i in index],
                               [returns[i] for i in index], [old[i] for i in index])
     sums: dict = {}
@@ -172,17 +204,23 @@ def match(args, ctx) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["grads", "match", "critic_grads", "reference"])
+    parser.add_argument("mode", choices=["grads", "match", "critic_grads", "reference", "packing"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--agg", default="all_token_mean")
     parser.add_argument("--split", default="uneven")
     parser.add_argument("--max_tokens", type=int, default=64)
     parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--loss", default="ppo")
+    parser.add_argument("--entropy", type=float, default=0.0)
+    parser.add_argument("--ddp", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--sp", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = init_distributed()
     try:
-        {"grads": grads, "match": match, "critic_grads": critic_grads, "reference": reference}[args.mode](args, ctx)
+        {"grads": grads, "match": match, "critic_grads": critic_grads, "reference": reference,
+         "packing": packing}[args.mode](args, ctx)
     finally:
         cleanup()
 

@@ -1,5 +1,5 @@
-"""1 rank vs 2 data-parallel ranks (torchrun, gloo): the same gradients, global clip norm and
-updated weights for the same rollout data, whatever the split and micro-batching."""
+"""1 rank vs 2 and 4 ranks in every parallel layout (torchrun, gloo): the same gradients, global clip
+norm and updated weights for the same rollout data, whatever the split, packing and layout."""
 import sys
 
 import pytest
@@ -62,3 +62,64 @@ def test_reference_actor_shares_nothing_with_the_policy(tmp_path):
     assert out["ref_moved"] == 0.0 and out["policy_moved"] > 0
     assert out["kls"][0] == pytest.approx(0.0, abs=1e-6)  # the same weights at first: KL 0
     assert out["kls"][-1] > 1e-4  # then the policy drifts away from the frozen reference
+
+
+# (name, processes, layout flags): dp=2 is pure replication (HSDP with shards of 1), fsdp=2 shards.
+LAYOUTS = {
+    "dp2": (2, ["--ddp", "2"]),
+    "fsdp2": (2, []),
+    "tp2": (2, ["--tp", "2"]),
+    "sp2": (2, ["--sp", "2"]),
+    "fsdp2_tp2": (4, ["--tp", "2"]),
+    "sp2_tp2": (4, ["--sp", "2", "--tp", "2"]),
+    "ddp2_tp2": (4, ["--ddp", "2", "--tp", "2"]),
+}
+
+
+def assert_same_update(one: dict, other: dict, weight_atol: float = 1e-5) -> None:
+    assert one["grads"].keys() == other["grads"].keys()
+    for name, g in one["grads"].items():
+        scale = float(g.abs().max())
+        assert scale > 0, name  # every parameter learns from this batch
+        torch.testing.assert_close(other["grads"][name], g, rtol=0, atol=1e-5 * scale, msg=name)
+    assert one["norm"] > 0.05 and abs(one["norm"] - other["norm"]) < 1e-5 * one["norm"]
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(other["weights"][name], w, rtol=1e-5, atol=weight_atol, msg=name)
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """The reference: one process, unsharded, big micro-batches; computed once per mode."""
+    cache: dict = {}
+
+    def get(mode: str, *extra: str) -> dict:
+        key = (mode, extra)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("one") / "one.pt"
+            cache[key] = launch(1, out, mode, "--max_tokens", "200", "--clip", "0.05", *extra)
+        return cache[key]
+    return get
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_actor_layouts_match_one_process(tmp_path, single_process, layout):
+    nproc, flags = LAYOUTS[layout]
+    other = launch(nproc, tmp_path / "x.pt", "grads", "--max_tokens", "64", "--clip", "0.05", *flags)
+    assert_same_update(single_process("grads"), other)
+
+
+@pytest.mark.parametrize("layout", ["sp2", "tp2"])
+def test_sequence_level_loss_and_entropy_bonus_across_shards(tmp_path, single_process, layout):
+    """GSPO's sequence ratio and per-sequence means need every token of a sequence: under sp the
+    tokens live on different ranks, under tp the entropy comes from vocabulary slices."""
+    extra = ("--loss", "gspo", "--agg", "seq_mean_token_mean", "--entropy", "0.01")
+    nproc, flags = LAYOUTS[layout]
+    other = launch(nproc, tmp_path / "x.pt", "grads", "--max_tokens", "64", "--clip", "0.05", *flags, *extra)
+    assert_same_update(single_process("grads", *extra), other, weight_atol=3e-5)
+
+
+@pytest.mark.parametrize("layout", ["dp2", "fsdp2", "tp2", "sp2", "fsdp2_tp2"])
+def test_critic_layouts_match_one_process(tmp_path, single_process, layout):
+    nproc, flags = LAYOUTS[layout]
+    other = launch(nproc, tmp_path / "x.pt", "critic_grads", "--max_tokens", "64", "--clip", "0.05", *flags)
+    assert_same_update(single_process("critic_grads"), other)

@@ -85,14 +85,15 @@ def test_head_through_a_hugging_face_model(tie: bool) -> None:
     model.zero_grad()
 
     head = FusedLogprobHead(model, chunk_tokens=5)
-    lp1, ent1 = head(model, ids, mask, labels, T, True)
+    inputs = dict(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=torch.arange(ids.shape[1] - 1))
+    lp1, ent1 = head(model, labels, T, True, **inputs)
     (lp1.sum() + 0.1 * ent1.sum()).backward()
     torch.testing.assert_close(lp1, lp0, rtol=0, atol=2e-5)
     torch.testing.assert_close(ent1, ent0, rtol=0, atol=2e-5)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads0[n], rtol=1e-4, atol=1e-5, msg=n)
     assert "forward" not in model.lm_head.__dict__  # the swap is undone
-    lp2, none = head(model, ids, mask, labels, T, False)
+    lp2, none = head(model, labels, T, False, **inputs)
     assert none is None and torch.allclose(lp2, lp1)
 
 

@@ -116,6 +116,7 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     _choice(cfg, "actor.dtype", ("float32", "bfloat16"))
     _validate_algorithms(cfg)
     _validate_gpu_keys(cfg, world_size)
+    _validate_parallel(cfg, world_size)
 
     ppr = cfg.data.prompts_per_rollout
     if ppr % world_size != 0:
@@ -213,6 +214,59 @@ def _validate_algorithms(cfg: DictConfig) -> None:
                   f"trainer.governor.min_history={gov.window}")
         if not gov.watch:
             _fail("trainer.governor.watch", "lists no metric", "trainer.governor.watch=[actor/loss,actor/grad_norm]")
+
+
+PARALLEL_KEYS = ("ddp_size", "tp_size", "sp_size", "offload_model", "offload_optimizer")
+
+
+def role_config(cfg: DictConfig, role: str) -> DictConfig:
+    """The config section a model is built from: `actor`, `critic`, or `ref_actor` (the actor's
+    section with ref_actor's non-null parallel keys on top: the reference mirrors the actor unless told)."""
+    if role != "ref_actor":
+        return cfg[role]
+    merged = OmegaConf.create(OmegaConf.to_container(cfg.actor, resolve=True))
+    for key in PARALLEL_KEYS:
+        value = _get(cfg, f"ref_actor.{key}")
+        if value is not None:
+            merged[key] = value
+    return merged
+
+
+def _validate_parallel(cfg: DictConfig, world_size: int) -> None:
+    """Each model's ddp/tp/sp sizes must lay out on the world and split its heads and vocabulary
+    (docs/parallelism.md); reads the model's config.json, not its weights."""
+    from transformers import AutoConfig
+
+    from train.utils.parallel import LayoutError, check_model_fits, layout_sizes
+
+    roles = ["actor"]
+    if cfg.actor.kl.coef > 0:
+        roles.append("ref_actor")
+    if cfg.adv.estimator == "gae":
+        roles.append("critic")
+    for role in roles:
+        section = role_config(cfg, role)
+        for key in ("ddp_size", "tp_size", "sp_size"):
+            value = section.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                _fail(f"{role}.{key}", f"expected a positive integer, got {value!r}", f"{role}.{key}=1")
+        for key in ("offload_model", "offload_optimizer"):
+            value = section.get(key)
+            if value is not None and not isinstance(value, bool):
+                _fail(f"{role}.{key}", f"expected true or false, got {value!r}", f"{role}.{key}=true")
+        try:
+            sizes = layout_sizes(world_size, section.get("ddp_size") or 1, section.get("tp_size") or 1,
+                                 section.get("sp_size") or 1, prefix=role)
+        except LayoutError as e:
+            raise ConfigError(f"config: {e}") from None
+        path = {"actor": cfg.actor.model_name, "ref_actor": _get(cfg, "ref_actor.model_name") or cfg.actor.model_name,
+                "critic": _get(cfg, "critic.model_name") or cfg.actor.model_name}[role]
+        if path is None or not os.path.isdir(path):
+            continue  # a missing path is reported by its own check
+        try:
+            check_model_fits(sizes, AutoConfig.from_pretrained(path), prefix=role)
+        except LayoutError as e:
+            raise ConfigError(f"config: {e} (model {path})") from None
 
 
 def _validate_gpu_keys(cfg: DictConfig, world_size: int) -> None:

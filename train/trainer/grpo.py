@@ -26,7 +26,7 @@ from train.datasets.tokenize import TokenizationError
 from train.engines import make_engine
 from train.engines.base import SamplingParams
 from train.engines.options import engine_kwargs
-from train.trainer.config import ConfigError, resolve_aliases, validate
+from train.trainer.config import ConfigError, resolve_aliases, role_config, validate
 from train.trainer.governor import Governor, Snapshot
 from train.trainer.step import (RunningMoments, StepInputs, compute_advantages, mask_truncated, rollout_metrics,
                                 select_groups, shaped_rewards)
@@ -34,6 +34,7 @@ from train.utils import algorithms as alg
 from train.utils import api_stats
 from train.utils import checkpoint as ckpt
 from train.utils.distributed import DistContext, all_reduce_sum, cleanup, gather_to_main, init_distributed
+from train.utils.parallel import Layout, layout_for
 from train.utils.logging import RunLogger
 from train.workers.actor import Actor, TrainBatch
 from train.workers.critic import Critic, CriticBatch
@@ -78,19 +79,22 @@ class Trainer:
         self.test_sampling = sampling_params(cfg.rollout.test_sampling_params)
 
         temperature = self.train_sampling.temperature or 1.0
+        self._layouts: dict[tuple[int, int, int], Layout] = {}
         updates = self.total_steps * cfg.actor.update_per_rollout * cfg.actor.mini_batches
         self.actor = Actor(cfg.actor, ctx, cfg.actor.model_name, pad_token_id=self.pad_id, train=True,
-                           temperature=temperature, total_updates=updates)
+                           temperature=temperature, total_updates=updates, layout=self._layout("actor"))
         self.ref = None
         if cfg.actor.kl.coef > 0:
-            self.ref = Actor(cfg.actor, ctx, cfg.ref_actor.model_name or cfg.actor.model_name,
-                             pad_token_id=self.pad_id, train=False, temperature=temperature)
+            self.ref = Actor(role_config(cfg, "ref_actor"), ctx, cfg.ref_actor.model_name or cfg.actor.model_name,
+                             pad_token_id=self.pad_id, train=False, temperature=temperature,
+                             layout=self._layout("ref_actor"))
         self.critic = None
         if cfg.adv.estimator == "gae":
             critic_updates = self.total_steps * cfg.critic.update_per_rollout * cfg.critic.mini_batches
             self.critic = Critic(cfg.critic, ctx, cfg.critic.model_name or cfg.actor.model_name,
                                  pad_token_id=self.pad_id, total_updates=critic_updates,
-                                 gradient_checkpointing=cfg.actor.gradient_checkpointing, dtype=cfg.actor.dtype)
+                                 gradient_checkpointing=cfg.actor.gradient_checkpointing, dtype=cfg.actor.dtype,
+                                 layout=self._layout("critic"))
         self.reward_moments = RunningMoments()  # PPO reward scaling (critic.reward_norm)
         gov = cfg.trainer.governor
         self.governor = (Governor(gov.watch, gov.window, gov.k_sigma, gov.min_history, gov.min_panics,
@@ -107,6 +111,24 @@ class Trainer:
         self._maybe_resume()
         self.snapshot = Snapshot(self._parts()) if self.governor is not None else None
         self.log = RunLogger(cfg, ctx.is_main, self.total_steps, self.start_step)
+        self._log_layouts()
+
+    def _layout(self, role: str) -> Layout:
+        """Each model's meshes; models with the same sizes share them (one set of process groups)."""
+        section = role_config(self.cfg, role)
+        key = tuple(section.get(k) or 1 for k in ("ddp_size", "tp_size", "sp_size"))
+        if key not in self._layouts:
+            self._layouts[key] = layout_for(section, self.ctx.world_size, self.ctx.device.type, role)
+        return self._layouts[key]
+
+    def _log_layouts(self) -> None:
+        """One line (and a `layout` event) saying how each model is laid out on the ranks."""
+        models = {"actor": self.actor, "ref_actor": self.ref, "critic": self.critic}
+        layouts = {role: vars(m.layout.sizes) for role, m in models.items() if m is not None}
+        nodes = self.ctx.world_size // max(self.ctx.local_world_size, 1)
+        self.log.event("layout", self.start_step, {"world_size": self.ctx.world_size, "nodes": nodes, **layouts})
+        parts = [f"{role} " + " ".join(f"{k}={v}" for k, v in sizes.items()) for role, sizes in layouts.items()]
+        self.log.write(f"{self.ctx.world_size} ranks on {nodes} node(s); " + "; ".join(parts))
 
     # -- checkpoints -----------------------------------------------------------------------
     def _maybe_resume(self) -> None:

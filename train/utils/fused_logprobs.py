@@ -130,22 +130,21 @@ class FusedLogprobHead:
         check_supported(model)
         self.chunk_tokens = chunk_tokens
 
-    def __call__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 labels: torch.Tensor, temperature: float, with_entropy: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(log-probs [b, L-1], entropy [b, L-1] or None) of tokens 1.. given tokens ..L-2, like
-        the plain path's `logits[:, :-1]` with `labels = input_ids[:, 1:]`."""
+    def __call__(self, model: torch.nn.Module, labels: torch.Tensor, temperature: float, with_entropy: bool,
+                 **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-probs, entropy or None) of `labels` [b, k] at the positions the lm_head sees: the
+        model's forward with `model_kwargs` (typically `logits_to_keep` = the label positions)."""
         head = model.get_output_embeddings()
 
         def fused_forward(hidden: torch.Tensor) -> torch.Tensor:
-            logp, ent = fused_logprobs_entropy(hidden[:, :-1], head.weight, labels, temperature,
+            logp, ent = fused_logprobs_entropy(hidden, head.weight, labels, temperature,
                                                with_entropy=with_entropy, chunk_tokens=self.chunk_tokens)
             return torch.stack([logp, ent], dim=-1) if with_entropy else logp[..., None]
 
         previous = head.__dict__.get("forward")
         head.forward = fused_forward  # an instance attribute, for this call only
         try:
-            packed = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            packed = model(**model_kwargs).logits
         finally:
             if previous is None:
                 del head.forward

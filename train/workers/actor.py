@@ -1,8 +1,13 @@
 """The policy (and, with train=False, the reference): log-probs and the clipped policy-gradient update.
 
+Every model pass first spreads the samples over data-parallel groups by token count
+(train/utils/dispatch.py), packs each group's samples into micro-batches (train/utils/packing.py),
+and, for log-probs, sends the results back to the ranks that own the samples.
+
 Loss normalisation does not depend on the parallel layout: every micro-batch's loss is its
-*sum* divided by normalisers counted over the whole mini-batch on all data-parallel ranks, and
-the loss is multiplied by the data-parallel size to undo FSDP's gradient averaging.
+*sum* divided by normalisers counted once over the whole mini-batch (all dp groups, all
+micro-batches), and the loss is multiplied by the number of ranks FSDP averages over
+(ddp * fsdp) to undo that averaging. Ranks of one dp group (sp, tp) compute the same loss.
 """
 from __future__ import annotations
 
@@ -11,9 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from train.utils import algorithms as alg
-from train.utils.batching import MicroBatch
+from train.utils.dispatch import Dispatch
 from train.utils.distributed import DistContext, all_reduce_max, all_reduce_sum
 from train.utils.fused_logprobs import FusedLogprobHead
+from train.utils.packing import PackedMicroBatch
+from train.utils.parallel import Layout, layout_for
+from train.utils.seq_parallel import gather_sequence
+from train.utils.tensor_parallel import vocab_parallel_logprobs
 from train.workers import base
 
 
@@ -43,18 +52,20 @@ def policy_clip_range(cfg) -> tuple[float, float]:
 
 class Actor:
     def __init__(self, cfg, ctx: DistContext, model_path: str, *, pad_token_id: int, train: bool,
-                 temperature: float, total_updates: int = 1):
+                 temperature: float, total_updates: int = 1, layout: Layout | None = None):
         self.cfg, self.ctx, self.pad_id, self.train = cfg, ctx, pad_token_id, train
         self.total_updates = total_updates
         self.temperature = temperature
+        self.layout = layout or layout_for(cfg, ctx.world_size, ctx.device.type, "actor")
         self.model = base.load_causal_lm(model_path, device=ctx.device)
-        if train and cfg.gradient_checkpointing:
-            base.apply_ac(self.model)
-        param_dtype = cfg.dtype if ctx.device.type == "cuda" else "float32"
-        base.apply_fsdp(self.model, ctx.mesh, param_dtype=param_dtype)
-        self.infer_tokens = cfg.max_inference_length_per_device or 2 * cfg.max_length_per_device
-        # actor.use_liger_kernel: fused log-prob/entropy head, no [b, L, vocab] logits (train/utils/fused_logprobs.py)
+        # actor.use_liger_kernel: fused log-prob/entropy head, no [tokens, vocab] logits (train/utils/fused_logprobs.py)
         self.fused_head = FusedLogprobHead(self.model) if cfg.get("use_liger_kernel") else None
+        param_dtype = cfg.dtype if ctx.device.type == "cuda" else "float32"
+        base.parallelize(self.model, self.layout, param_dtype=param_dtype,
+                         gradient_checkpointing=train and cfg.gradient_checkpointing,
+                         offload=bool(cfg.get("offload_model")))
+        self.offload_optimizer = bool(cfg.get("offload_optimizer"))
+        self.infer_tokens = cfg.max_inference_length_per_device or 2 * cfg.max_length_per_device
         if train:
             self.optimizer = base.build_optimizer(self.model, cfg.lr, cfg.betas, cfg.weight_decay)
             self.scheduler = base.build_scheduler(self.optimizer, total_updates, cfg.warmup_ratio,
@@ -64,39 +75,63 @@ class Actor:
             self.model.requires_grad_(False)
 
     # -- forward ---------------------------------------------------------------------------
-    def _micro_batches(self, index: list[int], ids, masks, max_tokens: int) -> list[MicroBatch]:
-        return base.padded_micro_batches(index, ids, masks, max_tokens, self.pad_id, self.ctx)
+    def _micro_batches(self, index: list[int], ids, masks, max_tokens: int) -> list[PackedMicroBatch]:
+        return base.packed_micro_batches(index, ids, masks, max_tokens, self.pad_id, self.layout, self.ctx.device)
 
-    def _forward(self, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, mb: PackedMicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-probs, entropy or None) as [samples, longest - 1] rows; exact on action positions, 0 elsewhere.
+
+        Logits only where the label is an action token: prompt, tool and padding positions are
+        never trained, and the LM head over them (and its backward) is most of the vocabulary work."""
+        lay = self.layout
+        picked = mb.loss_positions.nonzero().squeeze(-1)
+        keep = picked if picked.numel() else torch.zeros(1, dtype=torch.long, device=picked.device)
+        valid = mb.loss_positions[keep].float()
+        labels = mb.labels[keep]
+        kwargs = dict(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask,
+                      use_cache=False, logits_to_keep=keep)
+        if lay.sizes.sp > 1:
+            kwargs["sp_group"] = lay.sp_group
+        bonus = bool(self.cfg.entropy.coef or self.cfg.entropy.get("min_coef"))
         if self.fused_head is not None:  # actor.use_liger_kernel
-            return self.fused_head(self.model, mb.input_ids, mb.attention_mask, mb.labels, self.temperature,
-                                   with_entropy)
-        # Logits only from the first action position on: prompt positions are never trained and
-        # the LM head over them (and its backward) is most of the vocabulary-sized work.
-        acting = mb.action_mask.any(dim=0).nonzero()
-        first = int(acting[0]) if len(acting) else 0
-        keep = mb.input_ids.shape[1] - first
-        logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
-                            logits_to_keep=keep).logits
-        logits = logits[:, :-1].float()
-        logp = alg.logprobs_from_logits(logits, mb.labels[:, first:], temperature=self.temperature)
-        entropy = None
-        if with_entropy:  # a metric unless the entropy bonus is on: no graph for it then
-            bonus = bool(self.cfg.entropy.coef or self.cfg.entropy.get("min_coef"))
-            with torch.set_grad_enabled(torch.is_grad_enabled() and bonus):
-                entropy = torch.nn.functional.pad(alg.entropy_from_logits(logits / self.temperature), (first, 0))
-        return torch.nn.functional.pad(logp, (first, 0)), entropy
+            logp, entropy = self.fused_head(self.model, labels[None], self.temperature, with_entropy, **kwargs)
+            logp, entropy = logp[0], (entropy[0] if entropy is not None else None)
+        else:
+            logits = self.model(**kwargs).logits[0]  # [kept, vocab] (or this tp rank's vocab slice)
+            if lay.sizes.tp > 1:
+                logp, entropy = vocab_parallel_logprobs(logits, labels, lay.tp_group, self.temperature, with_entropy)
+            else:
+                logits = logits.float()
+                logp = alg.logprobs_from_logits(logits, labels, temperature=self.temperature)
+                entropy = None
+                if with_entropy:  # a metric unless the entropy bonus is on: no graph for it then
+                    with torch.set_grad_enabled(torch.is_grad_enabled() and bonus):
+                        entropy = alg.entropy_from_logits(logits / self.temperature)
+        if entropy is not None and not bonus:
+            entropy = entropy.detach()
+        group = lay.sp_group if lay.sizes.sp > 1 else None
+        length = mb.input_ids.shape[1]
+
+        def to_rows(values: torch.Tensor) -> torch.Tensor:
+            flat = values.new_zeros(length).scatter(0, keep, values * valid)
+            return mb.rows(gather_sequence(flat, group))
+
+        return to_rows(logp), (to_rows(entropy) if entropy is not None else None)
 
     @torch.no_grad()
     def compute_logprobs(self, ids: list[list[int]], masks: list[list[int]]) -> list[torch.Tensor]:
-        """log p(token t+1 | tokens <= t) for every sequence, as [len-1] CPU tensors; exact on action
-        positions (before a micro-batch's first action position the values are 0)."""
-        out: list[torch.Tensor | None] = [None] * len(ids)
-        for mb in self._micro_batches(list(range(len(ids))), ids, masks, self.infer_tokens):
+        """log p(token t+1 | tokens <= t) for every (own) sequence, as [len-1] CPU tensors; exact on
+        action positions, 0 elsewhere."""
+        dispatch = Dispatch([len(x) for x in ids], self.layout, self.ctx.device)
+        records = dispatch.scatter([[torch.tensor(x), torch.tensor(m)] for x, m in zip(ids, masks)])
+        g_ids = [r[0].long().tolist() for r in records]
+        g_masks = [r[1].long().tolist() for r in records]
+        out: list[torch.Tensor | None] = [None] * len(g_ids)
+        for mb in self._micro_batches(list(range(len(g_ids))), g_ids, g_masks, self.infer_tokens):
             logp, _ = self._forward(mb, with_entropy=False)
             for row, i in enumerate(mb.index):
-                out[i] = logp[row, : len(ids[i]) - 1].cpu()
-        return out
+                out[i] = logp[row, : len(g_ids[i]) - 1].cpu()
+        return dispatch.gather(out)
 
     # -- update ----------------------------------------------------------------------------
     def entropy_coef(self) -> float:
@@ -163,19 +198,49 @@ class Actor:
                 metrics["actor/stop_epoch"] = float(stop_epoch)
         return metrics
 
+    def _group_batch(self, batch: TrainBatch, index: list[int]) -> tuple[TrainBatch, bool]:
+        """This rank's samples `index` -> the samples of its dp group (see Dispatch), and whether
+        advantages are per token (decided over all ranks: a rank may have no samples)."""
+        token_adv = bool(all_reduce_max(float(bool(index) and isinstance(batch.advantages[index[0]], torch.Tensor)),
+                                        self.ctx.device))
+        optional = [f for f in (batch.old_logp, batch.ref_logp) if f is not None]
+        records = []
+        for i in index:
+            adv = batch.advantages[i]
+            records.append([torch.tensor(batch.ids[i]), torch.tensor(batch.action_mask[i]),
+                            adv if token_adv else torch.tensor([adv]), batch.sampler_logp[i],
+                            *[f[i] for f in optional]])
+        dispatch = Dispatch([len(batch.ids[i]) for i in index], self.layout, self.ctx.device)
+        got = dispatch.scatter(records)
+        floats = lambda k: [r[k].float() for r in got]  # noqa: E731
+        k = 4
+        old = ref = None
+        if batch.old_logp is not None:
+            old, k = floats(k), k + 1
+        if batch.ref_logp is not None:
+            ref = floats(k)
+        adv = floats(2) if token_adv else [float(r[2][0]) for r in got]
+        return TrainBatch([r[0].long().tolist() for r in got], [r[1].long().tolist() for r in got], adv,
+                          floats(3), old, ref), token_adv
+
     def accumulate_gradients(self, batch: TrainBatch, index: list[int], max_new_tokens: int,
                              sums: dict[str, float], maxima: dict[str, float], *,
                              entropy_coef: float | None = None, minima: dict[str, float] | None = None) -> None:
-        """Backward over this rank's samples `index` of one mini-batch; gradients summed into .grad."""
+        """Backward over this rank's samples `index` of one mini-batch; gradients summed into .grad.
+        Metric sums are added by one rank per dp group (the others see the same samples)."""
         cfg = self.cfg
         clip_low, clip_high = policy_clip_range(cfg)
         norm_len = cfg.loss_norm_length or max_new_tokens
         kl_in_loss = cfg.kl.coef > 0 and cfg.kl.reward_estimator is None
         ent_coef = cfg.entropy.coef if entropy_coef is None else entropy_coef
-        token_adv = bool(batch.advantages) and isinstance(batch.advantages[0], torch.Tensor)
+        batch, token_adv = self._group_batch(batch, index)
+        leader = self.layout.is_data_leader
+        group = range(len(batch.ids))
         n_tok, n_seq = all_reduce_sum(
-            [float(sum(sum(batch.action_mask[i][1:]) for i in index)), float(len(index))], self.ctx.device)
-        for mb in self._micro_batches(index, batch.ids, batch.action_mask, cfg.max_length_per_device):
+            [float(sum(sum(batch.action_mask[i][1:]) for i in group)) if leader else 0.0,
+             float(len(batch.ids)) if leader else 0.0], self.ctx.device)
+        local: dict[str, float] = {}
+        for mb in self._micro_batches(list(group), batch.ids, batch.action_mask, cfg.max_length_per_device):
             logp, entropy = self._forward(mb, with_entropy=True)
             mask = mb.action_mask
             if token_adv:
@@ -201,36 +266,39 @@ class Actor:
                 ref = mb.pad_token_tensor(batch.ref_logp).to(logp.device)
                 kl = alg.kl_estimate(logp, ref, cfg.kl.type) * mask
                 token_loss = token_loss + cfg.kl.coef * kl
-                self._add(sums, "kl", kl.detach().sum())
+                self._add(local, "kl", kl.detach().sum())
             loss = alg.aggregate_loss(token_loss, mask, cfg.agg_mode, n_tokens_global=max(n_tok, 1.0),
                                       n_seqs_global=max(n_seq, 1.0), max_len_norm=norm_len)
-            # x world size: FSDP averages gradients over ranks, our normalisers are already global.
-            (loss * self.ctx.world_size).backward()
+            # FSDP averages gradients over ddp * fsdp ranks; our normalisers are already global.
+            (loss * self.layout.grad_scale).backward()
             # Metrics as token-weighted sums; the caller divides by the global token count.
             n_mask = mask.sum()
-            self._add(sums, "loss", loss.detach())
-            self._add(sums, "entropy", (entropy.detach() * mask).sum())
-            self._add(sums, "clip_fraction", float(stats["clip_fraction"]) * n_mask)
-            self._add(sums, "approx_kl", float(stats["approx_kl"]) * n_mask)
+            self._add(local, "loss", loss.detach())
+            self._add(local, "entropy", (entropy.detach() * mask).sum())
+            self._add(local, "clip_fraction", float(stats["clip_fraction"]) * n_mask)
+            self._add(local, "approx_kl", float(stats["approx_kl"]) * n_mask)
             # Sampler vs trainer at the sampling weights: old log-probs when recomputed, else this
             # forward (one update per rollout: nothing has changed the weights yet).
             diff = (sampler - old) * mask  # log(sampler / trainer) on action tokens
-            self._add(sums, "sampler_kl", ((torch.exp(-diff) - 1 + diff) * mask).sum())
-            self._add(sums, "sampler_abs_diff", diff.abs().sum())
-            self._add(sums, "tokens", n_mask)
+            self._add(local, "sampler_kl", ((torch.exp(-diff) - 1 + diff) * mask).sum())
+            self._add(local, "sampler_abs_diff", diff.abs().sum())
+            self._add(local, "tokens", n_mask)
             if n_mask > 0:
                 maxima["ratio_max"] = max(maxima.get("ratio_max", 0.0), float(stats["ratio_max"]))
                 if minima is not None:
                     minima["ratio_min"] = min(minima.get("ratio_min", float("inf")), float(stats["ratio_min"]))
                 ratio = torch.exp(old - sampler)[mask > 0]
                 maxima["sampler_ratio_max"] = max(maxima.get("sampler_ratio_max", 0.0), float(ratio.max()))
+        for key, value in local.items():
+            sums[key] = sums.get(key, 0.0) + (value if leader else 0.0)
 
     @staticmethod
     def _add(sums: dict[str, float], key: str, value) -> None:
         sums[key] = sums.get(key, 0.0) + float(value)
 
     def _optimizer_step(self) -> float:
-        return base.clip_and_step(self.model, self.optimizer, self.scheduler, self.cfg.max_grad_norm)
+        return base.clip_and_step(self.model, self.optimizer, self.scheduler, self.cfg.max_grad_norm,
+                                  offload_optimizer=self.offload_optimizer)
 
     def named_full_tensors(self):
         return base.full_named_tensors(self.model)

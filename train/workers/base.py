@@ -1,16 +1,21 @@
 """Loading a Hugging Face causal LM and wrapping it for training, torchtitan style: small
-composable functions over a device mesh (`apply_ac`, `apply_fsdp`), TP/SP plans slot in beside them."""
+composable functions over a device mesh, applied in order by `parallelize`:
+`apply_tp` (train/utils/tensor_parallel.py), `install_ulysses` (train/utils/seq_parallel.py),
+`apply_ac`, `apply_fsdp`."""
 from __future__ import annotations
 
 import math
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from transformers import AutoModel, AutoModelForCausalLM
 
-from train.utils.batching import MicroBatch, build_micro_batch, plan_micro_batches
-from train.utils.distributed import DistContext, all_reduce_max
+from train.utils.distributed import all_reduce_max
+from train.utils.packing import PackedMicroBatch, build_packed, plan_packs
+from train.utils.parallel import Layout
+from train.utils.seq_parallel import install_ulysses
+from train.utils.tensor_parallel import apply_tp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -34,13 +39,17 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs) -> torch.Tensor:
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                            **kwargs).last_hidden_state
         # [b, L]: V of the state ending at each position (a copy, not a view: FSDP hooks the output)
         return self.value_head(hidden).squeeze(-1).clone()
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         self.model.gradient_checkpointing_enable(**kwargs)
+
+    def set_attn_implementation(self, name: str) -> None:
+        self.model.set_attn_implementation(name)
 
 
 def load_value_model(path: str, device: torch.device | str = "cpu") -> ValueModel:
@@ -64,13 +73,30 @@ def apply_ac(model: torch.nn.Module) -> None:
 
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: str = "float32",
-               reshard_after_forward: bool = True) -> torch.nn.Module:
-    """FSDP2: shard each decoder layer, then the root (embeddings, norm, lm_head)."""
+               reshard_after_forward: bool = True, offload: bool = False) -> torch.nn.Module:
+    """FSDP2: shard each decoder layer, then the root (embeddings, norm, lm_head). A 2-D
+    (ddp, fsdp) mesh gives hybrid sharding: replicate over ddp, shard over fsdp. `offload` keeps
+    parameters, gradients and the optimizer step on the CPU (CPUOffloadPolicy)."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     for layer in transformer_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    offload_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=policy)
     return model
+
+
+def parallelize(model: torch.nn.Module, layout: Layout, *, param_dtype: str = "float32",
+                gradient_checkpointing: bool = False, offload: bool = False) -> torch.nn.Module:
+    """The composition, in the order the pieces require: TP plans on plain modules, Ulysses
+    attention, activation checkpointing, then FSDP over the (ddp, fsdp) mesh."""
+    if layout.sizes.tp > 1:
+        apply_tp(model, layout.tp_mesh)
+    if layout.sizes.sp > 1:
+        install_ulysses(model)
+    if gradient_checkpointing:
+        apply_ac(model)
+    return apply_fsdp(model, layout.fsdp_mesh, param_dtype=param_dtype, offload=offload)
 
 
 def build_optimizer(model: torch.nn.Module, lr: float, betas, weight_decay: float) -> torch.optim.Optimizer:
@@ -102,24 +128,41 @@ def full_named_tensors(model: torch.nn.Module):
         yield name, value.detach()
 
 
-def padded_micro_batches(index: list[int], ids: list[list[int]], masks: list[list[int]], max_tokens: int,
-                         pad_id: int, ctx: DistContext) -> list[MicroBatch]:
-    """This rank's samples `index` as micro-batches under a token budget, padded with empty
-    micro-batches to the busiest rank's count: FSDP collectives need every rank to run as many forwards."""
-    plan = [[index[j] for j in g] for g in plan_micro_batches([len(ids[i]) for i in index], max_tokens)]
-    n = int(all_reduce_max(len(plan), ctx.device))
+def packed_micro_batches(index: list[int], ids: list[list[int]], masks: list[list[int]], max_tokens: int,
+                         pad_id: int, layout: Layout, device: torch.device) -> list[PackedMicroBatch]:
+    """Samples `index` packed into micro-batches of at most `max_tokens` per device (x sp: each
+    sp rank holds a 1/sp chunk), padded with empty packs to the busiest rank's count: FSDP
+    collectives need every rank to run as many forwards."""
+    sp, tp = layout.sizes.sp, layout.sizes.tp
+    plan = [[index[j] for j in p] for p in plan_packs([len(ids[i]) for i in index], max_tokens * sp)] if index else []
+    n = int(all_reduce_max(len(plan), device))
     plan += [[] for _ in range(n - len(plan))]
-    return [build_micro_batch(g, ids, masks, pad_id, ctx.device) for g in plan]
+    return [build_packed(p, ids, masks, pad_id, device, sp_rank=layout.sp_rank, sp_size=sp, multiple=sp * tp)
+            for p in plan]
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """`offload_optimizer`: Adam moments live on the CPU between steps and visit the device only
+    for the step (a no-op when the device is the CPU)."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
 
 
 def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  scheduler: torch.optim.lr_scheduler.LRScheduler, max_norm: float) -> float:
+                  scheduler: torch.optim.lr_scheduler.LRScheduler, max_norm: float,
+                  offload_optimizer: bool = False) -> float:
     """Global gradient clipping, then the optimizer step unless the norm is not finite; returns the
     pre-clip norm. clip_grad_norm_ over DTensor grads reduces across all shards: a global norm."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     if torch.isfinite(norm):
+        if offload_optimizer:
+            move_optimizer_state(optimizer, norm.device)
         optimizer.step()
+        if offload_optimizer:
+            move_optimizer_state(optimizer, "cpu")
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     return float(norm)

@@ -1,9 +1,9 @@
 """The critic for PPO (`adv.estimator=gae`): a value head on a copy of the actor's architecture,
 with its own optimizer and scheduler, trained on the clipped value loss.
 
-The same layout rule as the actor: each micro-batch's loss is a sum over its action tokens divided
-by the global action-token count of the mini-batch (all micro-batches, all data-parallel ranks),
-times the data-parallel size to undo FSDP's gradient averaging.
+The same layout rule as the actor: samples are spread over dp groups and packed; each micro-batch's
+loss is a sum over its action tokens divided by the global action-token count of the mini-batch
+(all micro-batches, all dp groups, counted once), times ddp * fsdp to undo FSDP's averaging.
 """
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from train.utils import algorithms as alg
-from train.utils.batching import MicroBatch
+from train.utils.dispatch import Dispatch
 from train.utils.distributed import DistContext, all_reduce_sum
+from train.utils.packing import PackedMicroBatch
+from train.utils.parallel import Layout, layout_for
+from train.utils.seq_parallel import gather_sequence
 from train.workers import base
 
 
@@ -28,33 +31,42 @@ class CriticBatch:
 
 class Critic:
     def __init__(self, cfg, ctx: DistContext, model_path: str, *, pad_token_id: int, total_updates: int = 1,
-                 gradient_checkpointing: bool = False, dtype: str = "float32"):
+                 gradient_checkpointing: bool = False, dtype: str = "float32", layout: Layout | None = None):
         self.cfg, self.ctx, self.pad_id = cfg, ctx, pad_token_id
+        self.layout = layout or layout_for(cfg, ctx.world_size, ctx.device.type, "critic")
         self.model = base.load_value_model(model_path, device=ctx.device)
-        if gradient_checkpointing:
-            base.apply_ac(self.model)
-        base.apply_fsdp(self.model, ctx.mesh, param_dtype=dtype if ctx.device.type == "cuda" else "float32")
+        base.parallelize(self.model, self.layout, param_dtype=dtype if ctx.device.type == "cuda" else "float32",
+                         gradient_checkpointing=gradient_checkpointing, offload=bool(cfg.get("offload_model")))
+        self.offload_optimizer = bool(cfg.get("offload_optimizer"))
         self.optimizer = base.build_optimizer(self.model, cfg.lr, cfg.betas, cfg.weight_decay)
         self.scheduler = base.build_scheduler(self.optimizer, total_updates, cfg.warmup_ratio, "constant", 1.0)
-        self.infer_tokens = 2 * cfg.max_length_per_device
+        self.infer_tokens = cfg.get("max_inference_length_per_device") or 2 * cfg.max_length_per_device
 
-    def _micro_batches(self, index: list[int], ids, masks, max_tokens: int) -> list[MicroBatch]:
-        return base.padded_micro_batches(index, ids, masks, max_tokens, self.pad_id, self.ctx)
+    def _micro_batches(self, index: list[int], ids, masks, max_tokens: int) -> list[PackedMicroBatch]:
+        return base.packed_micro_batches(index, ids, masks, max_tokens, self.pad_id, self.layout, self.ctx.device)
 
-    def _forward(self, mb: MicroBatch) -> torch.Tensor:
-        # Position t holds V(state after token t), the value before action token t+1: aligned with labels.
-        return self.model(mb.input_ids, mb.attention_mask)[:, :-1].float()
+    def _forward(self, mb: PackedMicroBatch) -> torch.Tensor:
+        """[samples, longest - 1]: entry t holds V(state after token t), the value before action
+        token t+1 (aligned with labels)."""
+        lay = self.layout
+        extra = {"sp_group": lay.sp_group} if lay.sizes.sp > 1 else {}
+        values = self.model(mb.input_ids, mb.attention_mask, position_ids=mb.position_ids, **extra)[0].float()
+        return mb.rows(gather_sequence(values, lay.sp_group if lay.sizes.sp > 1 else None))
 
     @torch.no_grad()
     def compute_values(self, ids: list[list[int]], masks: list[list[int]]) -> list[torch.Tensor]:
-        """V for every position of every sequence, as [len-1] CPU tensors (see _forward)."""
+        """V for every position of every (own) sequence, as [len-1] CPU tensors (see _forward)."""
         self.model.eval()
-        out: list[torch.Tensor | None] = [None] * len(ids)
-        for mb in self._micro_batches(list(range(len(ids))), ids, masks, self.infer_tokens):
+        dispatch = Dispatch([len(x) for x in ids], self.layout, self.ctx.device)
+        records = dispatch.scatter([[torch.tensor(x), torch.tensor(m)] for x, m in zip(ids, masks)])
+        g_ids = [r[0].long().tolist() for r in records]
+        g_masks = [r[1].long().tolist() for r in records]
+        out: list[torch.Tensor | None] = [None] * len(g_ids)
+        for mb in self._micro_batches(list(range(len(g_ids))), g_ids, g_masks, self.infer_tokens):
             values = self._forward(mb)
             for row, i in enumerate(mb.index):
-                out[i] = values[row, : len(ids[i]) - 1].cpu()
-        return out
+                out[i] = values[row, : len(g_ids[i]) - 1].cpu()
+        return dispatch.gather(out)
 
     def update(self, batch: CriticBatch) -> dict[str, float]:
         """`critic.update_per_rollout` passes, `critic.mini_batches` optimizer steps per pass."""
@@ -78,23 +90,34 @@ class Critic:
         return metrics
 
     def accumulate_gradients(self, batch: CriticBatch, index: list[int], sums: dict[str, float]) -> None:
-        """Backward of the clipped value loss over this rank's samples `index` of one mini-batch."""
+        """Backward of the clipped value loss over this rank's samples `index` of one mini-batch
+        (spread over dp groups first; metric sums from one rank per dp group)."""
         cfg = self.cfg
-        n_tok = all_reduce_sum([float(sum(sum(batch.action_mask[i][1:]) for i in index))], self.ctx.device)[0]
-        for mb in self._micro_batches(index, batch.ids, batch.action_mask, cfg.max_length_per_device):
+        dispatch = Dispatch([len(batch.ids[i]) for i in index], self.layout, self.ctx.device)
+        got = dispatch.scatter([[torch.tensor(batch.ids[i]), torch.tensor(batch.action_mask[i]), batch.returns[i],
+                                 batch.old_values[i]] for i in index])
+        ids, masks = [r[0].long().tolist() for r in got], [r[1].long().tolist() for r in got]
+        returns_all, old_all = [r[2].float() for r in got], [r[3].float() for r in got]
+        leader = self.layout.is_data_leader
+        n_tok = all_reduce_sum([float(sum(sum(m[1:]) for m in masks)) if leader else 0.0], self.ctx.device)[0]
+        local: dict[str, float] = {}
+        for mb in self._micro_batches(list(range(len(ids))), ids, masks, cfg.max_length_per_device):
             values = self._forward(mb)
             mask = mb.action_mask
-            returns = mb.pad_token_tensor(batch.returns).to(values.device)
-            old = mb.pad_token_tensor(batch.old_values).to(values.device)
+            returns = mb.pad_token_tensor(returns_all).to(values.device)
+            old = mb.pad_token_tensor(old_all).to(values.device)
             token_loss, stats = alg.value_loss(values, old, returns, mask, cfg.clip)
             loss = alg.aggregate_loss(token_loss, mask, "all_token_mean", n_tokens_global=max(n_tok, 1.0),
                                       n_seqs_global=1.0)
-            (loss * self.ctx.world_size).backward()  # undo FSDP's averaging: the normaliser is global
+            (loss * self.layout.grad_scale).backward()  # undo FSDP's averaging: the normaliser is global
             n_mask = float(mask.sum())
-            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
-            sums["clip_fraction"] = sums.get("clip_fraction", 0.0) + float(stats["clip_fraction"]) * n_mask
-            sums["values"] = sums.get("values", 0.0) + float(stats["values"]) * n_mask
-            sums["tokens"] = sums.get("tokens", 0.0) + n_mask
+            local["loss"] = local.get("loss", 0.0) + float(loss.detach())
+            local["clip_fraction"] = local.get("clip_fraction", 0.0) + float(stats["clip_fraction"]) * n_mask
+            local["values"] = local.get("values", 0.0) + float(stats["values"]) * n_mask
+            local["tokens"] = local.get("tokens", 0.0) + n_mask
+        for key, value in local.items():
+            sums[key] = sums.get(key, 0.0) + (value if leader else 0.0)
 
     def _optimizer_step(self) -> float:
-        return base.clip_and_step(self.model, self.optimizer, self.scheduler, self.cfg.max_grad_norm)
+        return base.clip_and_step(self.model, self.optimizer, self.scheduler, self.cfg.max_grad_norm,
+                                  offload_optimizer=self.offload_optimizer)

@@ -1,0 +1,73 @@
+"""Parallel layout sizes: derived sizes, and a clear error naming the key for every size that cannot
+be laid out on the world or on the model (before any model loads)."""
+import pytest
+from hydra import compose, initialize_config_dir
+from transformers import LlamaConfig
+
+from conftest import ROOT
+from train.trainer.config import ConfigError, role_config, validate
+from train.utils.parallel import LayoutError, Sizes, check_model_fits, layout_sizes
+
+
+def test_sizes_are_derived_from_the_world():
+    assert layout_sizes(8, ddp=2, tp=2, sp=2) == Sizes(ddp=2, fsdp=2, tp=2, sp=2, dp=2)
+    assert layout_sizes(4, tp=2) == Sizes(ddp=1, fsdp=2, tp=2, sp=1, dp=2)
+    assert layout_sizes(1) == Sizes(ddp=1, fsdp=1, tp=1, sp=1, dp=1)
+    assert layout_sizes(16, ddp=4, sp=4) == Sizes(ddp=4, fsdp=4, tp=1, sp=4, dp=4)
+
+
+@pytest.mark.parametrize("world,kwargs,pattern", [
+    (4, {"tp": 3}, r"critic.tp_size=3 does not divide the 4 ranks"),
+    (4, {"tp": 2, "sp": 4}, r"critic.sp_size=4 x critic.tp_size=2 does not divide the 4 ranks"),
+    (8, {"tp": 2, "ddp": 3}, r"critic.ddp_size=3 does not divide the 4 data-parallel ranks"),
+    (2, {"tp": 0}, r"critic.tp_size: must be a positive integer"),
+])
+def test_sizes_that_do_not_fit_the_world_name_the_key(world, kwargs, pattern):
+    with pytest.raises(LayoutError, match=pattern):
+        layout_sizes(world, prefix="critic", **kwargs)
+
+
+def llama(heads=9, kv=3, vocab=49152):
+    return LlamaConfig(num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab, hidden_size=9 * 64)
+
+
+def test_model_must_split_over_tp_and_sp():
+    check_model_fits(layout_sizes(6, tp=3), llama())  # 9 heads / 3 kv heads over tp=3 is fine
+    with pytest.raises(LayoutError, match=r"9 attention heads do not split over tp_size=2 x sp_size=1"):
+        check_model_fits(layout_sizes(2, tp=2), llama())
+    with pytest.raises(LayoutError, match=r"tp_size=1 x sp_size=2"):
+        check_model_fits(layout_sizes(2, sp=2), llama())
+    with pytest.raises(LayoutError, match=r"tp_size=4: 2 key/value heads"):
+        check_model_fits(layout_sizes(4, tp=4), llama(heads=8, kv=2))
+    with pytest.raises(LayoutError, match=r"vocabulary \(50001\)"):
+        check_model_fits(layout_sizes(2, tp=2), llama(heads=8, kv=2, vocab=50001))
+
+
+def load(overrides=()):
+    with initialize_config_dir(config_dir=str(ROOT / "config"), version_base=None):
+        return compose(config_name="stub", overrides=["trainer.save_dir=/tmp/x", *overrides])
+
+
+@pytest.fixture(autouse=True)
+def _cwd(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+@pytest.mark.parametrize("overrides,world,pattern", [
+    (["actor.tp_size=3"], 4, r"actor.tp_size=3 does not divide the 4 ranks"),
+    (["actor.tp_size=8"], 8, r"actor: 4 attention heads do not split over tp_size=8.*\(model stub/model\)"),
+    (["actor.sp_size=2", "actor.tp_size=4"], 8, r"4 attention heads do not split over tp_size=4 x sp_size=2"),
+    (["adv.estimator=gae", "critic.ddp_size=3"], 4, r"critic.ddp_size=3 does not divide"),
+    (["actor.kl.coef=0.1", "ref_actor.tp_size=3"], 4, r"ref_actor.tp_size=3 does not divide"),
+    (["actor.offload_model=yes"], 2, r"'actor.offload_model': expected true or false"),
+])
+def test_config_checks_each_models_layout(overrides, world, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        validate(load(overrides), world_size=world)
+
+
+def test_valid_layouts_pass_and_the_reference_mirrors_the_actor():
+    cfg = load(["actor.tp_size=2", "actor.sp_size=2", "actor.kl.coef=0.1", "ref_actor.sp_size=1"])
+    validate(cfg, world_size=4)
+    ref = role_config(cfg, "ref_actor")
+    assert (ref.tp_size, ref.sp_size) == (2, 1)  # tp from the actor, sp overridden

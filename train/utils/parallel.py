@@ -1,0 +1,125 @@
+"""Device meshes for one model (actor, critic or reference), built from its config sizes.
+
+    model mesh (ddp, fsdp, tp): how parameters are held. FSDP2 replicates over `ddp` and shards
+        over `fsdp` (hybrid sharding when both are > 1); tensor parallelism splits over `tp`.
+    data mesh (dp, sp, tp): how work is spread. Ranks that share a `dp` index hold the same
+        samples; `sp` ranks split each packed sequence (Ulysses), `tp` ranks see the same tokens.
+
+    world = ddp * fsdp * tp = dp * sp * tp. Ranks are laid out tp-innermost in both meshes, so a
+    tp group is the same set of ranks in each; sp ranks sit inside the FSDP dimensions (they hold
+    the same parameters and their gradients are reduced with the data-parallel ones).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+class LayoutError(ValueError):
+    """Sizes that cannot be laid out on this world or this model; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    ddp: int
+    fsdp: int
+    tp: int
+    sp: int
+    dp: int
+
+
+def layout_sizes(world: int, ddp: int = 1, tp: int = 1, sp: int = 1, prefix: str = "actor") -> Sizes:
+    """Derive fsdp and dp from the world size and the user's ddp/tp/sp, or say which key is wrong."""
+    for key, value in (("ddp_size", ddp), ("tp_size", tp), ("sp_size", sp)):
+        if not isinstance(value, int) or value < 1:
+            raise LayoutError(f"{prefix}.{key}: must be a positive integer, got {value!r}")
+    if world % tp:
+        raise LayoutError(f"{prefix}.tp_size={tp} does not divide the {world} ranks; pick a divisor of {world}")
+    if world % (tp * sp):
+        raise LayoutError(f"{prefix}.sp_size={sp} x {prefix}.tp_size={tp} does not divide the {world} ranks; "
+                          f"their product must divide the world size")
+    if (world // tp) % ddp:
+        raise LayoutError(f"{prefix}.ddp_size={ddp} does not divide the {world // tp} data-parallel ranks "
+                          f"(world {world} / tp_size {tp}); use a divisor of {world // tp}")
+    return Sizes(ddp=ddp, fsdp=world // (tp * ddp), tp=tp, sp=sp, dp=world // (tp * sp))
+
+
+def check_model_fits(sizes: Sizes, model_config, prefix: str = "actor") -> None:
+    """Heads and vocabulary must split evenly over tp (and heads over tp * sp for Ulysses)."""
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    if heads % (sizes.tp * sizes.sp):
+        raise LayoutError(f"{prefix}: {heads} attention heads do not split over tp_size={sizes.tp} x "
+                          f"sp_size={sizes.sp}; each must divide the head count ({heads})")
+    if kv_heads % sizes.tp:
+        raise LayoutError(f"{prefix}.tp_size={sizes.tp}: {kv_heads} key/value heads do not split evenly; "
+                          f"use a tp_size that divides {kv_heads}")
+    if model_config.vocab_size % sizes.tp:
+        raise LayoutError(f"{prefix}.tp_size={sizes.tp}: the vocabulary ({model_config.vocab_size}) does not "
+                          f"split evenly for the vocab-parallel lm_head")
+
+
+@dataclass
+class Layout:
+    """One model's meshes and this rank's place in them."""
+    sizes: Sizes
+    model_mesh: DeviceMesh  # ("ddp", "fsdp", "tp")
+    data_mesh: DeviceMesh  # ("dp", "sp", "tp")
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """What fully_shard runs over: (ddp, fsdp) for hybrid sharding, else fsdp alone."""
+        return self.model_mesh["ddp", "fsdp"] if self.sizes.ddp > 1 else self.model_mesh["fsdp"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.model_mesh["tp"]
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.model_mesh["tp"].get_group()
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup:
+        return self.data_mesh["sp"].get_group()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.data_mesh.get_local_rank("dp")
+
+    @property
+    def sp_rank(self) -> int:
+        return self.data_mesh.get_local_rank("sp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.data_mesh.get_local_rank("tp")
+
+    @property
+    def is_data_leader(self) -> bool:
+        """The one rank of its dp group that reports metrics and counts tokens (the others see the
+        same samples: counting them too would multiply by sp * tp)."""
+        return self.sp_rank == 0 and self.tp_rank == 0
+
+    @property
+    def grad_scale(self) -> int:
+        """FSDP averages gradients over the ddp * fsdp ranks; losses are multiplied by this to undo it
+        (normalisers are already global)."""
+        return self.sizes.ddp * self.sizes.fsdp
+
+
+def build_layout(world: int, device_type: str, ddp: int = 1, tp: int = 1, sp: int = 1,
+                 prefix: str = "actor") -> Layout:
+    """Both meshes for one model; a collective (every rank calls it, in the same order)."""
+    sizes = layout_sizes(world, ddp, tp, sp, prefix)
+    model_mesh = init_device_mesh(device_type, (sizes.ddp, sizes.fsdp, sizes.tp), mesh_dim_names=("ddp", "fsdp", "tp"))
+    data_mesh = init_device_mesh(device_type, (sizes.dp, sizes.sp, sizes.tp), mesh_dim_names=("dp", "sp", "tp"))
+    return Layout(sizes, model_mesh, data_mesh)
+
+
+def layout_for(cfg, world: int, device_type: str, prefix: str) -> Layout:
+    """A model's layout from its config section (`ddp_size`, `tp_size`, `sp_size`; absent = 1)."""
+    return build_layout(world, device_type, ddp=cfg.get("ddp_size") or 1, tp=cfg.get("tp_size") or 1,
+                        sp=cfg.get("sp_size") or 1, prefix=prefix)
