@@ -70,7 +70,8 @@ def own_samples(n: int, split: str, rank: int, world: int) -> list[int]:
 
 
 def layout_overrides(args) -> dict:
-    return {"ddp_size": args.ddp, "tp_size": args.tp, "sp_size": args.sp}
+    return {"ddp_size": args.ddp, "tp_size": args.tp, "sp_size": args.sp,
+            "offload_model": args.offload, "offload_optimizer": args.offload}
 
 
 def grads(args, ctx) -> None:
@@ -215,6 +216,7 @@ def main() -> None:
     parser.add_argument("--ddp", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--sp", type=int, default=1)
+    parser.add_argument("--offload", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = init_distributed()

@@ -77,6 +77,28 @@ def test_resume_is_exact(straight_run, tmp_path):
     assert not set(again[3]) & set(straight[1] + straight[2])
 
 
+def test_resume_is_exact_under_tensor_parallel_and_checkpoints_move_between_layouts(straight_run, tmp_path):
+    """tp=2: 4 steps straight == 2 + resume + 2, bit for bit (checkpoints hold full tensors, laid
+    out again on load). And the fsdp run's step-2 checkpoint resumes under tp=2 and lands where the
+    fsdp run did, to float rounding."""
+    tp = ["actor.tp_size=2", *SMALL]
+    straight, resumed, moved = tmp_path / "tp_straight", tmp_path / "tp_resumed", tmp_path / "moved"
+    run_trainer([f"trainer.save_dir={straight}", "trainer.total_steps=4", "trainer.save_freq=2", *tp], nproc=2)
+    run_trainer([f"trainer.save_dir={resumed}", "trainer.total_steps=4", "trainer.save_freq=2",
+                 f"trainer.load_ckpt_from={straight / 'step2'}", *tp], nproc=2)
+    for name in ("model.pt", "optimizer.pt"):
+        a = _flatten(torch.load(straight / "step4" / name, weights_only=False))
+        b = _flatten(torch.load(resumed / "step4" / name, weights_only=False))
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key], key
+    run_trainer([f"trainer.save_dir={moved}", "trainer.total_steps=4", "trainer.save_freq=2",
+                 f"trainer.load_ckpt_from={straight_run / 'step2'}", *tp], nproc=2)
+    fsdp_run = torch.load(straight_run / "step4" / "model.pt")
+    for name, value in torch.load(moved / "step4" / "model.pt").items():
+        torch.testing.assert_close(value, fsdp_run[name], rtol=0, atol=1e-4, msg=name)
+
+
 def _flatten(obj, prefix=""):
     if isinstance(obj, dict):
         out = {}

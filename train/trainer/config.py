@@ -172,6 +172,7 @@ def _validate_algorithms(cfg: DictConfig) -> None:
         _fail("adv.gamma", f"{cfg.adv.estimator} has one advantage per sequence; discounting needs "
               "adv.estimator=reinforce_pp or gae", "adv.estimator=gae")
     if cfg.adv.estimator == "gae":
+        _positive_int(cfg, "critic.max_inference_length_per_device", allow_none=True)
         for key in ("critic.update_per_rollout", "critic.mini_batches", "critic.max_length_per_device"):
             _positive_int(cfg, key)
         _number(cfg, "critic.lr", 0.0, low_open=True, example="critic.lr=1e-5")
