@@ -44,26 +44,17 @@ def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x.permute(1, 0, 2, 3, 4).reshape(b, sp * h, c, d)
 
 
-class _HeadsToSeq(torch.autograd.Function):
+class _SwapSplit(torch.autograd.Function):
+    """One of the two all-to-alls forward (`to_seq`: heads -> sequence), the other backward."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _heads_to_seq(x, group)
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, to_seq: bool) -> torch.Tensor:
+        ctx.group, ctx.to_seq = group, to_seq
+        return _heads_to_seq(x, group) if to_seq else _seq_to_heads(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return _seq_to_heads(grad, ctx.group), None
-
-
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        return _heads_to_seq(grad, ctx.group), None
+        return (_seq_to_heads(grad, ctx.group) if ctx.to_seq else _heads_to_seq(grad, ctx.group)), None, None
 
 
 class _GatherChunks(torch.autograd.Function):
@@ -101,9 +92,9 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if key.shape[1] % sp:  # too few key/value heads to split: give every query head its own copy
         rep = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-    q, k, v = (_HeadsToSeq.apply(t, sp_group) for t in (query, key, value))
+    q, k, v = (_SwapSplit.apply(t, sp_group, True) for t in (query, key, value))
     out = _sdpa(q, k, v, attention_mask, scaling, dropout)
-    out = _SeqToHeads.apply(out, sp_group)
+    out = _SwapSplit.apply(out, sp_group, False)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -122,16 +122,10 @@ class Actor:
     def compute_logprobs(self, ids: list[list[int]], masks: list[list[int]]) -> list[torch.Tensor]:
         """log p(token t+1 | tokens <= t) for every (own) sequence, as [len-1] CPU tensors; exact on
         action positions, 0 elsewhere."""
-        dispatch = Dispatch([len(x) for x in ids], self.layout, self.ctx.device)
-        records = dispatch.scatter([[torch.tensor(x), torch.tensor(m)] for x, m in zip(ids, masks)])
-        g_ids = [r[0].long().tolist() for r in records]
-        g_masks = [r[1].long().tolist() for r in records]
-        out: list[torch.Tensor | None] = [None] * len(g_ids)
-        for mb in self._micro_batches(list(range(len(g_ids))), g_ids, g_masks, self.infer_tokens):
-            logp, _ = self._forward(mb, with_entropy=False)
-            for row, i in enumerate(mb.index):
-                out[i] = logp[row, : len(g_ids[i]) - 1].cpu()
-        return dispatch.gather(out)
+        return base.per_sample_pass(
+            ids, masks, self.layout, self.ctx.device,
+            lambda index, g_ids, g_masks: self._micro_batches(index, g_ids, g_masks, self.infer_tokens),
+            lambda mb: self._forward(mb, with_entropy=False)[0])
 
     # -- update ----------------------------------------------------------------------------
     def entropy_coef(self) -> float:

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from transformers import AutoModel, AutoModelForCausalLM
 
+from train.utils.dispatch import Dispatch
 from train.utils.distributed import all_reduce_max
 from train.utils.packing import PackedMicroBatch, build_packed, plan_packs
 from train.utils.parallel import Layout
@@ -139,6 +140,23 @@ def packed_micro_batches(index: list[int], ids: list[list[int]], masks: list[lis
     plan += [[] for _ in range(n - len(plan))]
     return [build_packed(p, ids, masks, pad_id, device, sp_rank=layout.sp_rank, sp_size=sp, multiple=sp * tp)
             for p in plan]
+
+
+def per_sample_pass(ids: list[list[int]], masks: list[list[int]], layout: Layout, device: torch.device,
+                    micro_batches, forward) -> list[torch.Tensor]:
+    """A no-grad pass over this rank's own sequences: spread them over dp groups, run
+    `forward(mb) -> [samples, longest - 1]` over `micro_batches(index, ids, masks)`, and return one
+    [len-1] CPU tensor per own sequence."""
+    dispatch = Dispatch([len(x) for x in ids], layout, device)
+    records = dispatch.scatter([[torch.tensor(x), torch.tensor(m)] for x, m in zip(ids, masks)])
+    g_ids = [r[0].long().tolist() for r in records]
+    g_masks = [r[1].long().tolist() for r in records]
+    out: list[torch.Tensor | None] = [None] * len(g_ids)
+    for mb in micro_batches(list(range(len(g_ids))), g_ids, g_masks):
+        values = forward(mb)
+        for row, i in enumerate(mb.index):
+            out[i] = values[row, : len(g_ids[i]) - 1].cpu()
+    return dispatch.gather(out)
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:

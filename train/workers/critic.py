@@ -57,16 +57,10 @@ class Critic:
     def compute_values(self, ids: list[list[int]], masks: list[list[int]]) -> list[torch.Tensor]:
         """V for every position of every (own) sequence, as [len-1] CPU tensors (see _forward)."""
         self.model.eval()
-        dispatch = Dispatch([len(x) for x in ids], self.layout, self.ctx.device)
-        records = dispatch.scatter([[torch.tensor(x), torch.tensor(m)] for x, m in zip(ids, masks)])
-        g_ids = [r[0].long().tolist() for r in records]
-        g_masks = [r[1].long().tolist() for r in records]
-        out: list[torch.Tensor | None] = [None] * len(g_ids)
-        for mb in self._micro_batches(list(range(len(g_ids))), g_ids, g_masks, self.infer_tokens):
-            values = self._forward(mb)
-            for row, i in enumerate(mb.index):
-                out[i] = values[row, : len(g_ids[i]) - 1].cpu()
-        return dispatch.gather(out)
+        return base.per_sample_pass(
+            ids, masks, self.layout, self.ctx.device,
+            lambda index, g_ids, g_masks: self._micro_batches(index, g_ids, g_masks, self.infer_tokens),
+            self._forward)
 
     def update(self, batch: CriticBatch) -> dict[str, float]:
         """`critic.update_per_rollout` passes, `critic.mini_batches` optimizer steps per pass."""
