@@ -78,7 +78,7 @@ def grads(args, ctx) -> None:
     torch.manual_seed(0)
     cfg = actor_cfg(agg_mode=args.agg, max_length_per_device=args.max_tokens, max_grad_norm=args.clip,
                     loss=args.loss, **{"entropy.coef": args.entropy}, **layout_overrides(args))
-    actor = Actor(cfg, ctx, MODEL, pad_token_id=0, train=True, temperature=1.0, total_updates=1)
+    actor = Actor(cfg, ctx, args.model, pad_token_id=0, train=True, temperature=1.0, total_updates=1)
     batch = fixed_batch()
     index = own_samples(len(batch.ids), args.split, ctx.rank, ctx.world_size)
     local = shard(batch, index)
@@ -129,7 +129,7 @@ def critic_grads(args, ctx) -> None:
     """The critic follows the actor's rule: global token normaliser x world size (1 vs 2 ranks)."""
     torch.manual_seed(0)
     critic = Critic(critic_cfg(max_length_per_device=args.max_tokens, max_grad_norm=args.clip, clip=0.2,
-                               **layout_overrides(args)), ctx, MODEL, pad_token_id=0, total_updates=1)
+                               **layout_overrides(args)), ctx, args.model, pad_token_id=0, total_updates=1)
     with torch.no_grad():  # a non-zero head, so the backbone gets gradients too
         g = torch.Generator().manual_seed(7)
         w = torch.randn(critic.model.value_head.weight.shape, generator=g) * 0.1
@@ -217,6 +217,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--sp", type=int, default=1)
     parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--model", default=MODEL)
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = init_distributed()

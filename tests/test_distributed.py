@@ -126,3 +126,29 @@ def test_critic_layouts_match_one_process(tmp_path, single_process, layout):
     nproc, flags = LAYOUTS[layout]
     other = launch(nproc, tmp_path / "x.pt", "critic_grads", "--max_tokens", "64", "--clip", "0.05", *flags)
     assert_same_update(single_process("critic_grads"), other)
+
+
+def tiny_model(tmp_path_factory, family: str) -> str:
+    """A random tiny model of another family, saved like a checkpoint (vocabulary covers the
+    batch's token ids): Qwen2 has q/k/v biases and untied embeddings, Qwen3 per-head q/k norms."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = (Qwen2Config(**common, tie_word_embeddings=False) if family == "qwen2"
+              else Qwen3Config(**common, head_dim=16, tie_word_embeddings=True))
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(family)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_families_under_tensor_and_sequence_parallel(tmp_path_factory, tmp_path, family):
+    """The TP plan's module names and the Ulysses attention hold for Qwen2 (biases) and Qwen3
+    (q/k norms over local heads): tp=2 and sp=2 give the 1-process gradients and weights."""
+    model = tiny_model(tmp_path_factory, family)
+    one = launch(1, tmp_path / "one.pt", "grads", "--max_tokens", "200", "--clip", "0.05", "--model", model)
+    for flags in (["--tp", "2"], ["--sp", "2"]):
+        other = launch(2, tmp_path / "x.pt", "grads", "--max_tokens", "64", "--clip", "0.05", "--model", model, *flags)
+        assert_same_update(one, other)
