@@ -71,7 +71,7 @@ def own_samples(n: int, split: str, rank: int, world: int) -> list[int]:
 
 def layout_overrides(args) -> dict:
     return {"ddp_size": args.ddp, "tp_size": args.tp, "sp_size": args.sp,
-            "offload_model": args.offload, "offload_optimizer": args.offload}
+            "offload_model": args.offload, "offload_optimizer": args.offload, "gradient_checkpointing": args.ac}
 
 
 def grads(args, ctx) -> None:
@@ -217,6 +217,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--sp", type=int, default=1)
     parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--ac", action="store_true", help="activation checkpointing")
     parser.add_argument("--model", default=MODEL)
     args = parser.parse_args()
     torch.set_num_threads(1)

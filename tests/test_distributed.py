@@ -73,6 +73,7 @@ LAYOUTS = {
     "fsdp2_tp2": (4, ["--tp", "2"]),
     "sp2_tp2": (4, ["--sp", "2", "--tp", "2"]),
     "ddp2_tp2": (4, ["--ddp", "2", "--tp", "2"]),
+    "sp2_tp2_checkpointed": (4, ["--sp", "2", "--tp", "2", "--ac"]),  # activation checkpointing recomputes collectives
     # CPU offload of parameters (FSDP2 CPUOffloadPolicy) and optimizer state: on a CPU-only machine
     # the data does not move, but the code path (and its numbers) are the same as on GPU
     "fsdp2_offload": (2, ["--offload"]),
