@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import ROOT, STUB_MODEL, run_torchrun
 from train.utils.packing import balance, build_packed, plan_packs
+from train.utils.seq_parallel import install_packed_attention
 
 
 def ragged(n: int = 9, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
@@ -53,11 +54,8 @@ def test_packed_boundaries():
     assert mb.labels.tolist() == [6, 7, 0, 9, 0, 11, 12, 13, 0, 0, 0, 0]
     assert mb.loss_positions.tolist() == [True, True, False, True, False, False, True, True, False, False, False,
                                           False]
-    m = mb.attention_mask[0, 0]
-    seg = [0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3]
-    for q in range(12):
-        for k in range(12):
-            assert bool(m[q, k]) == (seg[q] == seg[k] and k <= q), (q, k)
+    # attention runs per segment: each sequence, then the end padding as a segment of its own
+    assert mb.segments == [3, 2, 4, 3]
     rows = mb.rows(torch.arange(12, dtype=torch.float32))
     assert rows.tolist() == [[0, 1, 0], [3, 0, 0], [5, 6, 7]]  # entry t of sample i sits at its offset + t
     assert mb.action_mask.tolist() == [[1, 1, 0], [1, 0, 0], [0, 1, 1]]
@@ -75,22 +73,28 @@ def test_sequence_parallel_chunks_cover_the_row():
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_pretrained(STUB_MODEL, dtype=torch.float32)
+    install_packed_attention(m)
+    return m
+
+
+@pytest.fixture(scope="module")
+def plain_model():
     return AutoModelForCausalLM.from_pretrained(STUB_MODEL, dtype=torch.float32)
 
 
-def _unpacked_logprobs(model, seq: list[int]) -> torch.Tensor:
+def _unpacked_logprobs(model, seq: list[int]) -> torch.Tensor:  # the stock attention, one sequence
     logits = model(input_ids=torch.tensor([seq])).logits[0, :-1].double()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:])[:, None]).squeeze(-1)
 
 
 def _packed_logprobs(model, mb) -> torch.Tensor:
-    logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask,
-                   use_cache=False).logits[0].double()
+    logits = model(**mb.model_inputs(), use_cache=False).logits[0].double()
     flat = torch.log_softmax(logits, -1).gather(-1, mb.labels[:, None]).squeeze(-1)
     return mb.rows(flat)
 
 
-def test_packed_forward_gives_the_unpacked_logprobs_and_gradients(model):
+def test_packed_forward_gives_the_unpacked_logprobs_and_gradients(model, plain_model):
     seqs, masks = ragged()
     mb = build_packed(list(range(len(seqs))), seqs, masks, 0, torch.device("cpu"), multiple=8)
     packed = _packed_logprobs(model, mb)
@@ -100,13 +104,13 @@ def test_packed_forward_gives_the_unpacked_logprobs_and_gradients(model):
     model.zero_grad()
     loss_ref = 0.0
     for row, (seq, mask) in enumerate(zip(seqs, masks)):
-        ref = _unpacked_logprobs(model, seq)
+        ref = _unpacked_logprobs(plain_model, seq)
         torch.testing.assert_close(packed[row, : len(seq) - 1], ref, rtol=0, atol=1e-5)
         loss_ref = loss_ref + (ref * torch.tensor(mask[1:], dtype=torch.float64)).sum()
     loss_ref.backward()
-    for n, p in model.named_parameters():  # float32 sums in another order: ~1e-7 of each tensor's scale
+    for n, p in plain_model.named_parameters():  # float32 sums in another order: ~1e-7 of each tensor's scale
         torch.testing.assert_close(g_packed[n], p.grad, rtol=0, atol=1e-5 * float(p.grad.abs().max()), msg=n)
-    model.zero_grad()
+    plain_model.zero_grad()
 
 
 def test_no_attention_across_sequences(model):

@@ -1,9 +1,10 @@
 """Packed micro-batches: sequences laid end to end in one row with no padding between them.
 
-Each sequence restarts its position ids at 0 and attends only to itself (a block-diagonal causal
-mask), so a packed forward gives the same numbers as running every sequence alone. The row is
-padded at the end to a multiple of sp * tp (a padding segment that attends to itself and carries no
-loss) and split into `sp` equal chunks for Ulysses sequence parallelism.
+Each sequence restarts its position ids at 0 and attends only to itself: attention runs segment
+by segment (`segments`, see train/utils/seq_parallel.py), so a packed forward gives the same numbers
+as running every sequence alone while token-wise work (MLP, norms, LM head) sees no padding. The
+row is padded at the end to a multiple of sp * tp (a padding segment that attends to itself and
+carries no loss) and split into `sp` equal chunks for Ulysses sequence parallelism.
 
 Per-token tensors follow the trainer's convention: for a sequence of n tokens, entry t refers to
 token t + 1 (the label predicted at position t), so a sample has n - 1 entries. `rows()` turns a
@@ -51,18 +52,25 @@ class PackedMicroBatch:
     index: list[int]  # samples in this pack (empty: a padding pack that keeps collectives in step)
     input_ids: torch.Tensor  # [1, C] this sp rank's chunk
     position_ids: torch.Tensor  # [1, C]
-    attention_mask: torch.Tensor  # [1, 1, T, T] bool, block-diagonal causal over the whole pack
+    segments: list[int]  # lengths of the row's segments in order (the end padding is one), summing to T
     labels: torch.Tensor  # [C] next token within the same sequence (0 where there is none)
     loss_positions: torch.Tensor  # [C] bool: the label is an action token of a real sample
-    row_index: torch.Tensor  # [n, longest - 1] flat positions (0..T-1) of each sample's entries
+    row_index: torch.Tensor  # [n, longest - 1] row positions (0..T-1) of each sample's entries (0 past its end)
     row_valid: torch.Tensor  # [n, longest - 1] float: 1 inside the sample
     action_mask: torch.Tensor  # [n, longest - 1] float
     chunk_start: int
     total_len: int
 
+    def model_inputs(self) -> dict:
+        """Keyword arguments for a forward of this rank's chunk (with the packed attention installed)."""
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": None,
+                "packed_segments": self.segments}
+
     def rows(self, flat: torch.Tensor) -> torch.Tensor:
-        """[T] per-position values -> [n, longest - 1] per-sample rows (zeros past each sample)."""
-        return flat[self.row_index] * self.row_valid.to(flat.dtype)
+        """[T] per-position values -> [n, longest - 1] per-sample rows (zeros past each sample).
+        index_select: its backward is an index_add, not a scatter with accumulation."""
+        picked = flat.index_select(0, self.row_index.reshape(-1)).view(self.row_index.shape)
+        return picked * self.row_valid.to(flat.dtype)
 
     def pad_token_tensor(self, per_sample: list[torch.Tensor], fill: float = 0.0) -> torch.Tensor:
         """Stack this pack's per-sample [len-1] tensors into [n, longest - 1]."""
@@ -80,14 +88,13 @@ def build_packed(index: list[int], seqs: list[list[int]], masks: list[list[int]]
     members = [(i, seqs[i], masks[i]) for i in index]
     if not members:  # a padding pack: one masked sequence
         members = [(-1, [pad_id] * max(2, multiple), [0] * max(2, multiple))]
-    ids, pos, seg, labels, label_mask = [], [], [], [], []
+    ids, pos, labels, label_mask = [], [], [], []
     offsets = []
-    for s, (_, seq, mask) in enumerate(members):
+    for _, seq, mask in members:
         offsets.append(len(ids))
         n = len(seq)
         ids += seq
         pos += range(n)
-        seg += [s] * n
         labels += seq[1:] + [0]
         label_mask += [float(m) for m in mask[1:]] + [0.0]
     if index == []:
@@ -97,17 +104,14 @@ def build_packed(index: list[int], seqs: list[list[int]], masks: list[list[int]]
     pad = total - real
     ids += [pad_id] * pad
     pos += range(pad)
-    seg += [len(members)] * pad
     labels += [0] * pad
     label_mask += [0.0] * pad
-    seg_t = torch.tensor(seg)
-    causal = torch.ones(total, total, dtype=torch.bool).tril()
-    attn = (causal & (seg_t[:, None] == seg_t[None, :]))[None, None]
+    segments = [len(seq) for _, seq, _ in members] + ([pad] if pad else [])
     longest = max(len(seq) for _, seq, _ in members)
     n_rows = len(members)
-    row_index = torch.zeros(n_rows, longest - 1, dtype=torch.long)
     row_valid = torch.zeros(n_rows, longest - 1)
     action = torch.zeros(n_rows, longest - 1)
+    row_index = torch.zeros(n_rows, longest - 1, dtype=torch.long)
     for r, ((i, seq, mask), off) in enumerate(zip(members, offsets)):
         k = len(seq) - 1
         row_index[r, :k] = torch.arange(off, off + k)
@@ -119,6 +123,6 @@ def build_packed(index: list[int], seqs: list[list[int]], masks: list[list[int]]
     as_t = lambda x, dtype=torch.long: torch.tensor(x[lo:hi], dtype=dtype, device=device)  # noqa: E731
     return PackedMicroBatch(
         index=list(index), input_ids=as_t(ids)[None], position_ids=as_t(pos)[None],
-        attention_mask=attn.to(device), labels=as_t(labels), loss_positions=as_t(label_mask, torch.float32) > 0,
+        segments=segments, labels=as_t(labels), loss_positions=as_t(label_mask, torch.float32) > 0,
         row_index=row_index.to(device), row_valid=row_valid.to(device), action_mask=action.to(device),
         chunk_start=lo, total_len=total)

@@ -1,11 +1,17 @@
-"""Ulysses sequence parallelism over packed sequences.
+"""Attention over packed rows, segment by segment, and Ulysses sequence parallelism on top.
 
-Each of the `sp` ranks of a group runs the model on one chunk of a packed row. Everything but
-attention works token by token; attention swaps the split with two all-to-alls: [heads, my chunk]
--> [my heads, the whole row], attention over the whole row with the pack's block-diagonal causal
-mask, then back. Nothing is patched at import: `install_ulysses(model)` registers the attention
-function under its own name and switches that model to it, and the sp process group travels with
-each forward call as the `sp_group` keyword.
+`packed_attention` is a transformers attention function. A packed row holds several sequences
+(segments); attention gathers each segment's queries, keys and values into a [segments, longest]
+batch, runs causal SDPA on it and scatters the result back, so no sequence sees another and the
+cost is that of the segments, not of the whole row squared (a varlen attention, in plain torch).
+
+With `sp_group` (Ulysses), each of the `sp` ranks of a group runs the model on one chunk of the
+row. Everything but attention works token by token; attention swaps the split with two
+all-to-alls: [heads, my chunk] -> [my heads, the whole row], segment attention, then back.
+
+Nothing is patched at import: `install_packed_attention(model)` registers the function under its
+own name and switches that model to it; the segments (`packed_segments`) and the sp process group
+(`sp_group`) travel with each forward call as keywords.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-ATTENTION_NAME = "infinite_rl_ulysses"
+ATTENTION_NAME = "infinite_rl_packed"
 
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -80,36 +86,64 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     return _GatherChunks.apply(x, group)
 
 
-def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, *, sp_group: dist.ProcessGroup | None = None,
-                      dropout: float = 0.0, scaling: float | None = None, **_: Any) -> tuple[torch.Tensor, None]:
-    """A transformers attention function: query [b, H, C, d], key/value [b, Hkv, C, d] for this rank's
-    chunk; `attention_mask` is the whole pack's [1, 1, T, T] boolean mask. Returns [b, C, H, d]."""
-    if sp_group is None or dist.get_world_size(sp_group) == 1:
-        out = _sdpa(query, key, value, attention_mask, scaling, dropout)
-        return out.transpose(1, 2).contiguous(), None
-    sp = dist.get_world_size(sp_group)
-    if key.shape[1] % sp:  # too few key/value heads to split: give every query head its own copy
-        rep = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-    q, k, v = (_SwapSplit.apply(t, sp_group, True) for t in (query, key, value))
-    out = _sdpa(q, k, v, attention_mask, scaling, dropout)
-    out = _SwapSplit.apply(out, sp_group, False)
+def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, *, packed_segments: list[int] | None = None,
+                     sp_group: dist.ProcessGroup | None = None, dropout: float = 0.0, scaling: float | None = None,
+                     **_: Any) -> tuple[torch.Tensor, None]:
+    """query [1, H, C, d], key/value [1, Hkv, C, d] for this rank's chunk of a packed row;
+    `packed_segments` = the lengths of the row's segments, in order, summing to the whole row.
+    Returns [1, C, H, d]."""
+    if packed_segments is None:
+        raise ValueError("packed attention needs packed_segments= (train/utils/packing.py PackedMicroBatch.model_inputs)")
+    sp = dist.get_world_size(sp_group) if sp_group is not None else 1
+    if sp > 1:
+        if key.shape[1] % sp:  # too few key/value heads to split: give every query head its own copy
+            rep = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+        query, key, value = (_SwapSplit.apply(t, sp_group, True) for t in (query, key, value))
+    out = _segment_attention(query, key, value, packed_segments, scaling, dropout)
+    if sp > 1:
+        out = _SwapSplit.apply(out, sp_group, False)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float | None,
-          dropout: float) -> torch.Tensor:
+def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                       scaling: float | None, dropout: float) -> torch.Tensor:
+    """[1, H, T, d] -> [1, H, T, d], causal within each segment: each segment's slots are gathered
+    into a [segments, H, longest, d] batch, left-aligned (a real query never sees a slot past its
+    segment's end), and the real slots are put back. index_select / index_copy: their backward is
+    an index_add / index_select, not a scatter with accumulation."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:  # grouped-query attention: query head h reads key/value head h // rep
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    positions, valid = _segment_slots(lengths, q.device)
+    n, longest = positions.shape
+    h, d = q.shape[1], q.shape[3]
+
+    def batch(t: torch.Tensor) -> torch.Tensor:
+        return t[0].index_select(1, positions.reshape(-1)).view(h, n, longest, d).transpose(0, 1)
+
+    out = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), dropout_p=dropout, is_causal=True,
+                                         scale=scaling)
+    real = valid.reshape(-1).nonzero().squeeze(1)
+    flat = out.transpose(0, 1).reshape(h, n * longest, d).index_select(1, real)  # [H, T, d] in row order
+    return flat[None]
 
 
-def install_ulysses(model: torch.nn.Module) -> None:
-    """Switch `model` (a transformers model) to Ulysses attention; forwards must then pass
-    `sp_group=` and the pack's full mask. Registering under our own name changes no other model."""
+def _segment_slots(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[segments, longest] row positions of each segment's slots (0 past its end) and a validity mask."""
+    longest = max(lengths)
+    starts = torch.tensor([0] + lengths[:-1], device=device).cumsum(0)
+    offsets = torch.arange(longest, device=device)
+    valid = offsets[None, :] < torch.tensor(lengths, device=device)[:, None]
+    return torch.where(valid, starts[:, None] + offsets[None, :], 0), valid
+
+
+def install_packed_attention(model: torch.nn.Module) -> None:
+    """Switch `model` (a transformers model) to packed attention; forwards must then pass
+    `packed_segments=` (and `sp_group=` under sequence parallelism). Registering under our own
+    name changes no other model."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTENTION_NAME, ulysses_attention)
+    AttentionInterface.register(ATTENTION_NAME, packed_attention)
     model.set_attn_implementation(ATTENTION_NAME)

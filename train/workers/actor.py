@@ -88,8 +88,7 @@ class Actor:
         keep = picked if picked.numel() else torch.zeros(1, dtype=torch.long, device=picked.device)
         valid = mb.loss_positions[keep].float()
         labels = mb.labels[keep]
-        kwargs = dict(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask,
-                      use_cache=False, logits_to_keep=keep)
+        kwargs = dict(mb.model_inputs(), use_cache=False, logits_to_keep=keep)
         if lay.sizes.sp > 1:
             kwargs["sp_group"] = lay.sp_group
         bonus = bool(self.cfg.entropy.coef or self.cfg.entropy.get("min_coef"))

@@ -1,7 +1,7 @@
 """Loading a Hugging Face causal LM and wrapping it for training, torchtitan style: small
 composable functions over a device mesh, applied in order by `parallelize`:
-`apply_tp` (train/utils/tensor_parallel.py), `install_ulysses` (train/utils/seq_parallel.py),
-`apply_ac`, `apply_fsdp`."""
+`apply_tp` (train/utils/tensor_parallel.py), `install_packed_attention` (segment attention over
+packed rows, Ulysses when sp > 1: train/utils/seq_parallel.py), `apply_ac`, `apply_fsdp`."""
 from __future__ import annotations
 
 import math
@@ -15,7 +15,7 @@ from train.utils.dispatch import Dispatch
 from train.utils.distributed import all_reduce_max
 from train.utils.packing import PackedMicroBatch, build_packed, plan_packs
 from train.utils.parallel import Layout
-from train.utils.seq_parallel import install_ulysses
+from train.utils.seq_parallel import install_packed_attention
 from train.utils.tensor_parallel import apply_tp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -89,12 +89,11 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: str = "flo
 
 def parallelize(model: torch.nn.Module, layout: Layout, *, param_dtype: str = "float32",
                 gradient_checkpointing: bool = False, offload: bool = False) -> torch.nn.Module:
-    """The composition, in the order the pieces require: TP plans on plain modules, Ulysses
-    attention, activation checkpointing, then FSDP over the (ddp, fsdp) mesh."""
+    """The composition, in the order the pieces require: TP plans on plain modules, packed
+    (and, with sp > 1, Ulysses) attention, activation checkpointing, then FSDP over the (ddp, fsdp) mesh."""
     if layout.sizes.tp > 1:
         apply_tp(model, layout.tp_mesh)
-    if layout.sizes.sp > 1:
-        install_ulysses(model)
+    install_packed_attention(model)
     if gradient_checkpointing:
         apply_ac(model)
     return apply_fsdp(model, layout.fsdp_mesh, param_dtype=param_dtype, offload=offload)

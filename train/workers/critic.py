@@ -50,7 +50,7 @@ class Critic:
         token t+1 (aligned with labels)."""
         lay = self.layout
         extra = {"sp_group": lay.sp_group} if lay.sizes.sp > 1 else {}
-        values = self.model(mb.input_ids, mb.attention_mask, position_ids=mb.position_ids, **extra)[0].float()
+        values = self.model(**mb.model_inputs(), **extra)[0].float()
         return mb.rows(gather_sequence(values, lay.sp_group if lay.sizes.sp > 1 else None))
 
     @torch.no_grad()
