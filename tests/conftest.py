@@ -53,3 +53,16 @@ def stub_tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(STUB_MODEL)
+
+
+def stub_config(overrides=()):
+    """config/stub.yaml composed with Hydra, a save_dir set, plus `overrides` (paths relative to ROOT)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "config"), version_base=None):
+        return compose(config_name="stub", overrides=["trainer.save_dir=/tmp/x", *overrides])
+
+
+@pytest.fixture
+def in_repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # config paths are relative to the repo root

@@ -7,10 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import ROOT, STUB_MODEL
+from conftest import STUB_MODEL, stub_config
 from train.engines.base import SamplingParams
 from train.engines.hf import HFEngine, resolve_dtype, same_storage
 from train.engines.options import engine_kwargs
@@ -19,14 +18,12 @@ from train.trainer.config import ConfigError, validate
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 
 
-def load(overrides=()):
-    with initialize_config_dir(config_dir=str(ROOT / "config"), version_base=None):
-        return compose(config_name="stub", overrides=["trainer.save_dir=/tmp/x", *overrides])
+load = stub_config
 
 
 @pytest.fixture(autouse=True)
-def _cwd(monkeypatch):
-    monkeypatch.chdir(ROOT)
+def _cwd(in_repo_root):
+    pass
 
 
 def test_defaults_are_valid_and_give_engine_arguments():

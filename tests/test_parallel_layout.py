@@ -1,10 +1,9 @@
 """Parallel layout sizes: derived sizes, and a clear error naming the key for every size that cannot
 be laid out on the world or on the model (before any model loads)."""
 import pytest
-from hydra import compose, initialize_config_dir
 from transformers import LlamaConfig
 
-from conftest import ROOT
+from conftest import stub_config
 from train.trainer.config import ConfigError, role_config, validate
 from train.utils.parallel import LayoutError, Sizes, check_model_fits, layout_sizes
 
@@ -43,14 +42,12 @@ def test_model_must_split_over_tp_and_sp():
         check_model_fits(layout_sizes(2, tp=2), llama(heads=8, kv=2, vocab=50001))
 
 
-def load(overrides=()):
-    with initialize_config_dir(config_dir=str(ROOT / "config"), version_base=None):
-        return compose(config_name="stub", overrides=["trainer.save_dir=/tmp/x", *overrides])
+load = stub_config
 
 
 @pytest.fixture(autouse=True)
-def _cwd(monkeypatch):
-    monkeypatch.chdir(ROOT)
+def _cwd(in_repo_root):
+    pass
 
 
 @pytest.mark.parametrize("overrides,world,pattern", [
