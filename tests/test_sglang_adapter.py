@@ -12,6 +12,7 @@ None of this runs a model under SGLang: that path is untested here (docs/gpu.md)
 from __future__ import annotations
 
 import ast
+import contextlib
 import asyncio
 import json
 import re
@@ -21,6 +22,7 @@ import sys
 import threading
 import time
 import zipfile
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -137,12 +139,17 @@ def small_model() -> dict[str, torch.Tensor]:
 CAP_BYTES = 10 * 1024
 
 
-def make_engine(calls: list, offload_weights: bool = False, **options) -> tuple[SGLangEngine,
-                                                                              RecordingFakeSGLangEngine]:
+@contextlib.contextmanager
+def fake_engine(calls: list, offload_weights: bool = False,
+                **options) -> Iterator[tuple[SGLangEngine, RecordingFakeSGLangEngine]]:
+    """The adapter over a recording fake (appending to `calls`), closed when the block ends."""
     bindings, engines = fake_bindings(calls, **options)
     engine = SGLangEngine("fake/model", bindings=bindings, device="cpu", bucket_size_mb=CAP_BYTES / 2**20,
                           gpu_memory_utilization=0.3, base_port=31000, seed=5, offload_weights=offload_weights)
-    return engine, engines[0]
+    try:
+        yield engine, engines[0]
+    finally:
+        engine.close()
 
 
 def generate_all(engine: SGLangEngine, prompts: list[list[int]], sp: SamplingParams):
@@ -157,8 +164,7 @@ PROMPTS = [[3, 4, 5], [7], [2, 2, 2, 2, 9]]
 
 def test_generation_through_the_engine_loop() -> None:
     calls: list = []
-    engine, fake = make_engine(calls)
-    try:
+    with fake_engine(calls) as (engine, fake):
         sp = SamplingParams(max_new_tokens=6, temperature=0.7)
         gens = generate_all(engine, PROMPTS, sp)
         for p, g in zip(PROMPTS, gens):
@@ -174,19 +180,14 @@ def test_generation_through_the_engine_loop() -> None:
         assert len(gen_calls) == 3 and all(kw["return_logprob"] is True for kw in gen_calls)
         assert gen_calls[0]["input_ids"] in PROMPTS
         assert engine.stats["requests"] == 3
-    finally:
-        engine.close()
     assert calls[-1][0] == "shutdown"
 
 
 def test_trims_to_max_new_tokens() -> None:
     calls: list = []
-    engine, _ = make_engine(calls, overshoot=5)
-    try:
+    with fake_engine(calls, overshoot=5) as (engine, _):
         [g] = generate_all(engine, [[10]], SamplingParams(max_new_tokens=4))
         assert len(g.token_ids) == 4 and g.finish_reason == "length"
-    finally:
-        engine.close()
 
 
 def push_sequence(calls: list) -> list[str]:
@@ -195,8 +196,7 @@ def push_sequence(calls: list) -> list[str]:
 
 def test_sleep_push_flush_resume_sequence_and_bucket_contents() -> None:
     calls: list = []
-    engine, fake = make_engine(calls, offload_weights=True)
-    try:
+    with fake_engine(calls, offload_weights=True) as (engine, fake):
         generate_all(engine, PROMPTS, SamplingParams(max_new_tokens=5))
         engine.sleep()
         assert fake.released == set(ALL_TAGS)
@@ -228,28 +228,22 @@ def test_sleep_push_flush_resume_sequence_and_bucket_contents() -> None:
         # New weights serve the next requests (the fake bumps its version at end_weight_update).
         [g] = generate_all(engine, [PROMPTS[0]], SamplingParams(max_new_tokens=5))
         assert g.token_ids == expected_tokens(PROMPTS[0], 5, version=1)
-    finally:
-        engine.close()
 
 
 def test_default_sleep_keeps_the_weights() -> None:
     calls: list = []
-    engine, fake = make_engine(calls)
-    try:
+    with fake_engine(calls) as (engine, fake):
         engine.sleep()
         assert fake.released == {"kv_cache", "cuda_graph"} and "enable_weights_cpu_backup" not in fake.kwargs
         engine.update_weights(small_model())
         assert push_sequence(calls)[:2] == ["release_memory_occupation", "begin_weight_update"]
         assert push_sequence(calls)[-3:] == ["end_weight_update", "flush_cache", "resume_memory_occupation"]
         assert calls[-1][1]["tags"] == ["kv_cache", "cuda_graph"] and not fake.released
-    finally:
-        engine.close()
 
 
 def test_push_without_sleep_and_wake() -> None:
     calls: list = []
-    engine, fake = make_engine(calls)
-    try:
+    with fake_engine(calls) as (engine, fake):
         engine.update_weights(small_model())  # a Mapping works too
         assert push_sequence(calls)[0] == "begin_weight_update"
         assert push_sequence(calls)[-2:] == ["end_weight_update", "flush_cache"]
@@ -262,27 +256,21 @@ def test_push_without_sleep_and_wake() -> None:
                                                                     "resume_memory_occupation"]
         assert not fake.released
         generate_all(engine, [[1, 2]], SamplingParams(max_new_tokens=3))
-    finally:
-        engine.close()
 
 
 def test_generating_while_asleep_is_a_clear_error() -> None:
     calls: list = []
-    engine, _ = make_engine(calls)
-    try:
+    with fake_engine(calls) as (engine, _):
         engine.sleep()
         with pytest.raises(RuntimeError, match="asleep"):
             generate_all(engine, [[1]], SamplingParams(max_new_tokens=2))
         engine.wake()
         generate_all(engine, [[1]], SamplingParams(max_new_tokens=2))
-    finally:
-        engine.close()
 
 
 def test_push_drains_in_flight_requests_first() -> None:
     calls: list = []
-    engine, fake = make_engine(calls, delay_s=0.4)
-    try:
+    with fake_engine(calls, delay_s=0.4) as (engine, fake):
         result: dict = {}
         thread = threading.Thread(target=lambda: result.update(g=generate_all(engine, [[5, 6]], SamplingParams(max_new_tokens=3))))
         thread.start()
@@ -293,19 +281,14 @@ def test_push_drains_in_flight_requests_first() -> None:
         assert result["g"][0].token_ids == expected_tokens([5, 6], 3, version=0)
         gen_done = fake.inflight == 0
         assert gen_done
-    finally:
-        engine.close()
 
 
 def test_a_failed_load_raises_with_the_reason() -> None:
     calls: list = []
-    engine, fake = make_engine(calls)
-    try:
+    with fake_engine(calls) as (engine, fake):
         fake.tp_size = 2  # the fake now expects two payloads: the load fails
         with pytest.raises(RuntimeError, match="expected 2 flattened_bucket payloads"):
             engine.update_weights(small_model())
-    finally:
-        engine.close()
 
 
 def test_bad_options_fail_early() -> None:
@@ -429,15 +412,12 @@ def server_args_fields(wheel: zipfile.ZipFile) -> set[str]:
 def recorded_calls() -> list[tuple[str, dict]]:
     """Drive the adapter through everything it does and return what it called on the engine."""
     calls: list = []
-    engine, _ = make_engine(calls, offload_weights=True)
-    try:
+    with fake_engine(calls, offload_weights=True) as (engine, _):
         generate_all(engine, PROMPTS, SamplingParams(max_new_tokens=4, top_p=0.9, top_k=3, stop=("x",)))
         engine.sleep()
         engine.update_weights(small_model())
         engine.sleep()
         engine.wake()
-    finally:
-        engine.close()
     return calls
 
 
