@@ -83,11 +83,17 @@ def grads(args, ctx) -> None:
     index = own_samples(len(batch.ids), args.split, ctx.rank, ctx.world_size)
     local = shard(batch, index)
     actor.accumulate_gradients(local, list(range(len(index))), 32, {}, {})  # metrics unused here
-    grads = {name: p.grad.full_tensor().clone() for name, p in actor.model.named_parameters()}
-    norm = actor._optimizer_step()
-    weights = {name: p.full_tensor().detach().clone() for name, p in actor.model.named_parameters()}
+    step_and_save(actor, ctx, args.out)
+
+
+def step_and_save(worker, ctx, out) -> None:
+    """Full gradients, the optimizer step's (clipped) norm and the updated full weights, to `out` on rank 0."""
+    params = worker.model.named_parameters
+    grads = {name: p.grad.full_tensor().clone() for name, p in params()}
+    norm = worker._optimizer_step()
+    weights = {name: p.full_tensor().detach().clone() for name, p in params()}
     if ctx.is_main:
-        torch.save({"grads": grads, "norm": norm, "weights": weights}, args.out)
+        torch.save({"grads": grads, "norm": norm, "weights": weights}, out)
 
 
 def packing(args, ctx) -> None:
@@ -144,11 +150,7 @@ def critic_grads(args, ctx) -> None:
                               [returns[i] for i in index], [old[i] for i in index])
     sums: dict = {}
     critic.accumulate_gradients(local_batch, list(range(len(index))), sums)
-    grads = {name: p.grad.full_tensor().clone() for name, p in critic.model.named_parameters()}
-    norm = critic._optimizer_step()
-    weights = {name: p.full_tensor().detach().clone() for name, p in critic.model.named_parameters()}
-    if ctx.is_main:
-        torch.save({"grads": grads, "norm": norm, "weights": weights}, args.out)
+    step_and_save(critic, ctx, args.out)
 
 
 def reference(args, ctx) -> None:

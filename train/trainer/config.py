@@ -246,11 +246,9 @@ def _validate_parallel(cfg: DictConfig, world_size: int) -> None:
     if cfg.adv.estimator == "gae":
         roles.append("critic")
     for role in roles:
-        section = role_config(cfg, role)
         for key in ("ddp_size", "tp_size", "sp_size"):
-            value = section.get(key)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                _fail(f"{role}.{key}", f"expected a positive integer, got {value!r}", f"{role}.{key}=1")
+            _positive_int(cfg, f"{role}.{key}", allow_none=True)  # ref_actor's null: the actor's, checked as such
+        section = role_config(cfg, role)
         for key in ("offload_model", "offload_optimizer"):
             value = section.get(key)
             if value is not None and not isinstance(value, bool):

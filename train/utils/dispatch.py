@@ -64,19 +64,18 @@ class Dispatch:
         per_rank = [g[0].long().tolist() if g else [] for g in gathered]
         self.n_local = len(local_lengths)
         self.owners = [(r, j) for r, lens in enumerate(per_rank) for j in range(len(lens))]
-        lengths = [n for lens in per_rank for n in lens]
-        self.groups = balance(lengths, layout.sizes.dp)  # global sample ids per dp group
+        self.groups = balance([n for lens in per_rank for n in lens], layout.sizes.dp)  # global ids per dp group
         self.mine = self.groups[layout.dp_rank]
-        self.lengths = lengths
 
-    def scatter(self, local_records: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        """Per local sample a list of 1-D tensors (the same fields for every sample) -> the same
-        records for this rank's dp group's samples, in `self.mine` order."""
-        n_parts = len(local_records[0]) if local_records else 0
-        n_parts = int(max(_all_max(n_parts, self.device), 0))
-        everything = all_gather_ragged([encode(r) for r in local_records], self.device)
+    def scatter(self, fields: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+        """Per field, one 1-D tensor per local sample (every rank names the same fields, samples or
+        not) -> per field, the float64 tensors of this rank's dp group's samples, in `self.mine` order."""
+        names = list(fields)
+        records = [encode([fields[name][j] for name in names]) for j in range(self.n_local)]
+        everything = all_gather_ragged(records, self.device)
         flat = [buf for rank_bufs in everything for buf in rank_bufs]
-        return [decode(flat[g], n_parts) for g in self.mine]
+        decoded = [decode(flat[g], len(names)) for g in self.mine]
+        return {name: [parts[k] for parts in decoded] for k, name in enumerate(names)}
 
     def gather(self, results: list[torch.Tensor]) -> list[torch.Tensor]:
         """One 1-D result per sample of `self.mine` (only the group's leader rank sends) -> the
@@ -99,10 +98,3 @@ def _dp_index_of(rank: int, layout: Layout) -> int:
     """The dp index of a global rank: ranks are laid out (dp, sp, tp) with tp innermost."""
     return rank // (layout.sizes.sp * layout.sizes.tp)
 
-
-def _all_max(value: int, device: torch.device) -> int:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.long, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t)

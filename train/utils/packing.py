@@ -53,18 +53,22 @@ class PackedMicroBatch:
     input_ids: torch.Tensor  # [1, C] this sp rank's chunk
     position_ids: torch.Tensor  # [1, C]
     segments: list[int]  # lengths of the row's segments in order (the end padding is one), summing to T
+    segment_slots: tuple[torch.Tensor, torch.Tensor]  # see segment_slots(): built once, read by every layer
     labels: torch.Tensor  # [C] next token within the same sequence (0 where there is none)
     loss_positions: torch.Tensor  # [C] bool: the label is an action token of a real sample
     row_index: torch.Tensor  # [n, longest - 1] row positions (0..T-1) of each sample's entries (0 past its end)
     row_valid: torch.Tensor  # [n, longest - 1] float: 1 inside the sample
     action_mask: torch.Tensor  # [n, longest - 1] float
-    chunk_start: int
-    total_len: int
+
+    @property
+    def total_len(self) -> int:
+        """T, the whole row's length (all sp chunks together)."""
+        return sum(self.segments)
 
     def model_inputs(self) -> dict:
         """Keyword arguments for a forward of this rank's chunk (with the packed attention installed)."""
         return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": None,
-                "packed_segments": self.segments}
+                "packed_segments": self.segment_slots}
 
     def rows(self, flat: torch.Tensor) -> torch.Tensor:
         """[T] per-position values -> [n, longest - 1] per-sample rows (zeros past each sample).
@@ -81,24 +85,34 @@ class PackedMicroBatch:
         return out
 
 
+def segment_slots(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For segment attention over a row made of segments of `lengths`: `slots` [segments, longest],
+    the row position of each segment's j-th token (0 past its end, so every segment is left-aligned),
+    and `real`, the flat indices of slots that hold a token, in row order."""
+    longest = max(lengths)
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    offsets = torch.arange(longest)
+    valid = offsets[None, :] < torch.tensor(lengths)[:, None]
+    slots = torch.where(valid, starts[:, None] + offsets[None, :], 0)
+    return slots.to(device), valid.reshape(-1).nonzero().squeeze(1).to(device)
+
+
 def build_packed(index: list[int], seqs: list[list[int]], masks: list[list[int]], pad_id: int,
                  device: torch.device, sp_rank: int = 0, sp_size: int = 1, multiple: int = 1) -> PackedMicroBatch:
     """Pack samples `index` into one row of length T (a multiple of `multiple`, itself a multiple of
     sp_size) and keep this sp rank's chunk of it."""
-    members = [(i, seqs[i], masks[i]) for i in index]
-    if not members:  # a padding pack: one masked sequence
-        members = [(-1, [pad_id] * max(2, multiple), [0] * max(2, multiple))]
+    members = [(seqs[i], masks[i]) for i in index]
+    if not members:  # a padding pack: one sequence with no action token
+        members = [([pad_id] * max(2, multiple), [0] * max(2, multiple))]
     ids, pos, labels, label_mask = [], [], [], []
     offsets = []
-    for _, seq, mask in members:
+    for seq, mask in members:
         offsets.append(len(ids))
         n = len(seq)
         ids += seq
         pos += range(n)
         labels += seq[1:] + [0]
         label_mask += [float(m) for m in mask[1:]] + [0.0]
-    if index == []:
-        label_mask = [0.0] * len(label_mask)
     real = len(ids)
     total = -(-real // multiple) * multiple
     pad = total - real
@@ -106,23 +120,21 @@ def build_packed(index: list[int], seqs: list[list[int]], masks: list[list[int]]
     pos += range(pad)
     labels += [0] * pad
     label_mask += [0.0] * pad
-    segments = [len(seq) for _, seq, _ in members] + ([pad] if pad else [])
-    longest = max(len(seq) for _, seq, _ in members)
+    segments = [len(seq) for seq, _ in members] + ([pad] if pad else [])
+    longest = max(len(seq) for seq, _ in members)
     n_rows = len(members)
     row_valid = torch.zeros(n_rows, longest - 1)
     action = torch.zeros(n_rows, longest - 1)
     row_index = torch.zeros(n_rows, longest - 1, dtype=torch.long)
-    for r, ((i, seq, mask), off) in enumerate(zip(members, offsets)):
+    for r, ((seq, mask), off) in enumerate(zip(members, offsets)):
         k = len(seq) - 1
         row_index[r, :k] = torch.arange(off, off + k)
         row_valid[r, :k] = 1.0
-        if i >= 0:
-            action[r, :k] = torch.tensor(mask[1:], dtype=torch.float32)
+        action[r, :k] = torch.tensor(mask[1:], dtype=torch.float32)
     chunk = total // sp_size
     lo, hi = sp_rank * chunk, (sp_rank + 1) * chunk
     as_t = lambda x, dtype=torch.long: torch.tensor(x[lo:hi], dtype=dtype, device=device)  # noqa: E731
     return PackedMicroBatch(
         index=list(index), input_ids=as_t(ids)[None], position_ids=as_t(pos)[None],
-        segments=segments, labels=as_t(labels), loss_positions=as_t(label_mask, torch.float32) > 0,
-        row_index=row_index.to(device), row_valid=row_valid.to(device), action_mask=action.to(device),
-        chunk_start=lo, total_len=total)
+        segments=segments, segment_slots=segment_slots(segments, device), labels=as_t(labels), loss_positions=as_t(label_mask, torch.float32) > 0,
+        row_index=row_index.to(device), row_valid=row_valid.to(device), action_mask=action.to(device))

@@ -87,12 +87,13 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, *, packed_segments: list[int] | None = None,
+                     attention_mask: torch.Tensor | None, *,
+                     packed_segments: tuple[torch.Tensor, torch.Tensor] | None = None,
                      sp_group: dist.ProcessGroup | None = None, dropout: float = 0.0, scaling: float | None = None,
                      **_: Any) -> tuple[torch.Tensor, None]:
     """query [1, H, C, d], key/value [1, Hkv, C, d] for this rank's chunk of a packed row;
-    `packed_segments` = the lengths of the row's segments, in order, summing to the whole row.
-    Returns [1, C, H, d]."""
+    `packed_segments` = (slots, real): the whole row's segment slots, built once per micro-batch
+    by `segment_slots` (train/utils/packing.py). Returns [1, C, H, d]."""
     if packed_segments is None:
         raise ValueError("packed attention needs packed_segments= (train/utils/packing.py PackedMicroBatch.model_inputs)")
     sp = dist.get_world_size(sp_group) if sp_group is not None else 1
@@ -101,42 +102,31 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             rep = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
         query, key, value = (_SwapSplit.apply(t, sp_group, True) for t in (query, key, value))
-    out = _segment_attention(query, key, value, packed_segments, scaling, dropout)
+    out = _segment_attention(query, key, value, *packed_segments, scaling, dropout)
     if sp > 1:
         out = _SwapSplit.apply(out, sp_group, False)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
-                       scaling: float | None, dropout: float) -> torch.Tensor:
+def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                       real: torch.Tensor, scaling: float | None, dropout: float) -> torch.Tensor:
     """[1, H, T, d] -> [1, H, T, d], causal within each segment: each segment's slots are gathered
     into a [segments, H, longest, d] batch, left-aligned (a real query never sees a slot past its
-    segment's end), and the real slots are put back. index_select / index_copy: their backward is
-    an index_add / index_select, not a scatter with accumulation."""
+    segment's end), and the real slots are taken back in row order. index_select both ways: its
+    backward is an index_add, not a scatter with accumulation."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:  # grouped-query attention: query head h reads key/value head h // rep
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    positions, valid = _segment_slots(lengths, q.device)
-    n, longest = positions.shape
+    n, longest = slots.shape
     h, d = q.shape[1], q.shape[3]
 
     def batch(t: torch.Tensor) -> torch.Tensor:
-        return t[0].index_select(1, positions.reshape(-1)).view(h, n, longest, d).transpose(0, 1)
+        return t[0].index_select(1, slots.reshape(-1)).view(h, n, longest, d).transpose(0, 1)
 
     out = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), dropout_p=dropout, is_causal=True,
                                          scale=scaling)
-    real = valid.reshape(-1).nonzero().squeeze(1)
     flat = out.transpose(0, 1).reshape(h, n * longest, d).index_select(1, real)  # [H, T, d] in row order
     return flat[None]
-
-
-def _segment_slots(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[segments, longest] row positions of each segment's slots (0 past its end) and a validity mask."""
-    longest = max(lengths)
-    starts = torch.tensor([0] + lengths[:-1], device=device).cumsum(0)
-    offsets = torch.arange(longest, device=device)
-    valid = offsets[None, :] < torch.tensor(lengths, device=device)[:, None]
-    return torch.where(valid, starts[:, None] + offsets[None, :], 0), valid
 
 
 def install_packed_attention(model: torch.nn.Module) -> None:

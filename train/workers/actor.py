@@ -88,9 +88,7 @@ class Actor:
         keep = picked if picked.numel() else torch.zeros(1, dtype=torch.long, device=picked.device)
         valid = mb.loss_positions[keep].float()
         labels = mb.labels[keep]
-        kwargs = dict(mb.model_inputs(), use_cache=False, logits_to_keep=keep)
-        if lay.sizes.sp > 1:
-            kwargs["sp_group"] = lay.sp_group
+        kwargs = dict(mb.model_inputs(), use_cache=False, logits_to_keep=keep, sp_group=lay.sp_group)
         bonus = bool(self.cfg.entropy.coef or self.cfg.entropy.get("min_coef"))
         if self.fused_head is not None:  # actor.use_liger_kernel
             logp, entropy = self.fused_head(self.model, labels[None], self.temperature, with_entropy, **kwargs)
@@ -108,12 +106,11 @@ class Actor:
                         entropy = alg.entropy_from_logits(logits / self.temperature)
         if entropy is not None and not bonus:
             entropy = entropy.detach()
-        group = lay.sp_group if lay.sizes.sp > 1 else None
         length = mb.input_ids.shape[1]
 
         def to_rows(values: torch.Tensor) -> torch.Tensor:
             flat = values.new_zeros(length).scatter(0, keep, values * valid)
-            return mb.rows(gather_sequence(flat, group))
+            return mb.rows(gather_sequence(flat, lay.sp_group))
 
         return to_rows(logp), (to_rows(entropy) if entropy is not None else None)
 
@@ -196,25 +193,18 @@ class Actor:
         advantages are per token (decided over all ranks: a rank may have no samples)."""
         token_adv = bool(all_reduce_max(float(bool(index) and isinstance(batch.advantages[index[0]], torch.Tensor)),
                                         self.ctx.device))
-        optional = [f for f in (batch.old_logp, batch.ref_logp) if f is not None]
-        records = []
-        for i in index:
-            adv = batch.advantages[i]
-            records.append([torch.tensor(batch.ids[i]), torch.tensor(batch.action_mask[i]),
-                            adv if token_adv else torch.tensor([adv]), batch.sampler_logp[i],
-                            *[f[i] for f in optional]])
-        dispatch = Dispatch([len(batch.ids[i]) for i in index], self.layout, self.ctx.device)
-        got = dispatch.scatter(records)
-        floats = lambda k: [r[k].float() for r in got]  # noqa: E731
-        k = 4
-        old = ref = None
-        if batch.old_logp is not None:
-            old, k = floats(k), k + 1
-        if batch.ref_logp is not None:
-            ref = floats(k)
-        adv = floats(2) if token_adv else [float(r[2][0]) for r in got]
-        return TrainBatch([r[0].long().tolist() for r in got], [r[1].long().tolist() for r in got], adv,
-                          floats(3), old, ref), token_adv
+        fields = {"ids": [torch.tensor(batch.ids[i]) for i in index],
+                  "mask": [torch.tensor(batch.action_mask[i]) for i in index],
+                  "adv": [batch.advantages[i] if token_adv else torch.tensor([batch.advantages[i]]) for i in index],
+                  "sampler": [batch.sampler_logp[i] for i in index]}
+        for name, per_sample in (("old", batch.old_logp), ("ref", batch.ref_logp)):
+            if per_sample is not None:  # None on every rank alike (set by the config)
+                fields[name] = [per_sample[i] for i in index]
+        got = Dispatch([len(batch.ids[i]) for i in index], self.layout, self.ctx.device).scatter(fields)
+        floats = {name: [t.float() for t in got[name]] for name in ("adv", "sampler", "old", "ref") if name in got}
+        adv = floats["adv"] if token_adv else [float(t[0]) for t in got["adv"]]
+        return TrainBatch(base.token_lists(got["ids"]), base.token_lists(got["mask"]), adv, floats["sampler"],
+                          floats.get("old"), floats.get("ref")), token_adv
 
     def accumulate_gradients(self, batch: TrainBatch, index: list[int], max_new_tokens: int,
                              sums: dict[str, float], maxima: dict[str, float], *,

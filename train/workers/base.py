@@ -141,15 +141,18 @@ def packed_micro_batches(index: list[int], ids: list[list[int]], masks: list[lis
             for p in plan]
 
 
+def token_lists(tensors: list[torch.Tensor]) -> list[list[int]]:
+    return [t.long().tolist() for t in tensors]
+
+
 def per_sample_pass(ids: list[list[int]], masks: list[list[int]], layout: Layout, device: torch.device,
                     micro_batches, forward) -> list[torch.Tensor]:
     """A no-grad pass over this rank's own sequences: spread them over dp groups, run
     `forward(mb) -> [samples, longest - 1]` over `micro_batches(index, ids, masks)`, and return one
     [len-1] CPU tensor per own sequence."""
     dispatch = Dispatch([len(x) for x in ids], layout, device)
-    records = dispatch.scatter([[torch.tensor(x), torch.tensor(m)] for x, m in zip(ids, masks)])
-    g_ids = [r[0].long().tolist() for r in records]
-    g_masks = [r[1].long().tolist() for r in records]
+    got = dispatch.scatter({"ids": [torch.tensor(x) for x in ids], "mask": [torch.tensor(m) for m in masks]})
+    g_ids, g_masks = token_lists(got["ids"]), token_lists(got["mask"])
     out: list[torch.Tensor | None] = [None] * len(g_ids)
     for mb in micro_batches(list(range(len(g_ids))), g_ids, g_masks):
         values = forward(mb)

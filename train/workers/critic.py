@@ -48,10 +48,9 @@ class Critic:
     def _forward(self, mb: PackedMicroBatch) -> torch.Tensor:
         """[samples, longest - 1]: entry t holds V(state after token t), the value before action
         token t+1 (aligned with labels)."""
-        lay = self.layout
-        extra = {"sp_group": lay.sp_group} if lay.sizes.sp > 1 else {}
-        values = self.model(**mb.model_inputs(), **extra)[0].float()
-        return mb.rows(gather_sequence(values, lay.sp_group if lay.sizes.sp > 1 else None))
+        sp_group = self.layout.sp_group  # of size 1 without sequence parallelism: nothing to gather
+        values = self.model(**mb.model_inputs(), sp_group=sp_group)[0].float()
+        return mb.rows(gather_sequence(values, sp_group))
 
     @torch.no_grad()
     def compute_values(self, ids: list[list[int]], masks: list[list[int]]) -> list[torch.Tensor]:
@@ -88,10 +87,12 @@ class Critic:
         (spread over dp groups first; metric sums from one rank per dp group)."""
         cfg = self.cfg
         dispatch = Dispatch([len(batch.ids[i]) for i in index], self.layout, self.ctx.device)
-        got = dispatch.scatter([[torch.tensor(batch.ids[i]), torch.tensor(batch.action_mask[i]), batch.returns[i],
-                                 batch.old_values[i]] for i in index])
-        ids, masks = [r[0].long().tolist() for r in got], [r[1].long().tolist() for r in got]
-        returns_all, old_all = [r[2].float() for r in got], [r[3].float() for r in got]
+        got = dispatch.scatter({"ids": [torch.tensor(batch.ids[i]) for i in index],
+                                "mask": [torch.tensor(batch.action_mask[i]) for i in index],
+                                "returns": [batch.returns[i] for i in index],
+                                "old": [batch.old_values[i] for i in index]})
+        ids, masks = base.token_lists(got["ids"]), base.token_lists(got["mask"])
+        returns_all, old_all = [t.float() for t in got["returns"]], [t.float() for t in got["old"]]
         leader = self.layout.is_data_leader
         n_tok = all_reduce_sum([float(sum(sum(m[1:]) for m in masks)) if leader else 0.0], self.ctx.device)[0]
         local: dict[str, float] = {}
