@@ -44,7 +44,10 @@ def test_judge_run_survives_the_judge_dying(tmp_path, search_tiny):  # noqa: F81
                     assert run.poll() is None, (tmp_path / "trainer.log").read_text()[-4000:]
                     assert time.monotonic() < deadline, "no step with a judge call logged"
                     time.sleep(0.2)
-                stop(judge)  # the judge dies mid-run
+                # The judge dies mid-run: SIGKILL, at once. (SIGTERM lets uvicorn finish in-flight
+                # requests first, and a fast trainer can then end all its steps before the judge is gone.)
+                judge.kill()
+                judge.wait(30)
                 killed_after = len(read_jsonl(metrics_file))
                 assert run.wait(600) == 0, (tmp_path / "trainer.log").read_text()[-4000:]
             finally:
