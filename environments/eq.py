@@ -1,5 +1,6 @@
-"""Exact match: the answer inside the last <answer>...</answer> of the final assistant turn,
-normalised (case, surrounding spaces and punctuation, inner whitespace), must equal the row's answer."""
+"""Exact match: the final assistant turn's answer, normalised (case, surrounding spaces and
+punctuation, inner whitespace), must equal the row's answer (or one of a list of answers). The answer
+is the content of the last <answer>...</answer> when the reply has one, else the whole reply."""
 import re
 
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -11,9 +12,10 @@ def normalize(text) -> str:
     return text.strip(" .,;:!\"'`")
 
 
-def extract_answer(text: str) -> str | None:
+def extract_answer(text: str) -> str:
+    """The last tagged answer, else the whole text."""
     found = ANSWER.findall(text)
-    return found[-1] if found else None
+    return found[-1] if found else text
 
 
 def interact(messages):
@@ -22,8 +24,6 @@ def interact(messages):
 
 def reward_fn(messages, answer) -> float:
     reply = next((m["content"] for m in reversed(messages) if m["role"] == "assistant"), "")
-    got = extract_answer(reply)
-    if got is None:
-        return 0.0
+    got = normalize(extract_answer(reply))
     answers = answer if isinstance(answer, list) else [answer]
-    return float(any(normalize(got) == normalize(a) for a in answers))
+    return float(bool(got) and any(got == normalize(a) for a in answers))

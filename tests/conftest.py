@@ -21,23 +21,25 @@ def trainer_env() -> dict:
     return env
 
 
-def run_torchrun(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run a torchrun command; relaunch once if a rank was killed by a signal (torchrun reports
-    "exitcode: -N"). Seen once in ~40 launches on this CPU: a rank aborting at interpreter exit
-    ("terminate called without an active exception") after its work was done. A second crash, or
-    any ordinary failure, is returned as is."""
-    proc = subprocess.run(cmd, cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=timeout)
+def run_torchrun(cmd: list[str], timeout: int = 600, cwd: Path | str = ROOT,
+                 env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a torchrun command (with trainer_env() plus `env`); relaunch once if a rank was killed by
+    a signal (torchrun reports "exitcode: -N"). Seen once in ~40 launches on this CPU: a rank aborting
+    at interpreter exit ("terminate called without an active exception") after its work was done. A
+    second crash, or any ordinary failure, is returned as is."""
+    full_env = {**trainer_env(), **(env or {})}
+    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 and "exitcode: -" in proc.stderr:
-        proc = subprocess.run(cmd, cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     return proc
 
 
 def run_trainer(overrides: list[str], nproc: int = 1, config: str = "stub", timeout: int = 600,
-                check: bool = True) -> subprocess.CompletedProcess:
+                check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
     """Launch `torchrun -m train.trainer.grpo` for real, as a user would."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
            "-m", "train.trainer.grpo", "--config-name", config, "trainer.progress_bar=false", *overrides]
-    proc = run_torchrun(cmd, timeout)
+    proc = run_torchrun(cmd, timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
@@ -66,3 +68,17 @@ def stub_config(overrides=()):
 @pytest.fixture
 def in_repo_root(monkeypatch):
     monkeypatch.chdir(ROOT)  # config paths are relative to the repo root
+
+
+STUB_HUB_ID = "stub-org/stub-chat"
+
+
+@pytest.fixture(scope="session")
+def stub_hub_cache(tmp_path_factory) -> Path:
+    """A Hugging Face cache (the Hub's own layout) holding the stub model as `STUB_HUB_ID`: hub ids
+    resolve from it with HF_HUB_OFFLINE=1 and HF_HUB_CACHE pointing here."""
+    from train.utils.hub import add_to_cache
+
+    cache = tmp_path_factory.mktemp("hf_hub_cache")
+    add_to_cache(str(STUB_MODEL), STUB_HUB_ID, str(cache))
+    return cache

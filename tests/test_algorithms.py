@@ -72,7 +72,8 @@ def ref_group_baseline(r: np.ndarray, G: int, norm_var: bool, eps: float) -> np.
     for g0 in range(0, len(r), G):
         grp = r[g0 : g0 + G]
         mu = sum(grp) / G
-        sd = math.sqrt(sum((x - mu) ** 2 for x in grp) / G)
+        # Bessel-corrected (G - 1), as verl / TRL / OpenRLHF; a group of one has advantage 0
+        sd = math.sqrt(sum((x - mu) ** 2 for x in grp) / (G - 1)) if G > 1 else 0.0
         for k in range(G):
             out[g0 + k] = (grp[k] - mu) / (sd + eps) if norm_var else grp[k] - mu
     return out
@@ -99,6 +100,31 @@ def test_group_baseline_advantages(G, norm_var):
     assert got.dtype == torch.float64 and got.shape == (4 * G,)
     close(got, ref_group_baseline(r, G, norm_var, 1e-6))
     assert torch.isfinite(got).all() and (got[:G] == 0).all()
+
+
+def test_moments_from_sums_match_numpy():
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=37) * 4 + 2
+    n, s1, s2 = alg.masked_sums(t64(x), torch.ones(37, dtype=torch.bool))
+    assert n == 37
+    mean, var = alg.mean_var_from_sums(n, s1, s2)
+    assert mean == pytest.approx(np.mean(x), rel=1e-12) and var == pytest.approx(np.var(x, ddof=1), rel=1e-10)
+    # sums split over "ranks" and added give the same moments
+    parts = [alg.masked_sums(t64(x[a:b]), torch.ones(b - a, dtype=torch.bool)) for a, b in ((0, 10), (10, 37))]
+    merged = alg.mean_var_from_sums(*[sum(p[k] for p in parts) for k in range(3)])
+    assert merged == pytest.approx((mean, var), rel=1e-12)
+    assert alg.mean_var_from_sums(0, 0.0, 0.0) == (0.0, 0.0) and alg.mean_var_from_sums(1, 3.0, 9.0) == (3.0, 0.0)
+
+
+def test_shared_baselines_against_float64_references():
+    rng = np.random.default_rng(12)
+    r = rng.normal(size=10)
+    mu, sd = float(np.mean(r)), float(np.std(r, ddof=1))
+    close(alg.shared_baseline_advantages(t64(r), mu, sd), (r - mu) / (sd + 1e-6))
+    close(alg.shared_baseline_advantages(t64(r), mu, None), r - mu)
+    ref = np.array([r[i] - (r.sum() - r[i]) / (len(r) - 1) for i in range(len(r))])
+    close(alg.shared_rloo_advantages(t64(r), float(r.sum()), float(len(r))), ref)
+    close(alg.shared_rloo_advantages(t64(r[:1]), float(r[0]), 1.0), np.zeros(1))
 
 
 def test_group_baseline_group_size_one_no_nan_float32():
@@ -128,13 +154,16 @@ def test_masked_mean_std_and_global_normalize():
     sel = v[mask > 0]
     mean, std = alg.masked_mean_std(t64(v), tmask(mask))
     close(mean, np.mean(sel))
-    close(std, np.std(sel))  # population std
+    close(std, np.std(sel, ddof=1))  # Bessel-corrected
     # a float mask gives the same
     m2, s2 = alg.masked_mean_std(t64(v), t64(mask))
-    close(m2, np.mean(sel)), close(s2, np.std(sel))
+    close(m2, np.mean(sel)), close(s2, np.std(sel, ddof=1))
     # no mask: all entries
     m3, s3 = alg.masked_mean_std(t64(sel))
-    close(m3, np.mean(sel)), close(s3, np.std(sel))
+    close(m3, np.mean(sel)), close(s3, np.std(sel, ddof=1))
+    # one entry: std 0, not NaN
+    m4, s4 = alg.masked_mean_std(t64(np.array([2.5])))
+    close(m4, 2.5), close(s4, 0.0)
 
     adv = rng.normal(size=8)
     close(alg.global_normalize(t64(adv), 0.3, 2.0, eps=1e-6), (adv - 0.3) / (2.0 + 1e-6))
@@ -220,7 +249,7 @@ def test_whiten(shift_mean):
     mask = ragged_mask(rng, 5, 30)
     v = rng.normal(size=(5, 30)) * 2 + 0.5
     sel = v[mask > 0]
-    mu, var = np.mean(sel), np.var(sel)
+    mu, var = np.mean(sel), np.var(sel, ddof=1)
     ref = (v - mu) / np.sqrt(var + 1e-8)
     if not shift_mean:
         ref = ref + mu

@@ -89,3 +89,100 @@ def test_values_with_equals_are_quoted_for_hydra():
         "data.train_data_path='verifiers:train?limit=32'", "a=b", "--config-name", "stub", "x='y=z'"]
     cfg = load(["trainer.save_dir=/tmp/x", *quote_values_with_equals(["data.train_data_path=verifiers:eval?limit=8"])])
     assert cfg.data.train_data_path == "verifiers:eval?limit=8"
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("+rollout.train_sampling_params.foo=1", r"'rollout.train_sampling_params.foo': unknown sampling parameter.*"
+                                             r"this engine takes: frequency_penalty"),
+    ("+rollout.test_sampling_params.regex=x", r"'rollout.test_sampling_params.regex': unknown.*rollout.engine=hf"),
+    ("+rollout.train_sampling_params.n=4", r"'rollout.train_sampling_params.n': .*data.responses_per_prompt"),
+    ("rollout.train_sampling_params.top_p=2", r"'rollout.train_sampling_params.top_p': expected a value in \(0, 1\]"),
+    ("rollout.train_sampling_params.min_p=-0.1", r"'rollout.train_sampling_params.min_p'"),
+    ("rollout.train_sampling_params.stop_token_ids=[a]", r"'rollout.train_sampling_params.stop_token_ids'"),
+    ("rollout.train_sampling_params.ignore_eos=1", r"'rollout.train_sampling_params.ignore_eos': expected true or false"),
+    ("rollout.train_sampling_params.repetition_penalty=0", r"repetition_penalty': expected a value in \(0, inf\]"),
+    ("adv.estimator=gae", None),
+    ("adv.global_norm=true", None),
+    ("adv.batch_whiten=true", None),
+    ("adv.global_norm=true adv.batch_whiten=true", "adv.batch_whiten.*set only one"),
+    ("adv.estimator=gae adv.global_norm=true", "adv.global_norm.*not gae"),
+    ("adv.estimator=reinforce_pp adv.batch_whiten=true", "adv.batch_whiten"),
+])
+def test_sampling_and_advantage_keys(override, pattern):
+    cfg = load(["trainer.save_dir=/tmp/x", *override.split()])
+    if pattern is None:
+        validate(cfg)
+    else:
+        with pytest.raises(ConfigError, match=pattern):
+            validate(cfg)
+
+
+def test_every_sampling_key_reaches_the_engine_and_sglang_takes_its_own():
+    from train.trainer.config import sampling_params
+
+    cfg = load(["trainer.save_dir=/tmp/x", "rollout.train_sampling_params.min_p=0.05",
+                "rollout.train_sampling_params.stop_token_ids=[5,6]", "rollout.train_sampling_params.seed=3",
+                "rollout.train_sampling_params.repetition_penalty=1.1", "rollout.train_sampling_params.ignore_eos=true"])
+    sp = sampling_params(cfg, "rollout.train_sampling_params")
+    assert (sp.min_p, sp.stop_token_ids, sp.seed, sp.repetition_penalty, sp.ignore_eos) == (0.05, (5, 6), 3, 1.1, True)
+    cfg = load(["trainer.save_dir=/tmp/x", "rollout.engine=sglang", "+rollout.train_sampling_params.regex='[0-9]+'"])
+    assert sampling_params(cfg, "rollout.train_sampling_params").extra == (("regex", "[0-9]+"),)
+
+
+def test_save_dir_defaults_to_the_experiment_name():
+    cfg = load(["trainer.experiment_name=my-exp"], name="grpo")
+    assert cfg.trainer.save_dir == "ckpts/my-exp"
+    assert load(["trainer.experiment_name=my-exp", "trainer.save_dir=runs/x"], name="grpo").trainer.save_dir == "runs/x"
+
+
+def model_copy(tmp_path, name, **config_changes):
+    import json
+    import shutil
+
+    from conftest import STUB_MODEL
+
+    out = tmp_path / name
+    shutil.copytree(STUB_MODEL, out)
+    config = json.loads((out / "config.json").read_text())
+    config.update(config_changes)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_rollout_model_name_defaults_and_must_match_the_actor(tmp_path):
+    from train.trainer.config import resolve_aliases
+
+    cfg = load(["trainer.save_dir=/tmp/x", "actor.model_name=null", "rollout.model_name=stub/model"])
+    resolve_aliases(cfg)
+    paths = validate(cfg)
+    assert paths.actor == paths.rollout == paths.tokenizer == paths.rollout_tokenizer == "stub/model"
+    same = model_copy(tmp_path, "same")  # another folder with the same architecture: accepted
+    assert validate(load(["trainer.save_dir=/tmp/x", f"rollout.model_name={same}"])).rollout == str(same)
+    other = model_copy(tmp_path, "other", vocab_size=640, num_hidden_layers=2)
+    cfg = load(["trainer.save_dir=/tmp/x", f"rollout.model_name={other}"])
+    with pytest.raises(ConfigError, match=r"'rollout.model_name': .*vocab_size: 640 vs the actor's 512.*"
+                                          r"num_hidden_layers: 2 vs the actor's 4.*share architecture and vocabulary"):
+        validate(cfg)
+
+
+def test_rollout_tokenizer_must_share_the_vocabulary(tmp_path):
+    import json
+
+    tok = model_copy(tmp_path, "tok")
+    data = json.loads((tok / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = sorted(vocab)[40:42]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: same tokens, other ids
+    (tok / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="'rollout.tokenizer_name': .*different vocabularies"):
+        validate(load(["trainer.save_dir=/tmp/x", f"rollout.tokenizer_name={tok}"]))
+    assert validate(load(["trainer.save_dir=/tmp/x", f"rollout.tokenizer_name={ROOT / 'stub/model'}"]))
+
+
+def test_cli_unknown_sampling_key_is_one_line(tmp_path):
+    proc = run_trainer([f"trainer.save_dir={tmp_path}", "+rollout.train_sampling_params.top_a=0.5"], check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: config key 'rollout.train_sampling_params.top_a': unknown sampling parameter; this "
+                      "engine takes: frequency_penalty, ignore_eos, max_new_tokens, min_p, presence_penalty, "
+                      "repetition_penalty, seed, stop, stop_token_ids, temperature, top_k, top_p (rollout.engine=hf)"]

@@ -321,3 +321,99 @@ def test_sampler_distribution_top_k_top_p() -> None:
     assert got[3:].sum() == 0 and (got[:3] - p[:3] / p[:3].sum()).abs().max() < 0.015
     tok, lp = sample_tokens(logits, torch.zeros(1), torch.ones(1), torch.full((1,), -1), torch.ones(1))
     assert tok.item() == 0 and torch.isclose(lp, torch.log_softmax(logits[0], -1)[0])
+
+
+# ---------------------------------------------------------------------------------------- the full sampling set
+
+
+def test_min_p_keeps_tokens_above_a_fraction_of_the_best() -> None:
+    from train.engines.hf import sample_tokens
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]], dtype=torch.float64)
+    n = 20000
+    u = 1.0 - torch.rand(n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    tok, lp = sample_tokens(logits.float().expand(n, -1), torch.ones(n), torch.ones(n), torch.full((n,), -1),
+                            u, min_p=torch.full((n,), 0.3))
+    p = torch.softmax(logits[0], -1)
+    kept = p >= 0.3 * p.max()  # float64 reference: tokens 0 and 1 (e^-1 = 0.37 > 0.3, e^-1.5 = 0.22 < 0.3)
+    assert kept.tolist() == [True, True, False, False, False, False]
+    got = torch.bincount(tok, minlength=6).double() / n
+    assert got[~kept].sum() == 0 and (got[kept] - p[kept] / p[kept].sum()).abs().max() < 0.015
+    assert torch.allclose(lp.double(), torch.log_softmax(logits[0], -1)[tok], atol=1e-6)  # not renormalised
+
+
+def reference_penalised(logits: torch.Tensor, prompt: list[int], response: list[int], rep: float, presence: float,
+                        frequency: float) -> torch.Tensor:
+    """vLLM / SGLang semantics in float64, one token at a time: repetition over prompt + response,
+    presence and frequency over the response."""
+    out = logits.double().clone()
+    for t in set(prompt) | set(response):
+        out[t] = out[t] / rep if out[t] > 0 else out[t] * rep
+    for t in set(response):
+        out[t] -= presence + frequency * response.count(t)
+    return out
+
+
+def test_penalties_against_a_float64_reference() -> None:
+    from train.engines.hf import Penalties
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, VOCAB, generator=g) * 3
+    prompts_ = [[1, 2, 3, 3], [50]]
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.25),
+              SamplingParams(frequency_penalty=-0.5)]
+    pen = Penalties(prompts_, params, VOCAB, torch.device("cpu"))
+    responses: list[list[int]] = [[], []]
+    for step_tokens in ([3, 7], [7, 50], [9, 50]):
+        got = pen.apply(logits)
+        for row in range(2):
+            sp = params[row]
+            ref = reference_penalised(logits[row], prompts_[row], responses[row], sp.repetition_penalty,
+                                      sp.presence_penalty, sp.frequency_penalty)
+            assert torch.allclose(got[row].double(), ref, atol=1e-5)
+        pen.record(torch.tensor(step_tokens))
+        for row, t in enumerate(step_tokens):
+            responses[row].append(t)
+    pen.select(torch.tensor([1]))  # row 0 finished
+    ref = reference_penalised(logits[1], prompts_[1], responses[1], 1.0, 0.0, -0.5)
+    assert torch.allclose(pen.apply(logits[1:])[0].double(), ref, atol=1e-5)
+
+
+def test_engine_stop_token_ids_ignore_eos_and_repetition_penalty() -> None:
+    model = tiny_model(5)
+    engine = HFEngine(model, eos_token_ids=[], max_batch_size=8)
+    prompt = prompts((5,))[0]
+    [free] = run_all(engine, [(prompt, SamplingParams(max_new_tokens=20, temperature=0.0))])
+    # stop_token_ids: the first occurrence ends the response, included, finish reason "stop"
+    stop = free.token_ids[3]
+    [g] = run_all(engine, [(prompt, SamplingParams(max_new_tokens=20, temperature=0.0, stop_token_ids=(stop,)))])
+    assert g.token_ids == free.token_ids[: free.token_ids.index(stop) + 1] and g.finish_reason == "stop"
+    # ignore_eos: an EOS id is generated and passed over; stop_token_ids still end it
+    eos_engine = HFEngine(model, eos_token_ids=[stop], max_batch_size=8)
+    [g] = run_all(eos_engine, [(prompt, SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))])
+    assert g.token_ids == free.token_ids and g.finish_reason == "length"
+    # a huge repetition penalty: greedy never picks a token of the prompt or of its own response
+    [g] = run_all(engine, [(prompt, SamplingParams(max_new_tokens=20, temperature=0.0, repetition_penalty=1e6))])
+    assert len(set(g.token_ids)) == 20 and not set(g.token_ids) & set(prompt)
+
+
+def test_penalised_logprobs_are_those_of_the_sampling_distribution() -> None:
+    """With penalties the engine samples from (and reports log-probs of) the penalised distribution:
+    a float64 reference from full forward passes, no cache, no batching, gives the same numbers."""
+    model = tiny_model(6)
+    engine = HFEngine(model, eos_token_ids=[], max_batch_size=8)
+    prompt = prompts((4,))[0]
+    sp = SamplingParams(max_new_tokens=10, temperature=0.7, repetition_penalty=1.5, presence_penalty=0.3,
+                        frequency_penalty=0.2, seed=11)
+    [g] = run_all(engine, [(prompt, sp), (prompts((7,), seed=2)[0], replace(sp, seed=12))])[:1]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + g.token_ids])).logits[0].double()
+    for k, t in enumerate(g.token_ids):
+        ref = reference_penalised(logits[len(prompt) - 1 + k], prompt, g.token_ids[:k], 1.5, 0.3, 0.2)
+        assert g.logprobs[k] == pytest.approx(float(torch.log_softmax(ref / 0.7, -1)[t]), abs=1e-4)
+
+
+def test_the_hf_engine_refuses_engine_specific_keys() -> None:
+    engine = HFEngine(tiny_model(), eos_token_ids=[0])
+    with pytest.raises(ValueError, match="does not take regex"):
+        run_all(engine, [([1, 2], SamplingParams(extra=(("regex", "[0-9]"),)))])

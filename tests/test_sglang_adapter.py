@@ -29,9 +29,13 @@ import torch
 
 from conftest import ROOT, run_torchrun, trainer_env
 from fake_sglang import EOS, RecordingFakeSGLangEngine, expected_tokens, fake_bindings
-from train.engines.base import SamplingParams
+from dataclasses import asdict
+
+from train.engines.base import SamplingParams, sampling_from_mapping
 from train.engines.sglang import (
     ALL_TAGS,
+    SGLANG_SAMPLING_KEYS,
+    _sampling_from_json,
     SGLangEngine,
     engine_init_kwargs,
     prepare_env,
@@ -85,9 +89,18 @@ def test_engine_init_kwargs() -> None:
 
 def test_sampling_params_conversion() -> None:
     p = to_sglang_sampling(SamplingParams(max_new_tokens=9, temperature=0.0, top_p=0.9, top_k=5, stop=("\n\n",)))
-    assert p == {"max_new_tokens": 9, "temperature": 0.0, "top_p": 0.9, "top_k": 5, "skip_special_tokens": False,
-                 "no_stop_trim": True, "stop": ["\n\n"]}
+    assert p == {"max_new_tokens": 9, "temperature": 0.0, "top_p": 0.9, "top_k": 5, "min_p": 0.0,
+                 "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "ignore_eos": False,
+                 "skip_special_tokens": False, "no_stop_trim": True, "stop": ["\n\n"]}
     assert "stop" not in to_sglang_sampling(SamplingParams())
+    # the whole set, and SGLang's own keys passed through (sampling_from_mapping puts them in `extra`)
+    sp = sampling_from_mapping({"top_k": 0, "min_p": 0.05, "repetition_penalty": 1.1, "stop_token_ids": [7],
+                                "ignore_eos": True, "regex": "[0-9]+", "min_new_tokens": 2}, SGLANG_SAMPLING_KEYS)
+    p = to_sglang_sampling(sp)
+    assert (p["top_k"], p["min_p"], p["repetition_penalty"], p["stop_token_ids"], p["ignore_eos"]) == \
+        (-1, 0.05, 1.1, [7], True)
+    assert p["regex"] == "[0-9]+" and p["min_new_tokens"] == 2
+    assert _sampling_from_json(json.loads(json.dumps(asdict(sp)))) == sp  # the feeder -> owner wire format
 
 
 def test_result_parsing_finish_reasons_and_trimming() -> None:
@@ -413,7 +426,9 @@ def recorded_calls() -> list[tuple[str, dict]]:
     """Drive the adapter through everything it does and return what it called on the engine."""
     calls: list = []
     with fake_engine(calls, offload_weights=True) as (engine, _):
-        generate_all(engine, PROMPTS, SamplingParams(max_new_tokens=4, top_p=0.9, top_k=3, stop=("x",)))
+        generate_all(engine, PROMPTS, SamplingParams(max_new_tokens=4, top_p=0.9, top_k=3, stop=("x",),
+                                                     stop_token_ids=(5,), min_p=0.1, repetition_penalty=1.2,
+                                                     extra=tuple((k, None) for k in SGLANG_SAMPLING_KEYS)))
         engine.sleep()
         engine.update_weights(small_model())
         engine.sleep()

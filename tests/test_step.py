@@ -59,31 +59,44 @@ def as_np(adv, samples):
 
 
 @pytest.mark.parametrize("estimator", ["reinforce", "rloo"])
-@pytest.mark.parametrize("norm_var,global_norm", [(True, False), (False, False), (False, True)])
+@pytest.mark.parametrize("norm_var,global_norm,batch_whiten", [(True, False, False), (False, False, False),
+                                                               (True, True, False), (False, True, False),
+                                                               (True, False, True), (False, False, True)])
 @pytest.mark.parametrize("kl_coef", [0.0, 0.1])
-def test_group_estimators(estimator, norm_var, global_norm, kl_coef):
+def test_group_estimators(estimator, norm_var, global_norm, batch_whiten, kl_coef):
     rng = np.random.default_rng(1)
     G = 4
     samples = make_samples(rng, G=G)
     ref = ref_logps(rng, samples)
     c = cfg(**{"adv.estimator": estimator, "adv.norm_var": norm_var, "adv.global_norm": global_norm,
+               "adv.batch_whiten": batch_whiten,
                "actor.kl.coef": kl_coef, "actor.kl.reward_estimator": "k1" if kl_coef else None})
     out = st.compute_advantages(st.StepInputs(samples, G), c, CTX, ref if kl_coef else None)
     # reference: R_i = r_i - beta * sum_t (log pi - log ref) over action tokens
     R = np.array([s.reward - kl_coef * sum(s.sampler_logprobs[t + 1] - float(r[t]) for t in positions(s))
                   for s, r in zip(samples, ref)])
     A = np.zeros_like(R)
-    for g0 in range(0, len(R), G):
-        grp = R[g0:g0 + G]
-        for i in range(G):
+    N = len(R)
+    if global_norm:  # one baseline for the batch (the guide's definition); Bessel-corrected std
+        for i in range(N):
             if estimator == "rloo":
-                A[g0 + i] = grp[i] - (grp.sum() - grp[i]) / (G - 1)
+                A[i] = R[i] - (R.sum() - R[i]) / (N - 1)
             else:
-                A[g0 + i] = grp[i] - grp.mean()
+                A[i] = R[i] - R.mean()
                 if norm_var:
-                    A[g0 + i] /= math.sqrt(((grp - grp.mean()) ** 2).mean()) + 1e-6
-    if global_norm:
-        A = (A - A.mean()) / (A.std() + 1e-6)
+                    A[i] /= math.sqrt(((R - R.mean()) ** 2).sum() / (N - 1)) + 1e-6
+    else:
+        for g0 in range(0, N, G):
+            grp = R[g0:g0 + G]
+            for i in range(G):
+                if estimator == "rloo":
+                    A[g0 + i] = grp[i] - (grp.sum() - grp[i]) / (G - 1)
+                else:
+                    A[g0 + i] = grp[i] - grp.mean()
+                    if norm_var:
+                        A[g0 + i] /= math.sqrt(((grp - grp.mean()) ** 2).sum() / (G - 1)) + 1e-6
+    if batch_whiten:
+        A = (A - A.mean()) / (math.sqrt(((A - A.mean()) ** 2).sum() / (N - 1)) + 1e-6)
     np.testing.assert_allclose(out.advantages, A, rtol=1e-6, atol=1e-6)
     assert out.returns is None
     if kl_coef:
@@ -111,7 +124,7 @@ def test_reinforce_pp(baseline, gamma, kl_coef):
         tok[-1] += outcome
         returns.append([sum(gamma ** j * tok[k + j] for j in range(len(tok) - k)) for k in range(len(tok))])
     flat = np.concatenate(returns)
-    expected = (flat - flat.mean()) / (flat.std() + 1e-6)
+    expected = (flat - flat.mean()) / (flat.std(ddof=1) + 1e-6)  # Bessel-corrected
     np.testing.assert_allclose(as_np(out.advantages, samples), expected, rtol=1e-6, atol=1e-6)
     for a, s in zip(out.advantages, samples):  # exactly 0 off the action tokens
         off = [t for t in range(len(s.ids) - 1) if not s.action_mask[t + 1]]
@@ -146,7 +159,7 @@ def test_gae_estimator(gamma, lam, whiten, scale, kl_coef):
         vals += V
     advs, rets, vals = map(np.array, (advs, rets, vals))
     np.testing.assert_allclose(as_np(out.returns, samples), rets, rtol=1e-6, atol=1e-6)
-    expected = (advs - advs.mean()) / math.sqrt(advs.var() + 1e-8) if whiten else advs
+    expected = (advs - advs.mean()) / math.sqrt(advs.var(ddof=1) + 1e-8) if whiten else advs
     np.testing.assert_allclose(as_np(out.advantages, samples), expected, rtol=1e-5, atol=1e-6)
     ev = 1 - np.var(rets - vals) / np.var(rets)
     assert out.metrics["critic/explained_variance"] == pytest.approx(ev, rel=1e-6, abs=1e-9)
@@ -219,3 +232,27 @@ def test_mask_truncated_keeps_the_baseline_but_drops_the_tokens():
     assert all(sum(s.action_mask) > 0 for i, s in enumerate(samples) if i not in (1, 6))
     after = st.compute_advantages(st.StepInputs(samples, 4), cfg(), CTX, None).advantages
     assert after == before  # the truncated rewards still shape their group's baseline
+
+
+def test_rollout_metrics_trajectory_and_turn_lengths():
+    """trajectory_length = prompt + every turn + every tool message, in tokens; turn lengths per turn index."""
+    def sample(prompt, turns, tool, reward):
+        mask = [0] * prompt
+        for k, t in enumerate(turns):
+            mask += [1] * t + ([0] * tool if k < len(turns) - 1 else [])
+        return Sample(0, [], None, list(range(len(mask))), mask, [0.0] * len(mask), reward=reward,
+                      n_turns=len(turns), prompt_length=prompt, turn_lengths=list(turns))
+
+    samples = [sample(10, [4, 2, 6], 3, 1.0), sample(10, [5], 0, 0.0), sample(12, [3, 7], 5, 1.0),
+               sample(12, [2], 0, 1.0)]
+    m = st.rollout_metrics(samples, 2, 2, cfg(**{"rollout.max_turns": 3}), CTX)
+    lengths = [len(s.ids) for s in samples]
+    assert lengths == [10 + 12 + 6, 15, 12 + 10 + 5, 14]
+    assert m["trajectory_length/train"] == pytest.approx(np.mean(lengths))
+    assert m["trajectory_length/train_max"] == max(lengths)
+    assert m["prompt_length/train"] == pytest.approx(11.0)
+    assert m["response_length/train"] == pytest.approx((12 + 5 + 10 + 2) / 4)
+    assert m["turn_length/train"] == pytest.approx((12 + 5 + 10 + 2) / 7)  # per assistant turn
+    assert m["turn_length/turn1"] == pytest.approx((4 + 5 + 3 + 2) / 4)
+    assert m["turn_length/turn2"] == pytest.approx((2 + 7) / 2) and m["turn_length/turn3"] == 6
+    assert m["dynamic_filtering_ratio"] == 0.5  # the second group is all 1.0

@@ -11,7 +11,16 @@ from train.engines.base import Generation, RolloutEngine, SamplingParams
 
 ENGINE_NAMES = ("hf", "sglang")
 
-__all__ = ["ENGINE_NAMES", "Generation", "RolloutEngine", "SamplingParams", "make_engine"]
+__all__ = ["ENGINE_NAMES", "Generation", "RolloutEngine", "SamplingParams", "engine_sampling_keys", "make_engine"]
+
+
+def engine_sampling_keys(name: str) -> tuple[str, ...]:
+    """Sampling parameters an engine takes beyond the common set (`SamplingParams` fields)."""
+    if name == "sglang":
+        from train.engines.sglang import SGLANG_SAMPLING_KEYS  # importable without SGLang
+
+        return SGLANG_SAMPLING_KEYS
+    return ()
 
 
 def make_engine(name: str, *args: Any, **kwargs: Any) -> RolloutEngine:

@@ -286,6 +286,9 @@ class HFEngine:
             raise ValueError(f"generate: temperature must be >= 0, got {sampling.temperature}")
         if not 0 < sampling.top_p <= 1:
             raise ValueError(f"generate: top_p must be in (0, 1], got {sampling.top_p}")
+        if sampling.extra:
+            raise ValueError(f"generate: the hf engine does not take {', '.join(k for k, _ in sampling.extra)} "
+                             "(engine-specific sampling parameters)")
         if sampling.stop and self.tokenizer is None:
             raise ValueError("generate: stop strings need a tokenizer; build HFEngine with one")
 
@@ -344,6 +347,12 @@ class HFEngine:
         temp = torch.tensor([sp.temperature for sp in params], device=dev, dtype=torch.float32)
         top_p = torch.tensor([sp.top_p for sp in params], device=dev, dtype=torch.float32)
         top_k = torch.tensor([sp.top_k for sp in params], device=dev, dtype=torch.long)
+        # Optional per-row processing, built only when some row asks for it (the common case pays nothing).
+        min_p = (torch.tensor([sp.min_p for sp in params], device=dev, dtype=torch.float32)
+                 if any(sp.min_p > 0 for sp in params) else None)
+        penalties: Penalties | None = None
+        stop_ids = [frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.eos_token_ids)
+                    for sp in params]
         generators = [
             torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None for sp in params
         ]
@@ -355,14 +364,20 @@ class HFEngine:
         logits = self._forward(
             input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache
         )
+        if any(sp.uses_penalties for sp in params):
+            penalties = Penalties(prompts, params, logits.shape[-1], dev)
         while True:
             uniforms = self._uniforms([generators[j] for j in active]).to(dev)
-            tok, lp = sample_tokens(logits, temp, top_p, top_k, uniforms)
+            if penalties is not None:
+                logits = penalties.apply(logits)
+            tok, lp = sample_tokens(logits, temp, top_p, top_k, uniforms, min_p)
+            if penalties is not None:
+                penalties.record(tok)
             keep: list[int] = []
             for b, (j, t, l) in enumerate(zip(active, tok.tolist(), lp.tolist())):
                 tokens[j].append(t)
                 logprobs[j].append(l)
-                reason = self._finish_reason(tokens[j], params[j], budgets[rows[j]])
+                reason = self._finish_reason(tokens[j], params[j], budgets[rows[j]], stop_ids[j])
                 if reason is None:
                     keep.append(b)
                 else:
@@ -376,6 +391,9 @@ class HFEngine:
                 cache.batch_select_indices(idx)
                 attention, next_pos, tok = attention[idx], next_pos[idx], tok[idx]
                 temp, top_p, top_k = temp[idx], top_p[idx], top_k[idx]
+                min_p = min_p[idx] if min_p is not None else None
+                if penalties is not None:
+                    penalties.select(idx)
                 active = [active[b] for b in keep]
             attention = torch.cat([attention, attention.new_ones(len(active), 1)], dim=1)
             logits = self._forward(
@@ -395,8 +413,9 @@ class HFEngine:
                 u[b] = torch.rand(1, generator=g, dtype=torch.float64)[0]
         return 1.0 - u  # (0, 1]: a zero-probability token can never be picked
 
-    def _finish_reason(self, tokens: list[int], sp: SamplingParams, budget: int) -> str | None:
-        if tokens[-1] in self.eos_token_ids:
+    def _finish_reason(self, tokens: list[int], sp: SamplingParams, budget: int,
+                       stop_ids: frozenset[int]) -> str | None:
+        if tokens[-1] in stop_ids:  # EOS (unless ignore_eos) and stop_token_ids
             return "stop"
         if sp.stop and self._hits_stop_string(tokens, sp.stop):
             return "stop"
@@ -433,18 +452,56 @@ class HFEngine:
         self._asleep = False
 
 
+class Penalties:
+    """Repetition, presence and frequency penalties of a batch of rows (vLLM / SGLang semantics):
+    repetition divides a positive logit (multiplies a negative one) of every token seen in the
+    prompt or the response; presence subtracts its value once from every token already in the
+    response, frequency once per occurrence. Rows can be dropped as they finish (`select`)."""
+
+    def __init__(self, prompts: list[list[int]], params: list[SamplingParams], vocab: int,
+                 device: torch.device) -> None:
+        n = len(prompts)
+        as_t = lambda xs: torch.tensor(xs, device=device, dtype=torch.float32)[:, None]  # noqa: E731
+        self.repetition = as_t([sp.repetition_penalty for sp in params])
+        self.presence = as_t([sp.presence_penalty for sp in params])
+        self.frequency = as_t([sp.frequency_penalty for sp in params])
+        self.counts = torch.zeros(n, vocab, device=device)  # occurrences in the response so far
+        self.seen = torch.zeros(n, vocab, dtype=torch.bool, device=device)  # prompt or response
+        for row, prompt in enumerate(prompts):
+            ids = torch.tensor([t for t in prompt if t < vocab], dtype=torch.long, device=device)
+            self.seen[row, ids] = True
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        rep = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
+        logits = torch.where(self.seen, rep, logits)
+        return logits - self.frequency * self.counts - self.presence * (self.counts > 0)
+
+    def record(self, tokens: torch.Tensor) -> None:
+        rows = torch.arange(tokens.numel(), device=tokens.device)
+        self.counts[rows, tokens] += 1
+        self.seen[rows, tokens] = True
+
+    def select(self, idx: torch.Tensor) -> None:
+        for name in ("repetition", "presence", "frequency", "counts", "seen"):
+            setattr(self, name, getattr(self, name)[idx])
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_p: torch.Tensor,
     top_k: torch.Tensor,
     uniforms: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return (tokens, log-probs of those tokens).
 
-    Per-row `temperature` (0 = greedy), `top_p` (1 = off), `top_k` (<= 0 = off), `uniforms` in
-    (0, 1]. The log-prob is taken from the full distribution at the row's temperature (T = 1 for
-    greedy rows), which is what a trainer recomputes from `log_softmax(logits / T)`.
+    Per-row `temperature` (0 = greedy), `top_p` (1 = off), `top_k` (<= 0 = off), `min_p` (0 or
+    None = off: keep tokens with p >= min_p * p_max), `uniforms` in (0, 1]. The log-prob is taken
+    from the full distribution at the row's temperature (T = 1 for greedy rows), which is what a
+    trainer recomputes from `log_softmax(logits / T)`; truncation (top-p, top-k, min-p) is not
+    renormalised into it. Penalties, when used, are already applied to `logits`.
     """
     logits = logits.float()
     greedy = temperature <= 0
@@ -454,6 +511,10 @@ def sample_tokens(
     if not bool(greedy.all()):
         probs = logp.exp()
         vocab = probs.shape[-1]
+        if min_p is not None and bool((min_p > 0).any()):
+            floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+            probs = torch.where(probs >= floor, probs, torch.zeros((), dtype=probs.dtype, device=probs.device))
+            probs = probs / probs.sum(dim=-1, keepdim=True)  # top-p then sees the truncated distribution
         filtered = (top_p < 1) | ((top_k > 0) & (top_k < vocab))
         if bool(filtered.any()):
             probs, order = probs.sort(dim=-1, descending=True)

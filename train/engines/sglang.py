@@ -149,19 +149,36 @@ def engine_init_kwargs(
 # ---------------------------------------------------------------------------------------- requests
 
 
+# SGLang-only sampling parameters passed through from the config (`SamplingParams.extra`): fields of
+# sglang.srt.sampling.sampling_params.SamplingParams (tests/test_sglang_adapter.py checks them
+# against the pinned wheel). Left out: `n` (data.responses_per_prompt), beam search, streaming,
+# text-only options the adapter sets itself, and SGLang's internal fields.
+SGLANG_SAMPLING_KEYS = ("min_new_tokens", "stop_regex", "json_schema", "regex", "ebnf", "structural_tag",
+                        "logit_bias", "custom_params", "sampling_seed")
+
+
 def to_sglang_sampling(sp: SamplingParams) -> dict[str, Any]:
     """Our sampling parameters as SGLang's `sampling_params` dict. Temperature 0 is greedy in both.
-    `sp.seed` is not passed: SGLang only honours per-request seeds under deterministic inference."""
+    `sp.seed` is not passed: SGLang only honours per-request seeds under deterministic inference
+    (`sampling_seed` in the config passes one through anyway)."""
     params: dict[str, Any] = {
         "max_new_tokens": sp.max_new_tokens,
         "temperature": sp.temperature,
         "top_p": sp.top_p,
-        "top_k": sp.top_k,
+        "top_k": sp.top_k if sp.top_k > 0 else -1,
+        "min_p": sp.min_p,
+        "repetition_penalty": sp.repetition_penalty,
+        "presence_penalty": sp.presence_penalty,
+        "frequency_penalty": sp.frequency_penalty,
+        "ignore_eos": sp.ignore_eos,
         "skip_special_tokens": False,
         "no_stop_trim": True,  # affects only SGLang's text; we use token ids
     }
     if sp.stop:
         params["stop"] = list(sp.stop)
+    if sp.stop_token_ids:
+        params["stop_token_ids"] = list(sp.stop_token_ids)
+    params.update(dict(sp.extra))
     return params
 
 
@@ -198,7 +215,9 @@ def _generation_to_json(gen: Generation) -> dict[str, Any]:
 
 def _sampling_from_json(d: Mapping[str, Any]) -> SamplingParams:
     d = dict(d)
-    d["stop"] = tuple(d.get("stop") or ())
+    for key in ("stop", "stop_token_ids"):
+        d[key] = tuple(d.get(key) or ())
+    d["extra"] = tuple((k, v) for k, v in d.get("extra") or ())
     return SamplingParams(**d)
 
 

@@ -3,10 +3,14 @@ with the key's name and an example override."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from train.engines import ENGINE_NAMES
+from train.engines import ENGINE_NAMES, engine_sampling_keys
+from train.engines.base import SamplingError, SamplingParams, sampling_from_mapping
+from train.utils import hub
 
 
 class ConfigError(ValueError):
@@ -17,10 +21,35 @@ class ConfigError(ValueError):
 REQUIRED = {
     "data.train_data_path": "data.train_data_path=stub/data/math/train.jsonl",
     "data.prompts_per_rollout": "data.prompts_per_rollout=16",
-    "actor.model_name": "actor.model_name=stub/model",
+    "actor.model_name": "actor.model_name=stub/model (a local folder or a Hub id such as Qwen/Qwen2.5-0.5B-Instruct)",
     "rollout.env_path": "rollout.env_path=environments/eq.py",
     "trainer.save_dir": "trainer.save_dir=runs/my_run",
 }
+
+# Model and tokenizer names: a local folder or a Hugging Face Hub id (train/utils/hub.py).
+MODEL_KEYS = {"actor.model_name": "model", "actor.tokenizer_name": "tokenizer", "ref_actor.model_name": "model",
+              "critic.model_name": "model", "rollout.model_name": "model", "rollout.tokenizer_name": "tokenizer"}
+SAMPLING_SECTIONS = ("rollout.train_sampling_params", "rollout.test_sampling_params")
+
+
+@dataclass(frozen=True)
+class ModelPaths:
+    """Local folders of every model and tokenizer a run loads, defaults filled in."""
+    actor: str
+    tokenizer: str  # the trainer's (actor.tokenizer_name, default the actor's folder)
+    reference: str
+    critic: str
+    rollout: str  # the engine's starting weights (rollout.model_name, default the actor's)
+    rollout_tokenizer: str
+
+    @classmethod
+    def from_resolved(cls, found: Mapping[str, str]) -> "ModelPaths":
+        actor = found["actor.model_name"]
+        tokenizer = found.get("actor.tokenizer_name", actor)
+        return cls(actor=actor, tokenizer=tokenizer, reference=found.get("ref_actor.model_name", actor),
+                   critic=found.get("critic.model_name", actor), rollout=found.get("rollout.model_name", actor),
+                   rollout_tokenizer=found.get("rollout.tokenizer_name", tokenizer))
+
 
 AGG_MODES = ("all_token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
@@ -75,7 +104,10 @@ def _number(cfg: DictConfig, key: str, low: float | None = None, high: float | N
 
 
 def resolve_aliases(cfg: DictConfig) -> None:
-    """Accept `adv.lambda` for the seed's `adv.lamda` (the same GAE lambda)."""
+    """Accept `adv.lambda` for the seed's `adv.lamda` (the same GAE lambda); a run given only
+    `rollout.model_name` starts the actor from it too."""
+    if _get(cfg, "actor.model_name") is None and _get(cfg, "rollout.model_name") is not None:
+        cfg.actor.model_name = cfg.rollout.model_name
     alias = _get(cfg, "adv.lambda")
     if alias is None:
         return
@@ -84,11 +116,28 @@ def resolve_aliases(cfg: DictConfig) -> None:
     cfg.adv.lamda = alias
 
 
-def validate(cfg: DictConfig, world_size: int = 1) -> None:
-    """Raise ConfigError for the first missing or inconsistent key."""
+def model_names(cfg: DictConfig) -> dict[str, tuple[str, str]]:
+    """{config key: (name, kind)} for every model and tokenizer this run loads."""
+    used = {"actor.model_name", "actor.tokenizer_name", "rollout.model_name", "rollout.tokenizer_name"}
+    if cfg.actor.kl.coef > 0:
+        used.add("ref_actor.model_name")
+    if cfg.adv.estimator == "gae":
+        used.add("critic.model_name")
+    return {key: (str(_get(cfg, key)), kind) for key, kind in MODEL_KEYS.items()
+            if key in used and _get(cfg, key) is not None}
+
+
+Resolver = Callable[[Mapping[str, tuple[str, str]]], dict[str, str]]
+
+
+def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = None) -> ModelPaths:
+    """Raise ConfigError for the first missing or inconsistent key; return the local folders of
+    every model. `resolve` turns model names into folders (default: `hub.resolve_all` in this
+    process; the trainer passes one that fetches once per node)."""
     for key, example in REQUIRED.items():
         if _get(cfg, key) is None:
-            _fail(key, "is required (it is null in config/grpo.yaml)", example)
+            extra = " and so is rollout.model_name" if key == "actor.model_name" else ""
+            _fail(key, f"is required (it is null in config/grpo.yaml{extra})", example)
 
     _positive_int(cfg, "data.prompts_per_rollout")
     _positive_int(cfg, "data.responses_per_prompt")
@@ -102,8 +151,8 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     _positive_int(cfg, "trainer.n_epochs")
     for key in ("trainer.total_steps", "trainer.save_freq", "trainer.test_freq"):
         _positive_int(cfg, key, allow_none=True)
-    for key in ("rollout.train_sampling_params.max_new_tokens", "rollout.test_sampling_params.max_new_tokens"):
-        _positive_int(cfg, key)
+    _number(cfg, "trainer.model_fetch_timeout_s", 0.0, low_open=True, allow_none=True,
+            example="trainer.model_fetch_timeout_s=7200")
 
     _choice(cfg, "actor.agg_mode", AGG_MODES)
     _choice(cfg, "actor.kl.type", KL_TYPES)
@@ -114,9 +163,10 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     _choice(cfg, "rollout.engine", ENGINE_NAMES)
     _choice(cfg, "actor.scheduler", ("constant", "cosine"))
     _choice(cfg, "actor.dtype", ("float32", "bfloat16"))
+    for section in SAMPLING_SECTIONS:
+        sampling_params(cfg, section)
     _validate_algorithms(cfg)
     _validate_gpu_keys(cfg, world_size)
-    _validate_parallel(cfg, world_size)
 
     ppr = cfg.data.prompts_per_rollout
     if ppr % world_size != 0:
@@ -134,15 +184,63 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
         _fail("data.test_data_path", "is required when trainer.test_freq is set",
               "data.test_data_path=stub/data/math/test.jsonl (or trainer.test_freq=null)")
 
-    for key in ("actor.model_name", "rollout.env_path"):
-        path = _get(cfg, key)
-        if not os.path.exists(path):
-            _fail(key, f"path '{path}' does not exist (relative paths are from {os.getcwd()})",
-                  REQUIRED[key])
+    path = cfg.rollout.env_path
+    if not os.path.exists(path):
+        _fail("rollout.env_path", f"path '{path}' does not exist (relative paths are from {os.getcwd()})",
+              REQUIRED["rollout.env_path"])
     load = cfg.trainer.load_ckpt_from
     if load is not None and load != "latest" and not os.path.isdir(load):
         _fail("trainer.load_ckpt_from", f"'{load}' is not a checkpoint folder",
               "trainer.load_ckpt_from=latest")
+
+    try:  # last: it may download
+        paths = ModelPaths.from_resolved((resolve or hub.resolve_all)(model_names(cfg)))
+    except hub.ModelNotFound as e:
+        raise ConfigError(str(e)) from None
+    _validate_parallel(cfg, world_size, paths)
+    _validate_rollout_model(paths)
+    return paths
+
+
+def sampling_params(cfg: DictConfig, section: str) -> SamplingParams:
+    """`rollout.train_sampling_params` / `test_sampling_params` as SamplingParams, every key checked
+    against what the configured engine takes."""
+    values = _get(cfg, section)
+    if not isinstance(values, DictConfig):
+        _fail(section, f"expected a mapping of sampling parameters, got {values!r}",
+              f"{section}.max_new_tokens=128")
+    engine = cfg.rollout.engine
+    try:
+        return sampling_from_mapping(OmegaConf.to_container(values, resolve=True), engine_sampling_keys(engine))
+    except SamplingError as e:
+        _fail(f"{section}.{e.key}", f"{e.problem} (rollout.engine={engine})")
+
+
+ARCH_FIELDS = ("model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "intermediate_size", "tie_word_embeddings")
+
+
+def _validate_rollout_model(paths: ModelPaths) -> None:
+    """The engine receives the actor's weights by name and shape, and trains on the token ids it
+    samples: a separate rollout model must share the actor's architecture and sizes, a separate
+    rollout tokenizer the actor's vocabulary."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if os.path.realpath(paths.rollout) != os.path.realpath(paths.actor):
+        a, r = AutoConfig.from_pretrained(paths.actor), AutoConfig.from_pretrained(paths.rollout)
+        diff = [f"{k}: {getattr(r, k, None)} vs the actor's {getattr(a, k, None)}" for k in ARCH_FIELDS
+                if getattr(a, k, None) != getattr(r, k, None)]
+        if diff:
+            _fail("rollout.model_name", f"'{paths.rollout}' does not match the actor '{paths.actor}' ("
+                  + "; ".join(diff) + "): the engine receives the actor's weights after every update, so both "
+                  "must share architecture and vocabulary", "rollout.model_name=null (the actor's)")
+    if os.path.realpath(paths.rollout_tokenizer) != os.path.realpath(paths.tokenizer):
+        a, r = AutoTokenizer.from_pretrained(paths.tokenizer), AutoTokenizer.from_pretrained(paths.rollout_tokenizer)
+        if a.get_vocab() != r.get_vocab() or a.eos_token_id != r.eos_token_id:
+            _fail("rollout.tokenizer_name", f"'{paths.rollout_tokenizer}' and the actor's tokenizer "
+                  f"'{paths.tokenizer}' have different vocabularies (or EOS tokens): the trainer trains on the "
+                  "token ids the engine samples, so both must map ids to the same tokens",
+                  "rollout.tokenizer_name=null (the actor's)")
 
 
 def _validate_algorithms(cfg: DictConfig) -> None:
@@ -179,10 +277,16 @@ def _validate_algorithms(cfg: DictConfig) -> None:
         _number(cfg, "critic.clip", 0.0, low_open=True, allow_none=True, example="critic.clip=0.5")
         _number(cfg, "critic.max_grad_norm", 0.0, low_open=True, example="critic.max_grad_norm=1.0")
         _number(cfg, "critic.warmup_ratio", 0.0, 1.0, example="critic.warmup_ratio=0.0")
-        path = _get(cfg, "critic.model_name")
-        if path is not None and not os.path.exists(path):
-            _fail("critic.model_name", f"path '{path}' does not exist", "critic.model_name=null (the actor's)")
 
+    if _get(cfg, "adv.global_norm") and _get(cfg, "adv.batch_whiten"):
+        _fail("adv.batch_whiten", "adv.global_norm already normalises with batch statistics; set only one",
+              "adv.batch_whiten=false")
+    if _get(cfg, "adv.global_norm") and cfg.adv.estimator not in ("reinforce", "rloo"):
+        _fail("adv.global_norm", f"shares the baseline across prompts for reinforce and rloo, not "
+              f"{cfg.adv.estimator}", "adv.global_norm=false")
+    if _get(cfg, "adv.batch_whiten") and cfg.adv.estimator not in ("reinforce", "rloo"):
+        _fail("adv.batch_whiten", f"whitens reinforce/rloo advantages; {cfg.adv.estimator} has adv.whiten "
+              "or normalises by itself", "adv.batch_whiten=false")
     kl = cfg.actor.kl
     if kl.reward_estimator is not None and cfg.adv.estimator in ("reinforce", "rloo") and kl.coef == 0:
         _fail("actor.kl.coef", "actor.kl.reward_estimator is set but the KL coefficient is 0",
@@ -233,7 +337,7 @@ def role_config(cfg: DictConfig, role: str) -> DictConfig:
     return merged
 
 
-def _validate_parallel(cfg: DictConfig, world_size: int) -> None:
+def _validate_parallel(cfg: DictConfig, world_size: int, paths: ModelPaths) -> None:
     """Each model's ddp/tp/sp sizes must lay out on the world and split its heads and vocabulary
     (docs/parallelism.md); reads the model's config.json, not its weights."""
     from transformers import AutoConfig
@@ -258,10 +362,7 @@ def _validate_parallel(cfg: DictConfig, world_size: int) -> None:
                                  section.get("sp_size") or 1, prefix=role)
         except LayoutError as e:
             raise ConfigError(f"config: {e}") from None
-        path = {"actor": cfg.actor.model_name, "ref_actor": _get(cfg, "ref_actor.model_name") or cfg.actor.model_name,
-                "critic": _get(cfg, "critic.model_name") or cfg.actor.model_name}[role]
-        if path is None or not os.path.isdir(path):
-            continue  # a missing path is reported by its own check
+        path = {"actor": paths.actor, "ref_actor": paths.reference, "critic": paths.critic}[role]
         try:
             check_model_fits(sizes, AutoConfig.from_pretrained(path), prefix=role)
         except LayoutError as e:

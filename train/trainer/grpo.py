@@ -17,21 +17,20 @@ import hydra
 import numpy as np
 import torch
 import transformers
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from train.datasets.dataloader import build_dataloader
 from train.datasets.loading import DataError, load_rows
 from train.datasets.tokenize import TokenizationError
 from train.engines import make_engine
-from train.engines.base import SamplingParams
 from train.engines.options import engine_kwargs
-from train.trainer.config import ConfigError, resolve_aliases, role_config, validate
+from train.trainer.config import ConfigError, resolve_aliases, role_config, sampling_params, validate
 from train.trainer.governor import Governor, Snapshot
 from train.trainer.step import (RunningMoments, StepInputs, compute_advantages, mask_truncated, rollout_metrics,
                                 select_groups, shaped_rewards)
 from train.utils import algorithms as alg
-from train.utils import api_stats
+from train.utils import api_stats, hub
 from train.utils import checkpoint as ckpt
 from train.utils.distributed import DistContext, all_reduce_sum, cleanup, gather_to_main, init_distributed
 from train.utils.parallel import Layout, layout_for
@@ -40,12 +39,6 @@ from train.workers.actor import Actor, TrainBatch
 from train.workers.critic import Critic, CriticBatch
 from train.workers.environment import EnvLoadError, Environment
 from train.workers.rollout import RolloutWorker, Sample, sample_seed
-
-
-def sampling_params(params: DictConfig) -> SamplingParams:
-    p = OmegaConf.to_container(params, resolve=True)
-    p["stop"] = tuple(p.get("stop") or ())
-    return SamplingParams(**p)
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -58,14 +51,20 @@ class Trainer:
     def __init__(self, cfg: DictConfig, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx
         resolve_aliases(cfg)
-        validate(cfg, ctx.world_size)  # before anything heavy loads
+        timeout = cfg.trainer.get("model_fetch_timeout_s") or 7200
+        # Before anything heavy loads; Hub models are fetched once per node here.
+        self.paths = paths = validate(cfg, ctx.world_size,
+                                      resolve=lambda names: hub.resolve_on_node(names, ctx.local_rank, timeout))
         if ctx.device.type == "cpu":
             torch.set_num_threads(cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // ctx.local_world_size))
         seed_everything(cfg.trainer.seed, ctx.rank)
 
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.tokenizer_name or cfg.actor.model_name)
+        self.tokenizer = AutoTokenizer.from_pretrained(paths.tokenizer)
+        # The engine's tokenizer (templating prompts, decoding replies): the same vocabulary (checked).
+        self.rollout_tokenizer = (self.tokenizer if paths.rollout_tokenizer == paths.tokenizer
+                                  else AutoTokenizer.from_pretrained(paths.rollout_tokenizer))
         if cfg.actor.chat_template:
-            self.tokenizer.chat_template = cfg.actor.chat_template
+            self.tokenizer.chat_template = self.rollout_tokenizer.chat_template = cfg.actor.chat_template
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.env = Environment(cfg.rollout.env_path, timeout_s=cfg.rollout.env_timeout_s,
                                max_workers=cfg.rollout.env_workers, max_turns=cfg.rollout.max_turns)
@@ -75,23 +74,26 @@ class Trainer:
                                        rank=ctx.rank, world_size=ctx.world_size, seed=cfg.trainer.seed,
                                        shuffle=cfg.data.shuffle)
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.n_epochs * self.loader.batches_per_epoch
-        self.train_sampling = sampling_params(cfg.rollout.train_sampling_params)
-        self.test_sampling = sampling_params(cfg.rollout.test_sampling_params)
+        self.train_sampling = sampling_params(cfg, "rollout.train_sampling_params")
+        self.test_sampling = sampling_params(cfg, "rollout.test_sampling_params")
+        # Request seeds derive from (base seed, step, sample): sampling_params.seed, else trainer.seed.
+        self.train_seed = cfg.trainer.seed if self.train_sampling.seed is None else self.train_sampling.seed
+        self.test_seed = cfg.trainer.seed if self.test_sampling.seed is None else self.test_sampling.seed
 
         temperature = self.train_sampling.temperature or 1.0
         self._layouts: dict[tuple[int, int, int], Layout] = {}
         updates = self.total_steps * cfg.actor.update_per_rollout * cfg.actor.mini_batches
-        self.actor = Actor(cfg.actor, ctx, cfg.actor.model_name, pad_token_id=self.pad_id, train=True,
+        self.actor = Actor(cfg.actor, ctx, paths.actor, pad_token_id=self.pad_id, train=True,
                            temperature=temperature, total_updates=updates, layout=self._layout("actor"))
         self.ref = None
         if cfg.actor.kl.coef > 0:
-            self.ref = Actor(role_config(cfg, "ref_actor"), ctx, cfg.ref_actor.model_name or cfg.actor.model_name,
+            self.ref = Actor(role_config(cfg, "ref_actor"), ctx, paths.reference,
                              pad_token_id=self.pad_id, train=False, temperature=temperature,
                              layout=self._layout("ref_actor"))
         self.critic = None
         if cfg.adv.estimator == "gae":
             critic_updates = self.total_steps * cfg.critic.update_per_rollout * cfg.critic.mini_batches
-            self.critic = Critic(cfg.critic, ctx, cfg.critic.model_name or cfg.actor.model_name,
+            self.critic = Critic(cfg.critic, ctx, paths.critic,
                                  pad_token_id=self.pad_id, total_updates=critic_updates,
                                  gradient_checkpointing=cfg.actor.gradient_checkpointing, dtype=cfg.actor.dtype,
                                  layout=self._layout("critic"))
@@ -101,14 +103,15 @@ class Trainer:
                                   gov.rel_std_floor) if gov.enable else None)
         self.pushed_fingerprint: float | None = None
         self.engine = make_engine(cfg.rollout.engine, **engine_kwargs(
-            cfg.rollout, ctx, model_path=cfg.actor.model_name, tokenizer=self.tokenizer, seed=cfg.trainer.seed))
+            cfg.rollout, ctx, model_path=paths.rollout, tokenizer=self.rollout_tokenizer, seed=cfg.trainer.seed))
         max_len = getattr(self.actor.model.config, "max_position_embeddings", 4096)
-        self.rollout = RolloutWorker(self.engine, self.env, self.tokenizer, max_turns=cfg.rollout.max_turns,
+        self.rollout = RolloutWorker(self.engine, self.env, self.rollout_tokenizer, max_turns=cfg.rollout.max_turns,
                                      env_error_reward=cfg.rollout.env_error_reward, max_total_length=max_len)
         self._engine_seen = (0.0, 0.0)  # engine token / time counters at the last step
         self.start_step = 0
         self.test_history: list[tuple[int, float]] = []
-        self._maybe_resume()
+        if not self._maybe_resume() and os.path.realpath(paths.rollout) != os.path.realpath(paths.actor):
+            self.push_weights()  # the engine loaded rollout.model_name: sample from the actor's weights
         self.snapshot = Snapshot(self._parts()) if self.governor is not None else None
         self.log = RunLogger(cfg, ctx.is_main, self.total_steps, self.start_step)
         self._log_layouts()
@@ -131,13 +134,14 @@ class Trainer:
         self.log.write(f"{self.ctx.world_size} ranks on {nodes} node(s); " + "; ".join(parts))
 
     # -- checkpoints -----------------------------------------------------------------------
-    def _maybe_resume(self) -> None:
+    def _maybe_resume(self) -> bool:
+        """Restore a checkpoint if asked (and push its weights); whether one was restored."""
         source = self.cfg.trainer.load_ckpt_from
         if source is None:
-            return
+            return False
         path = ckpt.find_latest(self.cfg.trainer.save_dir) if source == "latest" else source
         if path is None:  # `latest` with nothing saved yet: a fresh start (restart-on-preemption loops)
-            return
+            return False
         state, rank_state = ckpt.load_checkpoint(path, self.actor.model, self.actor.optimizer,
                                                  self.actor.scheduler, self.ctx, extras=self._extras())
         self.start_step = state["step"]
@@ -149,6 +153,7 @@ class Trainer:
         self.loader.load_state_dict(rank_state["dataloader"])
         ckpt.set_rng_state(rank_state["rng"])
         self.push_weights()
+        return True
 
     def _extras(self) -> dict[str, tuple]:
         """Components saved beside the actor in a checkpoint."""
@@ -194,7 +199,7 @@ class Trainer:
         rows = self.loader.next_batch()
         n = cfg.data.responses_per_prompt
         # round 0 keeps the seeds of a plain step; refills draw fresh ones
-        seed = sample_seed(cfg.trainer.seed, step, (round_ * ctx.world_size + ctx.rank) * len(rows) * n)
+        seed = sample_seed(self.train_seed, step, (round_ * ctx.world_size + ctx.rank) * len(rows) * n)
         samples, rollout_s = self.rollout.rollout(rows, n, self.train_sampling, seed)
         rewards, penalties = shaped_rewards(samples, cfg)
         return samples, rewards, penalties, rollout_s
@@ -373,7 +378,7 @@ class Trainer:
         ctx = self.ctx
         self.engine.wake()
         rows = self.test_rows[ctx.rank::ctx.world_size]
-        samples, _ = self.rollout.rollout(rows, 1, self.test_sampling, sample_seed(self.cfg.trainer.seed, -1, ctx.rank))
+        samples, _ = self.rollout.rollout(rows, 1, self.test_sampling, sample_seed(self.test_seed, -1, ctx.rank))
         total, count, errors = all_reduce_sum(
             [sum(s.reward for s in samples), float(len(samples)), float(sum(bool(s.env_error) for s in samples))],
             ctx.device)

@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig
 
 from train.utils import algorithms as alg
-from train.utils.distributed import DistContext, all_reduce_sum
+from train.utils.distributed import DistContext, all_reduce_max, all_reduce_sum
 from train.workers.rollout import Sample
 
 GROUP_ESTIMATORS = ("reinforce", "rloo")  # one advantage per sequence
@@ -41,6 +41,12 @@ def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, cfg: 
     shaped = rewards if rewards is not None else [s.reward for s in samples]
     groups = [shaped[g * group_size:(g + 1) * group_size] for g in range(n_groups)]
     dropped = sum(len(set(grp)) <= 1 for grp in groups)
+    max_turns = int(cfg.rollout.max_turns)
+    per_turn = [0.0] * (2 * max_turns)  # (token sum, count) of each turn index
+    for s in samples:
+        for k, n in enumerate(s.turn_lengths[:max_turns]):
+            per_turn[2 * k] += n
+            per_turn[2 * k + 1] += 1
     values = [
         sum(s.reward for s in samples), float(len(samples)),
         float(sum(s.n_action_tokens for s in samples)),
@@ -48,18 +54,32 @@ def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, cfg: 
         float(sum(s.n_turns for s in samples)),
         float(sum(bool(s.env_error) for s in samples)),
         float(dropped), float(n_groups),
+        float(sum(len(s.ids) for s in samples)), float(sum(s.prompt_length for s in samples)),
+        *per_turn,
     ]
-    reward, count, tokens, clipped, turns, errors, dropped, n_groups = all_reduce_sum(values, ctx.device)
+    reward, count, tokens, clipped, turns, errors, dropped, n_groups, traj, prompt, *per_turn = \
+        all_reduce_sum(values, ctx.device)
+    longest = all_reduce_max(float(max((len(s.ids) for s in samples), default=0)), ctx.device)
     count = max(count, 1.0)
     filtering = cfg.rollout.dynamic_filtering or cfg.rollout.get("dynamic_sampling", False)
-    return {
+    out = {
         "rewards/train": reward / count,
         "response_length/train": tokens / count,
         "length_clip_ratio/train": clipped / count,
         "n_turns/train": turns / count,
         "env/errors": errors,
         "dynamic_filtering_ratio": dropped / max(n_groups, 1.0) if filtering else 0.0,
+        # the whole conversation in tokens: prompt, every sampled turn, every tool/env message
+        "trajectory_length/train": traj / count,
+        "trajectory_length/train_max": longest,
+        "prompt_length/train": prompt / count,
+        "turn_length/train": tokens / max(turns, 1.0),  # sampled tokens per assistant turn
     }
+    if max_turns > 1:
+        for k in range(max_turns):
+            if per_turn[2 * k + 1] > 0:
+                out[f"turn_length/turn{k + 1}"] = per_turn[2 * k] / per_turn[2 * k + 1]
+    return out
 
 
 def shaped_rewards(samples: list[Sample], cfg: DictConfig) -> tuple[list[float], list[float]]:
@@ -163,11 +183,8 @@ def token_masks(samples: list[Sample]) -> torch.Tensor:
 
 
 def global_token_moments(x: torch.Tensor, mask: torch.Tensor, ctx: DistContext) -> tuple[float, float]:
-    """Mean and population variance of x over the action tokens of every rank."""
-    sel = x[mask]
-    n, s1, s2 = all_reduce_sum([float(sel.numel()), float(sel.sum()), float((sel * sel).sum())], ctx.device)
-    mean = s1 / max(n, 1.0)
-    return mean, max(s2 / max(n, 1.0) - mean * mean, 0.0)
+    """Mean and Bessel-corrected variance of x over the action tokens of every rank."""
+    return alg.mean_var_from_sums(*all_reduce_sum(list(alg.masked_sums(x, mask)), ctx.device))
 
 
 def _unpad(x: torch.Tensor, samples: list[Sample]) -> list[torch.Tensor]:
@@ -180,7 +197,9 @@ def compute_advantages(inputs: StepInputs, cfg: DictConfig, ctx: DistContext,
     """Advantages of `adv.estimator` (float64 throughout):
 
     - reinforce / rloo: one value per sequence (group mean baseline, optional std; leave-one-out);
-      `adv.global_norm` then normalises by the all-rank batch mean/std. KL in the reward is summed over
+      with `adv.global_norm`, one baseline (and std) for the whole batch of all ranks instead (rloo: leave
+      one out of the batch); `adv.batch_whiten` whitens the per-group advantages by the batch's mean
+      and std. Stds are Bessel-corrected, as the peers'. KL in the reward is summed over
       the sequence: r - coef * sum_t KL_t.
     - reinforce_pp(_baseline): token rewards (-coef * KL_t on every action token, the outcome (minus the
       group mean for _baseline) on the last), discounted returns-to-go over action tokens with
@@ -214,15 +233,21 @@ def compute_advantages(inputs: StepInputs, cfg: DictConfig, ctx: DistContext,
     if estimator in GROUP_ESTIMATORS:
         if kl_in_reward:
             rewards = rewards - kl_cfg.coef * kl_tok.sum(dim=1)
-        if estimator == "rloo":
+        ones = torch.ones_like(rewards, dtype=torch.bool)
+        if cfg.adv.global_norm:  # one baseline shared by the whole batch (all ranks), not per prompt
+            count, total, squares = all_reduce_sum(list(alg.masked_sums(rewards, ones)), ctx.device)
+            if estimator == "rloo":
+                adv = alg.shared_rloo_advantages(rewards, total, count)
+            else:
+                mean, var = alg.mean_var_from_sums(count, total, squares)
+                adv = alg.shared_baseline_advantages(rewards, mean, math.sqrt(var) if cfg.adv.norm_var else None)
+        elif estimator == "rloo":
             adv = alg.rloo_advantages(rewards, n)
         else:
             adv = alg.group_baseline_advantages(rewards, n, norm_var=cfg.adv.norm_var)
-        if cfg.adv.global_norm:
-            s1, s2, c = all_reduce_sum([float(adv.sum()), float((adv ** 2).sum()), float(adv.numel())], ctx.device)
-            mean = s1 / max(c, 1.0)
-            std = max(s2 / max(c, 1.0) - mean ** 2, 0.0) ** 0.5
-            adv = alg.global_normalize(adv, mean, std)
+        if cfg.adv.get("batch_whiten"):  # per-group advantages, then whitened by the batch's moments
+            mean, var = alg.mean_var_from_sums(*all_reduce_sum(list(alg.masked_sums(adv, ones)), ctx.device))
+            adv = alg.global_normalize(adv, mean, math.sqrt(var))
         return Advantages(adv.tolist(), None, metrics)
 
     kl = kl_tok if kl_in_reward else None

@@ -55,12 +55,47 @@ def _groups(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def group_baseline_advantages(rewards: Tensor, group_size: int, norm_var: bool, eps: float = 1e-6) -> Tensor:
-    """A_i = r_i - mean_g(r), and if norm_var: A_i / (std_g(r) + eps) (population std); group_size 1 -> 0."""
+    """A_i = r_i - mean_g(r), and if norm_var: A_i / (std_g(r) + eps), with the Bessel-corrected
+    std (sum (r - mean)^2 / (G - 1)) as verl, TRL and OpenRLHF compute it; group_size 1 -> 0."""
     r = _groups(rewards, group_size)
     adv = r - r.mean(dim=1, keepdim=True)  # exactly 0 when group_size == 1
-    if norm_var and r.numel() > 0:  # a rank whose groups were all filtered has none
-        adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+    if norm_var and r.numel() > 0 and group_size > 1:  # a rank whose groups were all filtered has none
+        adv = adv / (r.std(dim=1, unbiased=True, keepdim=True) + eps)
     return adv.reshape(-1)
+
+
+def shared_baseline_advantages(rewards: Tensor, mean: float, std: float | None, eps: float = 1e-6) -> Tensor:
+    """`adv.global_norm` for reinforce: one baseline for the whole batch, A_i = r_i - mean, divided
+    by (std + eps) unless std is None (Dr. GRPO); mean and std are the batch's (all ranks), from
+    `mean_var_from_sums` on all-reduced sums."""
+    adv = rewards - mean
+    return adv / (std + eps) if std is not None else adv
+
+
+def shared_rloo_advantages(rewards: Tensor, total: float, count: float) -> Tensor:
+    """`adv.global_norm` for rloo: leave-one-out over the whole batch, A_i = r_i - (total - r_i) /
+    (count - 1), with total and count the batch's (all ranks); a batch of one -> 0."""
+    if count <= 1:
+        return torch.zeros_like(rewards)
+    return rewards - (total - rewards) / (count - 1)
+
+
+def mean_var_from_sums(n: float, s1: float, s2: float) -> tuple[float, float]:
+    """(mean, Bessel-corrected variance) from a count, a sum and a sum of squares, e.g. all-reduced
+    over ranks: var = (s2 - n * mean^2) / (n - 1); (0, 0) for n = 0 and variance 0 for n = 1."""
+    if n <= 0:
+        return 0.0, 0.0
+    mean = s1 / n
+    if n < 2:
+        return mean, 0.0
+    return mean, max((s2 - n * mean * mean) / (n - 1), 0.0)
+
+
+def masked_sums(values: Tensor, mask: Tensor) -> tuple[float, float, float]:
+    """(count, sum, sum of squares) of values over the mask, as float64 Python numbers: the local
+    part of global moments (all-reduce them, then `mean_var_from_sums`)."""
+    sel = values[_bmask(mask)].double()
+    return float(sel.numel()), float(sel.sum()), float((sel * sel).sum())
 
 
 def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
@@ -73,11 +108,13 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def masked_mean_std(values: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """mean = sum(m*v)/sum(m), std = sqrt(sum(m*(v-mean)^2)/sum(m)) (population std); empty mask -> (0, 0)."""
+    """mean = sum(m*v)/sum(m), std = sqrt(sum(m*(v-mean)^2)/(sum(m) - 1)) (Bessel-corrected, as the
+    peers); empty mask -> (0, 0), a single entry -> std 0."""
     if mask is None:
         mask = torch.ones_like(values, dtype=torch.bool)
     mean = masked_mean(values, mask)
-    var = masked_mean((values - mean) ** 2, mask)
+    n = _fmask(mask, values).sum()
+    var = masked_sum((values - mean) ** 2, mask) / (n - 1).clamp_min(1.0)
     return mean, var.sqrt()
 
 
@@ -145,7 +182,7 @@ def gae(
 
 
 def whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """(v - mean) / sqrt(var + eps) over action tokens (population var); mean added back if not shift_mean; 0 off-mask."""
+    """(v - mean) / sqrt(var + eps) over action tokens (Bessel-corrected var); mean added back if not shift_mean; 0 off-mask."""
     mean, std = masked_mean_std(values, mask)
     out = (values - mean) * torch.rsqrt(std**2 + eps)
     if not shift_mean:

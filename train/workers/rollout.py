@@ -29,6 +29,8 @@ class Sample:
     n_turns: int = 0
     env_error: str | None = None
     events: list[dict] = field(default_factory=list)
+    prompt_length: int = 0  # templated prompt tokens
+    turn_lengths: list[int] = field(default_factory=list)  # tokens sampled in each assistant turn
 
     @property
     def n_action_tokens(self) -> int:
@@ -55,7 +57,8 @@ class RolloutWorker:
         tok = self.tokenizer
         messages = [dict(m) for m in row["messages"]]
         tools = row.get("tools")
-        sample = Sample(group, messages, row.get("answer"), list(ids), [0] * len(ids), [0.0] * len(ids))
+        sample = Sample(group, messages, row.get("answer"), list(ids), [0] * len(ids), [0.0] * len(ids),
+                        prompt_length=len(ids))
         try:
             for turn in range(self.max_turns):
                 room = self.max_total_length - len(sample.ids)
@@ -67,6 +70,7 @@ class RolloutWorker:
                 sample.ids += gen.token_ids
                 sample.action_mask += [1] * len(gen.token_ids)
                 sample.sampler_logprobs += list(gen.logprobs)
+                sample.turn_lengths.append(len(gen.token_ids))
                 sample.finish_reason = gen.finish_reason
                 sample.n_turns = turn + 1
                 ended_with_eos = bool(gen.token_ids) and gen.token_ids[-1] == tok.eos_token_id
