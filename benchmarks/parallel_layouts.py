@@ -115,7 +115,7 @@ def synthetic_batch(prompts: int, responses: int, prompt_len: int, response_len:
             ids.append(seq)
             masks.append([0] * len(prompt) + [1] * len(response))
             adv.append(float(group_adv[j]))
-            sampler.append(torch.zeros(len(seq) - 1))
+            sampler.append([0.0] * len(seq))  # one entry per token, as a rollout records them
     max_new_tokens = max(1, (5 * response_len + 3) // 4)
     return ids, masks, adv, sampler, max_new_tokens
 
@@ -154,13 +154,18 @@ def _parse_value(text: str):
         return text
 
 
+def own_of(rank: int, world: int, n: int) -> list[int]:
+    return list(range(n))[rank::world]
+
+
 def worker(args) -> None:
     import torch
     from omegaconf import OmegaConf
     from transformers import AutoConfig
 
-    from train.utils.distributed import cleanup, init_distributed
-    from train.workers.actor import Actor, TrainBatch
+    from train.parallel.distributed import cleanup, init_distributed
+    from train.parallel.step_batch import dispatch, exchange_index
+    from train.workers.actor import Actor
 
     torch.set_num_threads(args.threads)
     ctx = init_distributed()
@@ -182,14 +187,18 @@ def worker(args) -> None:
         ids, masks, adv, sampler, max_new = synthetic_batch(args.prompts, args.responses, args.prompt_len,
                                                             args.response_len, vocab, seed=args.seed + 1234)
         own = list(range(len(ids)))[ctx.rank::ctx.world_size]
-        batch = TrainBatch([ids[i] for i in own], [masks[i] for i in own], [adv[i] for i in own],
-                           [sampler[i] for i in own])
 
         total_updates = args.warmup + args.steps + 1
         t_build = time.perf_counter()
         actor = Actor(cfg, ctx, args.model_path, pad_token_id=0, train=True, temperature=1.0,
                       total_updates=max(total_updates, 100))
         build_s = time.perf_counter() - t_build
+        # the trainer's path: every rank's own samples, dispatched once to the dp groups
+        index = exchange_index([len(ids[i]) for i in own], list(range(len(own))), [0.0] * len(own), ctx.device)
+        batch = dispatch(index, [ids[i] for i in own], [masks[i] for i in own], [sampler[i] for i in own],
+                         actor.layout, cfg.mini_batches, ctx.device)
+        by_global = {g: own_of(index.owner[g], ctx.world_size, len(ids))[index.local[g]] for g in range(index.size)}
+        batch.fields["advantages"] = [adv[by_global[g]] * m for g, m in zip(batch.members, batch.mask)]
         cuda = ctx.device.type == "cuda"
         rss_build_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
         hwm_reset = _reset_rss_peak()
@@ -248,7 +257,7 @@ def worker(args) -> None:
 def skip_reason(model_path: str, world: int, ddp: int, tp: int, sp: int, cuda_devices: int) -> str | None:
     from transformers import AutoConfig
 
-    from train.utils.parallel import LayoutError, check_model_fits, layout_sizes
+    from train.parallel.layout import LayoutError, check_model_fits, layout_sizes
 
     try:
         sizes = layout_sizes(world, ddp, tp, sp)

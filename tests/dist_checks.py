@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 from omegaconf import OmegaConf
@@ -16,9 +17,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from train.engines.base import SamplingParams  # noqa: E402
 from train.engines.hf import HFEngine  # noqa: E402
-from train.utils.distributed import cleanup, init_distributed  # noqa: E402
-from train.workers.actor import Actor, TrainBatch  # noqa: E402
-from train.workers.critic import Critic, CriticBatch  # noqa: E402
+from train.parallel.distributed import cleanup, init_distributed  # noqa: E402
+from train.parallel.step_batch import StepBatch, assign, dispatch, exchange_index  # noqa: E402
+from train.parallel.weight_sync import gather_full_tensors  # noqa: E402
+from train.trainer.policy_sync import unique_state  # noqa: E402
+from train.workers.actor import Actor  # noqa: E402
+from train.workers.critic import Critic  # noqa: E402
+from train.workers.trainable import UpdateStats  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "stub", "model")
@@ -33,10 +38,19 @@ def actor_cfg(**overrides):
     return cfg
 
 
-def fixed_batch(n: int = 10, vocab: int = 300) -> TrainBatch:
+@dataclass
+class FixedBatch:
+    """Ragged samples the same on every rank: token ids, raw action masks (one entry per token),
+    one advantage per sequence."""
+    ids: list[list[int]]
+    action_mask: list[list[int]]
+    advantages: list[float]
+
+
+def fixed_batch(n: int = 10, vocab: int = 300) -> FixedBatch:
     """Ragged sequences with multi-turn style action masks; the same on every rank."""
     g = torch.Generator().manual_seed(1234)
-    ids, masks, adv, sampler = [], [], [], []
+    ids, masks, adv = [], [], []
     for i in range(n):
         length = int(torch.randint(8, 40, (1,), generator=g))
         seq = torch.randint(3, vocab, (length,), generator=g).tolist()
@@ -48,16 +62,33 @@ def fixed_batch(n: int = 10, vocab: int = 300) -> TrainBatch:
         ids.append(seq)
         masks.append(mask)
         adv.append(float(torch.randn(1, generator=g)))
-        sampler.append(torch.zeros(length - 1))
-    return TrainBatch(ids, masks, adv, sampler)
+    return FixedBatch(ids, masks, adv)
 
 
-def shard(batch: TrainBatch, index: list[int]) -> TrainBatch:
-    return TrainBatch([batch.ids[i] for i in index], [batch.action_mask[i] for i in index],
-                      [batch.advantages[i] for i in index], [batch.sampler_logp[i] for i in index])
+def step_batch(worker, batch: FixedBatch, own: list[int], ctx) -> tuple[StepBatch, list[int]]:
+    """The StepBatch this rank's dp group holds when this rank rolled out samples `own` of `batch`
+    (the trainer's path: exchange the index, dispatch once), and the fixed-batch number of each of
+    its samples."""
+    ids = [batch.ids[i] for i in own]
+    masks = [batch.action_mask[i] for i in own]
+    index = exchange_index([len(x) for x in ids], list(range(len(ids))), [0.0] * len(ids), ctx.device)
+    sb = dispatch(index, ids, masks, [[0.0] * len(x) for x in ids], worker.layout, 1, ctx.device)
+    owners = {}
+    for r in range(ctx.world_size):
+        for j, i in enumerate(OWN[r]):
+            owners[(r, j)] = i
+    return sb, [owners[(index.owner[g], index.local[g])] for g in sb.members]
+
+
+def per_token(values: list[float], sb: StepBatch, source: list[int]) -> list[torch.Tensor]:
+    """A per-sequence value on each action token of the batch's samples."""
+    return [values[i] * m for i, m in zip(source, sb.mask)]
 
 
 UNEVEN = {1: [0], 2: [0, 7], 4: [0, 3, 5, 9]}  # where each rank's own samples start
+
+
+OWN: dict[int, list[int]] = {}  # rank -> the samples it rolled out (set by set_ownership)
 
 
 def own_samples(n: int, split: str, rank: int, world: int) -> list[int]:
@@ -67,6 +98,11 @@ def own_samples(n: int, split: str, rank: int, world: int) -> list[int]:
         return list(range(n)) if rank == 0 else []
     starts = UNEVEN[world] + [n]
     return list(range(starts[rank], starts[rank + 1]))
+
+
+def set_ownership(n: int, split: str, world: int) -> None:
+    for r in range(world):
+        OWN[r] = own_samples(n, split, r, world)
 
 
 def layout_overrides(args) -> dict:
@@ -80,18 +116,22 @@ def grads(args, ctx) -> None:
                     loss=args.loss, **{"entropy.coef": args.entropy}, **layout_overrides(args))
     actor = Actor(cfg, ctx, args.model, pad_token_id=0, train=True, temperature=1.0, total_updates=1)
     batch = fixed_batch()
-    index = own_samples(len(batch.ids), args.split, ctx.rank, ctx.world_size)
-    local = shard(batch, index)
-    actor.accumulate_gradients(local, list(range(len(index))), 32, {}, {})  # metrics unused here
+    set_ownership(len(batch.ids), args.split, ctx.world_size)
+    sb, source = step_batch(actor, batch, OWN[ctx.rank], ctx)
+    sb.fields["advantages"] = per_token(batch.advantages, sb, source)
+    norms, [packs] = actor.prepare(sb, 1)
+    actor.model.train()
+    actor.accumulate(packs, norms[0], actor.policy_loss(sb, 32), UpdateStats())  # gradients, no step
     step_and_save(actor, ctx, args.out)
 
 
 def step_and_save(worker, ctx, out) -> None:
     """Full gradients, the optimizer step's (clipped) norm and the updated full weights, to `out` on rank 0."""
     params = worker.model.named_parameters
-    grads = {name: p.grad.full_tensor().clone() for name, p in params()}
-    norm = worker._optimizer_step()
-    weights = {name: p.full_tensor().detach().clone() for name, p in params()}
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 - one process: plain tensors
+    grads = {name: full(p.grad).clone() for name, p in params()}
+    norm = worker.optimizer_step()
+    weights = {name: full(p).detach().clone() for name, p in params()}
     if ctx.is_main:
         torch.save({"grads": grads, "norm": norm, "weights": weights}, out)
 
@@ -105,10 +145,16 @@ def packing(args, ctx) -> None:
     actor = Actor(cfg, ctx, MODEL, pad_token_id=0, train=True, temperature=0.7, total_updates=1)
     batch = fixed_batch()
     n = len(batch.ids)
-    packs = len(actor._micro_batches(list(range(n)), batch.ids, batch.action_mask, 48))
-    logp = actor.compute_logprobs(batch.ids, batch.action_mask)
-    actor.accumulate_gradients(batch, list(range(n)), 32, {}, {})
-    got = {name: p.grad.full_tensor().clone() for name, p in actor.model.named_parameters()}
+    set_ownership(n, "uneven", ctx.world_size)
+    sb, source = step_batch(actor, batch, list(range(n)), ctx)
+    assert source == list(range(n))
+    packs = len(actor.packs(sb, list(range(n)), 48))
+    logp = actor.compute_logprobs(sb)
+    sb.fields["advantages"] = per_token(batch.advantages, sb, source)
+    norms, [mbs] = actor.prepare(sb, 1)
+    actor.model.train()
+    actor.accumulate(mbs, norms[0], actor.policy_loss(sb, 32), UpdateStats())
+    got = {name: p.grad.clone() for name, p in actor.model.named_parameters()}
     plain = load_causal_lm(MODEL)
     n_tok = sum(sum(m[1:]) for m in batch.action_mask)
     loss, err = 0.0, 0.0
@@ -140,16 +186,20 @@ def critic_grads(args, ctx) -> None:
         g = torch.Generator().manual_seed(7)
         w = torch.randn(critic.model.value_head.weight.shape, generator=g) * 0.1
         weight = critic.model.value_head.weight
-        weight.copy_(torch.distributed.tensor.distribute_tensor(w, weight.device_mesh, weight.placements))
+        if hasattr(weight, "device_mesh"):
+            w = torch.distributed.tensor.distribute_tensor(w, weight.device_mesh, weight.placements)
+        weight.copy_(w)
     batch = fixed_batch()
     g = torch.Generator().manual_seed(99)
     returns = [torch.randn(len(s) - 1, generator=g) for s in batch.ids]
     old = [torch.randn(len(s) - 1, generator=g) * 0.1 for s in batch.ids]
-    index = own_samples(len(batch.ids), args.split, ctx.rank, ctx.world_size)
-    local_batch = CriticBatch([batch.ids[i] for i in index], [batch.action_mask[i] for i in index],
-                              [returns[i] for i in index], [old[i] for i in index])
-    sums: dict = {}
-    critic.accumulate_gradients(local_batch, list(range(len(index))), sums)
+    set_ownership(len(batch.ids), args.split, ctx.world_size)
+    sb, source = step_batch(critic, batch, OWN[ctx.rank], ctx)
+    sb.fields["returns"] = [returns[i] for i in source]
+    sb.fields["values"] = [old[i] for i in source]
+    norms, [packs] = critic.prepare(sb, 1)
+    critic.model.train()
+    critic.accumulate(packs, norms[0], critic.value_loss(sb), UpdateStats())
     step_and_save(critic, ctx, args.out)
 
 
@@ -159,17 +209,21 @@ def reference(args, ctx) -> None:
     cfg = actor_cfg(**{"kl.coef": 0.5, "kl.type": "low_var_kl"})
     actor = Actor(cfg, ctx, MODEL, pad_token_id=0, train=True, temperature=1.0, total_updates=4)
     ref = Actor(cfg, ctx, MODEL, pad_token_id=0, train=False, temperature=1.0)
-    before = {k: v.clone() for k, v in ref.named_full_tensors()}
+    full = lambda m: {k: v.clone() for k, v in gather_full_tensors(m.state_dict().items(), 1 << 20)}  # noqa: E731
+    before = full(ref.model)
     ptrs = lambda m: {t.to_local().untyped_storage().data_ptr() for t in m.state_dict().values()}  # noqa: E731
     shared = ptrs(actor.model) & ptrs(ref.model)
     batch = fixed_batch()
-    batch.ref_logp = ref.compute_logprobs(batch.ids, batch.action_mask)
+    set_ownership(len(batch.ids), "uneven", ctx.world_size)
+    sb, source = step_batch(actor, batch, OWN[ctx.rank], ctx)
+    sb.fields["ref_logp"] = ref.compute_logprobs(sb)
+    sb.fields["advantages"] = per_token(batch.advantages, sb, source)
     kls = []
     for _ in range(3):
-        kls.append(actor.update(batch, 32)["actor/kl"])
-    after = dict(ref.named_full_tensors())
+        kls.append(actor.update(sb, 32)["actor/kl"])
+    after = full(ref.model)
     moved = max(float((after[k] - v).abs().max()) for k, v in before.items())
-    policy_moved = max(float((dict(actor.named_full_tensors())[k] - v).abs().max()) for k, v in before.items())
+    policy_moved = max(float((full(actor.model)[k] - v).abs().max()) for k, v in before.items())
     if ctx.is_main:
         torch.save({"shared": len(shared), "ref_moved": moved, "policy_moved": policy_moved, "kls": kls,
                     "ref_requires_grad": any(p.requires_grad for p in ref.model.parameters())}, args.out)
@@ -188,17 +242,20 @@ def match(args, ctx) -> None:
                                       for i, p in enumerate(prompts)))
 
     gens = asyncio.run(gen())
-    ids = [p + g.token_ids for p, g in zip(prompts, gens)]
-    masks = [[0] * len(p) + [1] * len(g.token_ids) for p, g in zip(prompts, gens)]
-    trainer = actor.compute_logprobs(ids, masks)
-    diffs = [float((t[len(p) - 1:] - torch.tensor(g.logprobs)).abs().max())
-             for t, p, g in zip(trainer, prompts, gens)]
+    batch = FixedBatch([p + g.token_ids for p, g in zip(prompts, gens)],
+                       [[0] * len(p) + [1] * len(g.token_ids) for p, g in zip(prompts, gens)], [1.0, -1.0] * 3)
+    set_ownership(len(prompts), "all_on_rank0", ctx.world_size)
+    sb, source = step_batch(actor, batch, OWN[ctx.rank], ctx)
+    trainer = actor.compute_logprobs(sb)
+    diffs = [float((t[len(prompts[i]) - 1:] - torch.tensor(gens[i].logprobs)).abs().max())
+             for t, i in zip(trainer, source)]
     # One real update, then the push: the engine must hold exactly the actor's new weights.
-    batch = TrainBatch(ids, masks, [1.0, -1.0] * 3, [torch.zeros(len(s) - 1) for s in ids])
-    actor.update(batch, 20)
-    engine.update_weights(actor.named_full_tensors())
+    sb.fields["advantages"] = per_token(batch.advantages, sb, source)
+    actor.update(sb, 20)
+    engine.update_weights(gather_full_tensors(unique_state(actor.model), 1 << 20, engine.dtype))
     engine_sd = engine.model.state_dict()
-    push_diff = max(float((v - engine_sd[k]).abs().max()) for k, v in actor.named_full_tensors())
+    push_diff = max(float((v - engine_sd[k]).abs().max())
+                    for k, v in gather_full_tensors(actor.model.state_dict().items(), 1 << 20))
     changed = asyncio.run(gen())
     if ctx.is_main:
         torch.save({"max_logprob_diff": max(diffs), "push_diff": push_diff,
@@ -207,7 +264,8 @@ def match(args, ctx) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["grads", "match", "critic_grads", "reference", "packing"])
+    parser.add_argument("mode", choices=["grads", "match", "critic_grads", "reference", "packing", "collectives",
+                                         "advantages", "push"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--agg", default="all_token_mean")
     parser.add_argument("--split", default="uneven")
@@ -221,14 +279,159 @@ def main() -> None:
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--ac", action="store_true", help="activation checkpointing")
     parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--bucket_kb", type=int, default=256)
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = init_distributed()
     try:
         {"grads": grads, "match": match, "critic_grads": critic_grads, "reference": reference,
-         "packing": packing}[args.mode](args, ctx)
+         "packing": packing, "collectives": collectives, "advantages": advantages,
+         "push": push}[args.mode](args, ctx)
     finally:
         cleanup()
+
+
+
+def collectives(args, ctx) -> None:
+    """Count the collectives the trainer's own code issues in one step (PPO with a critic, KL to a
+    reference, 2 epochs x 2 mini-batches), apart from those inside the model (FSDP, TP, Ulysses,
+    DTensor) which torch issues: every torch.distributed call whose nearest caller outside torch is
+    in train/ is one."""
+    import collections
+    import inspect
+
+    import torch.distributed as dist
+    from hydra import compose, initialize_config_dir
+
+    from train.trainer.grpo import Trainer
+
+    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single", "all_to_all", "broadcast",
+             "gather", "gather_object", "all_gather_object", "broadcast_object_list", "reduce_scatter_tensor",
+             "barrier", "scatter")
+    counts: collections.Counter = collections.Counter()
+    counting = [False]
+    torch_dir = os.path.dirname(torch.__file__)
+
+    def wrap(name, fn):
+        def counted(*a, **kw):
+            if counting[0]:
+                for frame in inspect.stack()[1:]:
+                    if frame.filename.startswith(torch_dir):
+                        continue
+                    if os.sep + "train" + os.sep in frame.filename:
+                        counts[f"{name} ({os.path.basename(frame.filename)}:{frame.function})"] += 1
+                    break
+            return fn(*a, **kw)
+        return counted
+
+    for name in names:
+        setattr(dist, name, wrap(name, getattr(dist, name)))
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "config"), version_base=None):
+        cfg = compose(config_name="stub", overrides=[
+            f"trainer.save_dir={os.path.dirname(args.out)}/run", "trainer.test_freq=null", "trainer.progress_bar=false",
+            "adv.estimator=gae", "actor.kl.coef=0.01", "actor.update_per_rollout=2", "actor.mini_batches=2",
+            "critic.update_per_rollout=2", "critic.mini_batches=2", "data.prompts_per_rollout=8",
+            "data.responses_per_prompt=4", "rollout.dynamic_filtering=false", "trainer.total_steps=3"])
+    trainer = Trainer(cfg, ctx)
+    try:
+        trainer.train_step(1)  # warm-up: first-use set-up is not per-step traffic
+        counting[0] = True
+        metrics = trainer.train_step(2)
+        counting[0] = False
+    finally:
+        trainer.close()
+    if ctx.is_main:
+        torch.save({"counts": dict(counts), "total": sum(counts.values()), "metrics": metrics}, args.out)
+
+
+ADVANTAGE_CASES = {
+    "grpo": {"adv.estimator": "reinforce"},
+    "rloo_kl": {"adv.estimator": "rloo", "actor.kl.coef": 0.1, "actor.kl.reward_estimator": "k1"},
+    "global_norm": {"adv.estimator": "reinforce", "adv.global_norm": True},
+    "batch_whiten": {"adv.estimator": "reinforce", "adv.norm_var": False, "adv.batch_whiten": True},
+    "reinforce_pp_baseline": {"adv.estimator": "reinforce_pp_baseline", "actor.kl.coef": 0.05,
+                              "actor.kl.reward_estimator": "k1"},
+    "gae": {"adv.estimator": "gae", "adv.lamda": 0.9, "adv.gamma": 0.99},
+}
+
+
+def advantages(args, ctx) -> None:
+    """Advantages of every estimator for the same samples on 1 or 2 ranks (groups split over dp
+    groups by the dispatch), per global sample, to `out` on rank 0."""
+    from train.parallel.layout import layout_for
+    from train.trainer.advantages import compute_advantages
+
+    batch = fixed_batch(16)
+    g = torch.Generator().manual_seed(5)
+    rewards = torch.randint(0, 3, (16,), generator=g).double().tolist()  # 4 groups of 4
+    ref = [torch.randn(len(s) - 1, generator=g) * 0.2 for s in batch.ids]
+    values = [torch.randn(len(s) - 1, generator=g) for s in batch.ids]
+    sampler = [[0.0] + (torch.randn(len(s) - 1, generator=g) * 0.1 - 1).tolist() for s in batch.ids]
+    own = {1: [list(range(16))], 2: [list(range(8)), list(range(8, 16))]}[ctx.world_size]  # whole groups per rank
+    mine = own[ctx.rank]
+    layout = layout_for(OmegaConf.create({"ddp_size": 1, "tp_size": 1, "sp_size": 1}), ctx.world_size, "cpu", "actor")
+    index = exchange_index([len(batch.ids[i]) for i in mine], [k // 4 for k in range(len(mine))],
+                           [rewards[i] for i in mine], ctx.device)
+    sb0 = dispatch(index, [batch.ids[i] for i in mine], [batch.action_mask[i] for i in mine],
+                   [sampler[i] for i in mine], layout, 1, ctx.device)
+    source = [own[index.owner[k]][index.local[k]] for k in sb0.members]
+    target, _ = assign(index, layout.sizes.dp, 1)
+    split = any(len({target[k] for k in range(index.size) if index.group[k] == grp}) > 1
+                for grp in range(index.n_groups))
+    out = {}
+    for name, overrides in ADVANTAGE_CASES.items():
+        cfg = OmegaConf.load(os.path.join(ROOT, "config", "grpo.yaml"))
+        for k, v in overrides.items():
+            OmegaConf.update(cfg, k, v)
+        sb = dispatch(index, [batch.ids[i] for i in mine], [batch.action_mask[i] for i in mine],
+                      [sampler[i] for i in mine], layout, 1, ctx.device)
+        sb.fields["ref_logp"] = [ref[i] for i in source]
+        sb.fields["values"] = [values[i] for i in source]
+        metrics = compute_advantages(sb, cfg, ctx.device)
+        mine_adv = {i: (a, sb.fields.get("returns", [None] * len(sb))[j]) for j, (i, a) in
+                    enumerate(zip(source, sb.fields["advantages"]))}
+        everything = [mine_adv]
+        if ctx.world_size > 1:
+            everything = [None] * ctx.world_size
+            torch.distributed.all_gather_object(everything, mine_adv)
+        merged = {k: v for part in everything for k, v in part.items()}
+        out[name] = {"per_sample": merged, "metrics": metrics}
+    if ctx.is_main:
+        torch.save({"cases": out, "split_groups": split}, args.out)
+
+
+def push(args, ctx) -> None:
+    """The weight push's flat-bucket gather against DTensor.full_tensor(), in fp32 and cast to bf16,
+    and the number of gathers it issues (one per bucket)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    actor = Actor(actor_cfg(**layout_overrides(args)), ctx, args.model, pad_token_id=0, train=True,
+                  temperature=1.0, total_updates=1)
+    calls = [0]
+    real = dist.all_gather_into_tensor
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return real(*a, **kw)
+
+    dist.all_gather_into_tensor = counted
+    state = list(unique_state(actor.model))
+    expected = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone() for name, t in state}
+    result = {}
+    for dtype in (None, torch.bfloat16):
+        calls[0] = 0
+        got = {name: t.clone() for name, t in gather_full_tensors(state, args.bucket_kb * 1024, dtype)}
+        err = max(float((got[n].double() - expected[n].to(dtype or expected[n].dtype).double()).abs().max())
+                  for n in expected)
+        result[str(dtype)] = {"names": list(got), "max_err": err, "gathers": calls[0],
+                              "dtypes": sorted({str(t.dtype) for t in got.values()})}
+    dist.all_gather_into_tensor = real
+    sharded = [t for _, t in state if hasattr(t, "placements")]
+    if ctx.is_main:
+        torch.save({"result": result, "expected_names": [n for n, _ in state],
+                    "full_bytes": sum(t.numel() * 4 for t in expected.values()),
+                    "sharded": len(sharded)}, args.out)
 
 
 if __name__ == "__main__":

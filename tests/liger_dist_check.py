@@ -13,21 +13,23 @@ from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from train.utils.distributed import barrier, cleanup, init_distributed  # noqa: E402
-from train.workers.actor import Actor, TrainBatch  # noqa: E402
+from train.parallel.distributed import cleanup, init_distributed  # noqa: E402
+from train.parallel.collectives import barrier  # noqa: E402
+from train.parallel.step_batch import dispatch, exchange_index  # noqa: E402
+from train.workers.actor import Actor  # noqa: E402
+from train.workers.trainable import UpdateStats  # noqa: E402
 
 
-def batch(n: int = 6, vocab: int = 300) -> TrainBatch:
+def batch(n: int = 6, vocab: int = 300) -> tuple[list[list[int]], list[list[int]], list[float]]:
     g = torch.Generator().manual_seed(1234)
-    ids, masks, adv, sampler = [], [], [], []
+    ids, masks, adv = [], [], []
     for _ in range(n):
         length = int(torch.randint(8, 30, (1,), generator=g))
         ids.append(torch.randint(3, vocab, (length,), generator=g).tolist())
         prompt = int(torch.randint(2, length // 2, (1,), generator=g))
         masks.append([0] * prompt + [1] * (length - prompt))
         adv.append(float(torch.randn(1, generator=g)))
-        sampler.append(torch.zeros(length - 1))
-    return TrainBatch(ids, masks, adv, sampler)
+    return ids, masks, adv
 
 
 def run(ctx, fused: bool) -> dict:
@@ -38,15 +40,22 @@ def run(ctx, fused: bool) -> dict:
     cfg.max_length_per_device = 64  # several micro-batches
     cfg.entropy.coef = 0.01  # the entropy gradient is exercised too
     actor = Actor(cfg, ctx, cfg.model_name, pad_token_id=0, train=True, temperature=0.7, total_updates=1)
-    b = batch()
-    mine = list(range(ctx.rank, len(b.ids), ctx.world_size))
+    ids, masks, adv = batch()
+    mine = list(range(ctx.rank, len(ids), ctx.world_size))  # the samples this rank rolled out
+    index = exchange_index([len(ids[i]) for i in mine], list(range(len(mine))), [0.0] * len(mine), ctx.device)
+    sb = dispatch(index, [ids[i] for i in mine], [masks[i] for i in mine], [[0.0] * len(ids[i]) for i in mine],
+                  actor.layout, 1, ctx.device)
+    source = [mine[index.local[g]] if index.owner[g] == ctx.rank else
+              list(range(index.owner[g], len(ids), ctx.world_size))[index.local[g]] for g in sb.members]
     # compute_logprobs is exact on action positions only (the plain path skips prompt logits)
-    logp = [lp * torch.tensor(m[1:], dtype=lp.dtype) for lp, m in zip(actor.compute_logprobs(b.ids, b.action_mask),
-                                                                    b.action_mask)]
-    sums: dict = {}
-    actor.accumulate_gradients(b, mine, 32, sums, {})
+    logp = {i: lp * m for i, lp, m in zip(source, actor.compute_logprobs(sb), sb.mask)}
+    sb.fields["advantages"] = [adv[i] * m for i, m in zip(source, sb.mask)]
+    norms, [packs] = actor.prepare(sb, 1)
+    stats = UpdateStats()
+    actor.model.train()
+    actor.accumulate(packs, norms[0], actor.policy_loss(sb, 32), stats)
     grads = {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
-    return {"logp": logp, "grads": grads, "entropy": sums["entropy"], "loss": sums["loss"]}
+    return {"logp": logp, "grads": grads, "entropy": stats.sums["entropy"], "loss": stats.sums["loss"]}
 
 
 def main() -> None:

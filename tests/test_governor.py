@@ -1,5 +1,6 @@
 """The governor's detection rule and its in-memory snapshots, without a trainer (the end-to-end
 rollback is in test_trainer.py)."""
+from types import SimpleNamespace
 import math
 
 import pytest
@@ -71,10 +72,11 @@ def test_snapshot_restores_weights_optimizer_moments_and_scheduler():
         opt.zero_grad()
         sched.step()
 
-    fresh = Snapshot([(model, opt, sched)])  # before any step: no optimizer state yet
+    worker = {"actor": SimpleNamespace(state_parts=lambda: {"model": model, "optimizer": opt, "scheduler": sched})}
+    fresh = Snapshot(worker)  # before any step: no optimizer state yet
     step()
     step()
-    snap = Snapshot([(model, opt, sched)])
+    snap = Snapshot(worker)
     good = ({k: v.clone() for k, v in model.state_dict().items()},
             {id_: {k: v.clone() for k, v in s.items()} for id_, s in opt.state_dict()["state"].items()},
             sched.state_dict()["last_epoch"], opt.param_groups[0]["lr"])

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from conftest import STUB_MODEL, stub_config
 from train.engines.base import SamplingParams
 from train.engines.hf import HFEngine, resolve_dtype, same_storage
-from train.engines.options import engine_kwargs
+from train.engines import engine_kwargs
 from train.trainer.config import ConfigError, validate
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")

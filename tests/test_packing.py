@@ -7,8 +7,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import ROOT, STUB_MODEL, run_torchrun
-from train.utils.packing import balance, build_packed, plan_packs
-from train.utils.seq_parallel import install_packed_attention
+from train.parallel.packing import balance, build_packed as build_packed_tensors, plan_packs
+from train.parallel.seq_parallel import install_packed_attention
+
+
+def build_packed(index, seqs, masks, *args, **kwargs):
+    """build_packed from plain lists: token ids, and raw action masks (one entry per token) shifted
+    the way the step batch stores them (entry t for token t + 1)."""
+    return build_packed_tensors(index, [torch.tensor(s) for s in seqs],
+                                [torch.tensor(m[1:], dtype=torch.float32) for m in masks], *args, **kwargs)
 
 
 def ragged(n: int = 9, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:

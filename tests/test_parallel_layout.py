@@ -5,7 +5,7 @@ from transformers import LlamaConfig
 
 from conftest import stub_config
 from train.trainer.config import ConfigError, role_config, validate
-from train.utils.parallel import LayoutError, Sizes, check_model_fits, layout_sizes
+from train.parallel.layout import LayoutError, Sizes, check_model_fits, layout_sizes
 
 
 def test_sizes_are_derived_from_the_world():

@@ -196,6 +196,23 @@ def test_generation_through_the_engine_loop() -> None:
     assert calls[-1][0] == "shutdown"
 
 
+def test_throughput_counters_cover_this_ranks_requests() -> None:
+    """`rollout/tokens_per_s` on SGLang: generated tokens and the wall time during which any of this
+    rank's requests was in flight (the RECORDING FAKE takes `delay_s` per request, all concurrent)."""
+    import time as _time
+
+    calls: list = []
+    with fake_engine(calls, delay_s=0.2) as (engine, _):
+        start = _time.perf_counter()
+        gens = generate_all(engine, PROMPTS, SamplingParams(max_new_tokens=6))
+        wall = _time.perf_counter() - start
+        assert engine.stats["generated_tokens"] == sum(len(g.token_ids) for g in gens) > 0
+        # the three requests overlap: busy about one delay, not three
+        assert 0.2 <= engine.stats["generation_seconds"] <= wall < 0.55
+        generate_all(engine, PROMPTS[:1], SamplingParams(max_new_tokens=6))
+        assert engine.stats["requests"] == 4 and engine.stats["generation_seconds"] >= 0.4
+
+
 def test_trims_to_max_new_tokens() -> None:
     calls: list = []
     with fake_engine(calls, overshoot=5) as (engine, _):

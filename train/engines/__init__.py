@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 from train.engines.base import Generation, RolloutEngine, SamplingParams
 
 ENGINE_NAMES = ("hf", "sglang")
 
-__all__ = ["ENGINE_NAMES", "Generation", "RolloutEngine", "SamplingParams", "engine_sampling_keys", "make_engine"]
+__all__ = ["ENGINE_NAMES", "Generation", "RolloutEngine", "SamplingParams", "build_engine", "engine_kwargs",
+           "engine_sampling_keys", "make_engine"]
 
 
 def engine_sampling_keys(name: str) -> tuple[str, ...]:
@@ -42,3 +45,39 @@ def make_engine(name: str, *args: Any, **kwargs: Any) -> RolloutEngine:
 
         return SGLangEngine(*args, **kwargs)
     raise ValueError(f"unknown rollout engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
+
+
+def engine_kwargs(rollout: DictConfig, ctx: Any, *, model_path: str, tokenizer: Any, seed: int) -> dict[str, Any]:
+    """Keyword arguments for `make_engine(rollout.engine, **kwargs)` from the `rollout:` config
+    section (every key is in config/grpo.yaml); `ctx` is the DistContext."""
+    if rollout.engine == "sglang":
+        extra = rollout.sglang_kwargs
+        return {
+            "model_path": model_path,
+            "rank": ctx.rank,
+            "world_size": ctx.world_size,
+            "local_rank": ctx.local_rank,
+            "local_world_size": ctx.local_world_size,
+            "tp_size": rollout.tp_size,
+            "gpu_memory_utilization": rollout.gpu_memory_utilization,
+            "base_port": rollout.base_port,
+            "bucket_size_mb": rollout.bucket_size_mb,
+            "dtype": rollout.dtype or "bfloat16",
+            "seed": seed,
+            "offload_weights": bool(rollout.offload_weights),
+            "engine_kwargs": OmegaConf.to_container(extra, resolve=True) if extra else None,
+        }
+    return {
+        "path": model_path,
+        "tokenizer": tokenizer,
+        "device": ctx.device,
+        "dtype": rollout.dtype,  # None: bfloat16 on CUDA, float32 on CPU
+        "max_batch_size": rollout.max_batch_size,
+        "seed": seed + ctx.rank,
+    }
+
+
+def build_engine(rollout: DictConfig, ctx: Any, *, model_path: str, tokenizer: Any, seed: int) -> RolloutEngine:
+    """The rollout engine a run's config asks for, on this rank."""
+    return make_engine(rollout.engine, **engine_kwargs(rollout, ctx, model_path=model_path, tokenizer=tokenizer,
+                                                       seed=seed))

@@ -118,6 +118,13 @@ class Generation:
 
 
 class RolloutEngine(Protocol):
+    """`stats` holds running counters, at least `generated_tokens` and `generation_seconds` (this
+    rank's requests, and the wall time during which at least one of them was in flight): the
+    trainer's `rollout/tokens_per_s`. Pushed floating-point weights are cast to `dtype`."""
+
+    stats: dict[str, float]
+    dtype: torch.dtype
+
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation: ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
@@ -125,3 +132,5 @@ class RolloutEngine(Protocol):
     def sleep(self) -> None: ...
 
     def wake(self) -> None: ...
+
+    def close(self) -> None: ...

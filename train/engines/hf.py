@@ -97,6 +97,7 @@ class HFEngine:
         self.model.eval()
         self.model.requires_grad_(False)
         self.device = next(self.model.parameters()).device
+        self.dtype = next(self.model.parameters()).dtype  # pushed weights are cast to it before they travel
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_batch_size = int(max_batch_size)

@@ -406,8 +406,8 @@ class _Client:
 
 
 class SGLangEngine:
-    """See the module docstring. `stats`: `requests`, `generated_tokens`, `pushes`, `buckets`,
-    `pushed_bytes`, `push_seconds` (owner side for requests; every rank for pushes)."""
+    """See the module docstring. `stats`: `requests`, `generated_tokens`, `generation_seconds` (this
+    rank's own requests, owner or feeder), `pushes`, `buckets`, `pushed_bytes`, `push_seconds`."""
 
     def __init__(
         self,
@@ -452,8 +452,10 @@ class SGLangEngine:
         self.device = torch.device(device)
         self.bucket_bytes = int(bucket_size_mb * MB)
         self.drain_timeout_s = drain_timeout_s
-        self.stats: dict[str, float] = {"requests": 0, "generated_tokens": 0, "pushes": 0, "buckets": 0,
-                                        "pushed_bytes": 0, "push_seconds": 0.0}
+        self.stats: dict[str, float] = {"requests": 0, "generated_tokens": 0, "generation_seconds": 0.0,
+                                        "pushes": 0, "buckets": 0, "pushed_bytes": 0, "push_seconds": 0.0}
+        self._mine_inflight = 0  # this rank's requests in flight (its own event loop)
+        self._busy_since = 0.0
         self._released: set[str] = set()
         self._sleep_tags = ALL_TAGS if offload_weights else OTHER_TAGS
         self._engine: Any = None
@@ -481,14 +483,28 @@ class SGLangEngine:
     # ------------------------------------------------------------------ generation
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        """One response. This rank's `stats` count its own requests (the owner also serves its
+        feeders', which they count): tokens, and the time any of them was in flight."""
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("generate: prompt_ids is empty")
-        if self.group.is_owner:
-            assert self._loop_thread is not None
-            future = self._loop_thread.submit(self._generate_on_engine(prompt_ids, sampling))
-            return await asyncio.wrap_future(future)
-        return await self._client_for_loop().request(prompt_ids, sampling)
+        if self._mine_inflight == 0:
+            self._busy_since = time.perf_counter()
+        self._mine_inflight += 1
+        try:
+            if self.group.is_owner:
+                assert self._loop_thread is not None
+                future = self._loop_thread.submit(self._generate_on_engine(prompt_ids, sampling))
+                gen = await asyncio.wrap_future(future)
+            else:
+                gen = await self._client_for_loop().request(prompt_ids, sampling)
+        finally:
+            self._mine_inflight -= 1
+            if self._mine_inflight == 0:
+                self.stats["generation_seconds"] += time.perf_counter() - self._busy_since
+        self.stats["requests"] += 1
+        self.stats["generated_tokens"] += len(gen.token_ids)
+        return gen
 
     async def _generate_on_engine(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         """Runs on the engine loop."""
@@ -507,10 +523,7 @@ class SGLangEngine:
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
-        gen = to_generation(out, sampling.max_new_tokens, len(prompt_ids))
-        self.stats["requests"] += 1
-        self.stats["generated_tokens"] += len(gen.token_ids)
-        return gen
+        return to_generation(out, sampling.max_new_tokens, len(prompt_ids))
 
     async def _wait_idle(self) -> None:
         if self._inflight and self._idle is not None:

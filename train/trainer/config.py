@@ -10,6 +10,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from train.engines import ENGINE_NAMES, engine_sampling_keys
 from train.engines.base import SamplingError, SamplingParams, sampling_from_mapping
+from train.trainer.advantages import ESTIMATORS
+from train.utils import algorithms as alg
 from train.utils import hub
 
 
@@ -51,12 +53,9 @@ class ModelPaths:
                    rollout_tokenizer=found.get("rollout.tokenizer_name", tokenizer))
 
 
-AGG_MODES = ("all_token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum")
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-ESTIMATORS = ("reinforce", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
-LOSSES = ("ppo", "gspo")
-TIS_LEVELS = ("token", "sequence")
-ENTROPY_SCHEDULES = ("constant", "linear", "cosine")
+# Choice lists come from the code that implements them.
+AGG_MODES, KL_TYPES, LOSSES, TIS_LEVELS = alg.AGG_MODES, alg.KL_TYPES, alg.POLICY_LOSSES, alg.TIS_LEVELS
+ENTROPY_SCHEDULES = alg.ENTROPY_SCHEDULES
 
 
 def _get(cfg: DictConfig, key: str):
@@ -158,7 +157,7 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     _choice(cfg, "actor.kl.type", KL_TYPES)
     if _get(cfg, "actor.kl.reward_estimator") is not None:
         _choice(cfg, "actor.kl.reward_estimator", KL_TYPES)
-    _choice(cfg, "adv.estimator", ESTIMATORS)
+    _choice(cfg, "adv.estimator", ESTIMATORS)  # train/trainer/advantages.py
     _choice(cfg, "actor.loss", LOSSES)
     _choice(cfg, "rollout.engine", ENGINE_NAMES)
     _choice(cfg, "actor.scheduler", ("constant", "cosine"))
@@ -342,7 +341,7 @@ def _validate_parallel(cfg: DictConfig, world_size: int, paths: ModelPaths) -> N
     (docs/parallelism.md); reads the model's config.json, not its weights."""
     from transformers import AutoConfig
 
-    from train.utils.parallel import LayoutError, check_model_fits, layout_sizes
+    from train.parallel.layout import LayoutError, check_model_fits, layout_sizes
 
     roles = ["actor"]
     if cfg.actor.kl.coef > 0:

@@ -81,11 +81,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Snapshot:
-    """A copy of this rank's shards of models, optimizer states and schedulers, in CPU memory."""
+    """A copy of this rank's shards of the trainable workers' state parts (model, optimizer state,
+    scheduler; see Trainable.state_parts), in CPU memory."""
 
-    def __init__(self, parts: list[tuple[torch.nn.Module, torch.optim.Optimizer, object]]):
-        self.parts = parts
-        self.saved = [self._take(*p) for p in parts]
+    def __init__(self, workers: dict):
+        parts = [w.state_parts() for w in workers.values()]
+        self.parts = [(p["model"], p["optimizer"], p["scheduler"]) for p in parts]
+        self.saved = [self._take(*p) for p in self.parts]
 
     @staticmethod
     def _take(model, optimizer, scheduler) -> dict:

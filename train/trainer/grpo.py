@@ -23,20 +23,22 @@ from transformers import AutoTokenizer
 from train.datasets.dataloader import build_dataloader
 from train.datasets.loading import DataError, load_rows
 from train.datasets.tokenize import TokenizationError
-from train.engines import make_engine
-from train.engines.options import engine_kwargs
+from train.engines import build_engine
+from train.parallel.collectives import all_reduce_sum, gather_to_main
+from train.parallel.distributed import DistContext, cleanup, init_distributed
+from train.parallel.layout import Layout, layout_for
+from train.parallel.step_batch import BatchIndex, StepBatch, dispatch, exchange_index, transfer
+from train.trainer.advantages import compute_advantages
 from train.trainer.config import ConfigError, resolve_aliases, role_config, sampling_params, validate
-from train.trainer.governor import Governor, Snapshot
-from train.trainer.step import (RunningMoments, StepInputs, compute_advantages, mask_truncated, rollout_metrics,
-                                select_groups, shaped_rewards)
+from train.trainer.governor import Governor
+from train.trainer.policy_sync import PolicySync
+from train.trainer.step import RunningMoments, mask_truncated, rollout_metrics, select_groups, shaped_rewards
 from train.utils import algorithms as alg
 from train.utils import api_stats, hub
 from train.utils import checkpoint as ckpt
-from train.utils.distributed import DistContext, all_reduce_sum, cleanup, gather_to_main, init_distributed
-from train.utils.parallel import Layout, layout_for
 from train.utils.logging import RunLogger
-from train.workers.actor import Actor, TrainBatch
-from train.workers.critic import Critic, CriticBatch
+from train.workers.actor import Actor
+from train.workers.critic import Critic
 from train.workers.environment import EnvLoadError, Environment
 from train.workers.rollout import RolloutWorker, Sample, sample_seed
 
@@ -51,7 +53,7 @@ class Trainer:
     def __init__(self, cfg: DictConfig, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx
         resolve_aliases(cfg)
-        timeout = cfg.trainer.get("model_fetch_timeout_s") or 7200
+        timeout = cfg.trainer.model_fetch_timeout_s
         # Before anything heavy loads; Hub models are fetched once per node here.
         self.paths = paths = validate(cfg, ctx.world_size,
                                       resolve=lambda names: hub.resolve_on_node(names, ctx.local_rank, timeout))
@@ -93,27 +95,28 @@ class Trainer:
         self.critic = None
         if cfg.adv.estimator == "gae":
             critic_updates = self.total_steps * cfg.critic.update_per_rollout * cfg.critic.mini_batches
-            self.critic = Critic(cfg.critic, ctx, paths.critic,
-                                 pad_token_id=self.pad_id, total_updates=critic_updates,
-                                 gradient_checkpointing=cfg.actor.gradient_checkpointing, dtype=cfg.actor.dtype,
-                                 layout=self._layout("critic"))
+            self.critic = Critic(cfg.critic, ctx, paths.critic, pad_token_id=self.pad_id,
+                                 total_updates=critic_updates, layout=self._layout("critic"))
+        # What an update changes, by name: checkpoints and the governor's snapshots hold their state parts.
+        self.workers = {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
         self.reward_moments = RunningMoments()  # PPO reward scaling (critic.reward_norm)
         gov = cfg.trainer.governor
         self.governor = (Governor(gov.watch, gov.window, gov.k_sigma, gov.min_history, gov.min_panics,
                                   gov.rel_std_floor) if gov.enable else None)
-        self.pushed_fingerprint: float | None = None
-        self.engine = make_engine(cfg.rollout.engine, **engine_kwargs(
-            cfg.rollout, ctx, model_path=paths.rollout, tokenizer=self.rollout_tokenizer, seed=cfg.trainer.seed))
+        self.engine = build_engine(cfg.rollout, ctx, model_path=paths.rollout, tokenizer=self.rollout_tokenizer,
+                                   seed=cfg.trainer.seed)
         max_len = getattr(self.actor.model.config, "max_position_embeddings", 4096)
         self.rollout = RolloutWorker(self.engine, self.env, self.rollout_tokenizer, max_turns=cfg.rollout.max_turns,
                                      env_error_reward=cfg.rollout.env_error_reward, max_total_length=max_len)
         self._engine_seen = (0.0, 0.0)  # engine token / time counters at the last step
         self.start_step = 0
         self.test_history: list[tuple[int, float]] = []
-        if not self._maybe_resume() and os.path.realpath(paths.rollout) != os.path.realpath(paths.actor):
-            self.push_weights()  # the engine loaded rollout.model_name: sample from the actor's weights
-        self.snapshot = Snapshot(self._parts()) if self.governor is not None else None
+        resumed = self._maybe_resume()
         self.log = RunLogger(cfg, ctx.is_main, self.total_steps, self.start_step)
+        self.sync = PolicySync(self.actor.model, self.engine, cfg.rollout.bucket_size_mb, self.governor,
+                               self.workers, self.log)
+        if resumed or os.path.realpath(paths.rollout) != os.path.realpath(paths.actor):
+            self.sync.push()  # the engine loaded rollout.model_name (or the run's start): sample from the actor
         self._log_layouts()
 
     def _layout(self, role: str) -> Layout:
@@ -135,15 +138,14 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------
     def _maybe_resume(self) -> bool:
-        """Restore a checkpoint if asked (and push its weights); whether one was restored."""
+        """Restore a checkpoint if asked; whether one was restored."""
         source = self.cfg.trainer.load_ckpt_from
         if source is None:
             return False
         path = ckpt.find_latest(self.cfg.trainer.save_dir) if source == "latest" else source
         if path is None:  # `latest` with nothing saved yet: a fresh start (restart-on-preemption loops)
             return False
-        state, rank_state = ckpt.load_checkpoint(path, self.actor.model, self.actor.optimizer,
-                                                 self.actor.scheduler, self.ctx, extras=self._extras())
+        state, rank_state = ckpt.load_checkpoint(path, self.workers, self.ctx)
         self.start_step = state["step"]
         self.test_history = [tuple(x) for x in state.get("test_history", [])]
         if "reward_moments" in state:
@@ -152,47 +154,17 @@ class Trainer:
             self.governor.load_state_dict(state["governor"])
         self.loader.load_state_dict(rank_state["dataloader"])
         ckpt.set_rng_state(rank_state["rng"])
-        self.push_weights()
         return True
-
-    def _extras(self) -> dict[str, tuple]:
-        """Components saved beside the actor in a checkpoint."""
-        if self.critic is None:
-            return {}
-        return {"critic": (self.critic.model, self.critic.optimizer, self.critic.scheduler)}
-
-    def _parts(self) -> list[tuple]:
-        """(model, optimizer, scheduler) of everything an update changes: what the governor snapshots."""
-        return [(self.actor.model, self.actor.optimizer, self.actor.scheduler), *self._extras().values()]
 
     def save(self, step: int) -> None:
         state = {"step": step, "test_history": self.test_history, "reward_moments": self.reward_moments.state_dict()}
         if self.governor is not None:
             state["governor"] = self.governor.state_dict()
-        path = ckpt.save_checkpoint(
-            self.cfg.trainer.save_dir, step, self.actor.model, self.actor.optimizer, self.actor.scheduler,
-            state, {"dataloader": self.loader.state_dict(), "rng": ckpt.rng_state()}, self.ctx,
-            extras=self._extras())
+        path = ckpt.save_checkpoint(self.cfg.trainer.save_dir, step, self.workers, state,
+                                    {"dataloader": self.loader.state_dict(), "rng": ckpt.rng_state()}, self.ctx)
         self.log.event("checkpoint", step, {"path": path})
 
     # -- one step --------------------------------------------------------------------------
-    def push_weights(self) -> float:
-        start = time.perf_counter()
-        if self.governor is None:
-            self.engine.update_weights(self.actor.named_full_tensors())
-        else:  # a fingerprint of exactly what the engine receives: the governor's evidence
-            acc = [0.0]
-            self.engine.update_weights(_fingerprinted(self.actor.named_full_tensors(), acc))
-            self.pushed_fingerprint = acc[0]
-        return time.perf_counter() - start
-
-    def weights_fingerprint(self) -> float:
-        """The same fingerprint of the actor's current weights (a collective: every rank calls it)."""
-        acc = [0.0]
-        for _ in _fingerprinted(self.actor.named_full_tensors(), acc):
-            pass
-        return acc[0]
-
     def _generate(self, step: int, round_: int) -> tuple[list[Sample], list[float], list[float], float]:
         """One rollout of this rank's next prompts: samples, shaped rewards, overlong penalties, wall time."""
         cfg, ctx = self.cfg, self.ctx
@@ -261,90 +233,67 @@ class Trainer:
         self.engine.sleep()  # free the engine's accelerator memory for the update (no-op on CPU)
         metrics.update(self._engine_metrics())
         metrics.update(self._log_samples(step, samples))
-        n_kept = all_reduce_sum([float(len(kept))], ctx.device)[0]
-        metrics["batch/groups"] = n_kept / n
         t1 = time.perf_counter()
+        # Every rank learns every kept sample's length, group and reward (the step batch's index).
+        index = exchange_index([len(s.ids) for s in kept], [i // n for i in range(len(kept))], kept_r, ctx.device)
+        metrics["batch/groups"] = index.size / n
         frozen = step <= cfg.actor.freeze_steps
-        if n_kept == 0:  # nothing to learn from on any rank: skip together, no collective left hanging
+        if index.size == 0:  # nothing to learn from on any rank: skip together, no collective left hanging
             metrics["actor/skipped"] = 1.0
         else:
             if frozen:
                 metrics["actor/frozen"] = 1.0
-            metrics.update(self._update(kept, kept_r, n, update_actor=not frozen))
-            if self.governor is None:
-                if not frozen:
-                    metrics["time/weight_sync_s"] = self.push_weights()
-            else:
-                metrics.update(self._govern(step, metrics, push=not frozen))
+            metrics.update(self._update(index, kept, update_actor=not frozen))
+            metrics.update(self.sync.after_update(step, metrics, push=not frozen))
         metrics["time/update_s"] = time.perf_counter() - t1 - metrics.get("time/weight_sync_s", 0.0)
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
 
-    def _govern(self, step: int, metrics: dict[str, float], push: bool) -> dict[str, float]:
-        """Accept the update (snapshot it, push it), hold it (no push), or roll back to the last good
-        snapshot; the verdict comes from all-reduced metrics, so every rank takes the same branch."""
-        verdict = self.governor.observe(metrics)
-        out = {"governor/panic": float(verdict.action != "accept"), "governor/rollback": 0.0}
-        if verdict.action == "accept":
-            self.snapshot = Snapshot(self._parts())
-            if push:
-                out["time/weight_sync_s"] = self.push_weights()
-                out["engine/weights_fingerprint"] = self.pushed_fingerprint
-        elif verdict.action == "hold":  # suspect weights stay out of the engine until judged
-            self.log.event("governor.panic", step, {"reason": verdict.reason, "panics": self.governor.panics})
-        else:
-            bad = self.weights_fingerprint()
-            self.snapshot.restore()
-            restored = self.weights_fingerprint()
-            out["governor/rollback"] = 1.0
-            # The engine never received weights after the snapshot (pushes wait for an accept), so
-            # it already holds the restored ones: nothing to push.
-            self.log.event("governor.rollback", step, {
-                "reason": verdict.reason, "skipped_step": step, "bad_fingerprint": bad,
-                "restored_fingerprint": restored, "engine_fingerprint": self.pushed_fingerprint})
-            self.log.write(f"step {step}: governor rolled back ({verdict.reason})")
-        return out
+    def _update(self, index: BatchIndex, kept: list[Sample], update_actor: bool = True) -> dict[str, float]:
+        """Dispatch the kept samples once per data layout, then every pass in place on the step batch:
+        reference and old log-probs, values, advantages, the critic's and the actor's updates."""
+        cfg, device = self.cfg, self.ctx.device
+        batches: dict[tuple[int, int], StepBatch] = {}
 
-    def _update(self, kept: list[Sample], rewards: list[float], n: int, update_actor: bool = True
-                ) -> dict[str, float]:
-        cfg = self.cfg
-        ids = [s.ids for s in kept]
-        masks = [s.action_mask for s in kept]
-        inputs = StepInputs(kept, n, rewards)
-        ref_logp = self.ref.compute_logprobs(ids, masks) if self.ref is not None else None
-        old_logp = None
+        def batch_for(model) -> StepBatch:  # models with the same data layout share one batch
+            sizes = model.layout.sizes
+            key = (sizes.dp, sizes.sp * sizes.tp)
+            if key not in batches:
+                batches[key] = dispatch(index, [s.ids for s in kept], [s.action_mask for s in kept],
+                                        [s.sampler_logprobs for s in kept], model.layout, cfg.actor.mini_batches,
+                                        device)
+            return batches[key]
+
+        batch = batch_for(self.actor)
+        if self.ref is not None:
+            ref_batch = batch_for(self.ref)
+            ref_batch.fields["ref_logp"] = self.ref.compute_logprobs(ref_batch)
+            transfer(ref_batch, batch, ["ref_logp"], device)
         if cfg.actor.update_per_rollout > 1 or cfg.actor.mini_batches > 1:
-            old_logp = self.actor.compute_logprobs(ids, masks)  # with one update the ratio is 1: skip
-        values, scale = None, 1.0
+            batch.fields["old_logp"] = self.actor.compute_logprobs(batch)  # with one update the ratio is 1: skip
+        scale = 1.0
         if self.critic is not None:
-            values = self.critic.compute_values(ids, masks)
+            critic_batch = batch_for(self.critic)
+            critic_batch.fields["values"] = self.critic.compute_values(critic_batch)
+            transfer(critic_batch, batch, ["values"], device)
             if cfg.critic.reward_norm:
-                self.reward_moments.update(rewards, self.ctx)
+                self.reward_moments.update(index.reward)
                 scale = 1.0 / (self.reward_moments.std + 1e-8) if self.reward_moments.count > 1 else 1.0
-        adv = compute_advantages(inputs, cfg, self.ctx, ref_logp, policy_logp=old_logp, values=values,
-                                 reward_scale=scale)
-        metrics = dict(adv.metrics)
+        metrics = compute_advantages(batch, cfg, device, reward_scale=scale)
         if self.critic is not None:
-            metrics.update(self.critic.update(CriticBatch(ids, masks, adv.returns, values)))
+            transfer(batch, critic_batch, ["returns"], device)
+            metrics.update(self.critic.update(critic_batch))
         if update_actor:
-            batch = TrainBatch(ids, masks, adv.advantages,
-                               [torch.tensor(s.sampler_logprobs[1:], dtype=torch.float32) for s in kept],
-                               old_logp, ref_logp)
             metrics.update(self.actor.update(batch, self.train_sampling.max_new_tokens))
         return metrics
 
-    def _engine_counters(self) -> tuple[float, float] | None:
-        """The engine's running (generated tokens, generation seconds), if it counts them."""
-        stats = getattr(self.engine, "stats", None)
-        if not stats:
-            return None
-        return float(stats.get("generated_tokens", 0)), float(stats.get("generation_seconds", 0.0))
+    def _engine_counters(self) -> tuple[float, float]:
+        """The engine's running (generated tokens, generation seconds)."""
+        return float(self.engine.stats["generated_tokens"]), float(self.engine.stats["generation_seconds"])
 
     def _engine_metrics(self) -> dict[str, float]:
         """Decode throughput of this step's rollout, summed over ranks (engines that count it)."""
         now = self._engine_counters()
-        if now is None:
-            return {}
         tokens, seconds = (a - b for a, b in zip(now, self._engine_seen))
         self._engine_seen = now
         tokens, seconds = all_reduce_sum([tokens, seconds], self.ctx.device)
@@ -383,7 +332,7 @@ class Trainer:
             [sum(s.reward for s in samples), float(len(samples)), float(sum(bool(s.env_error) for s in samples))],
             ctx.device)
         score = total / max(count, 1.0)
-        self._engine_seen = self._engine_counters() or (0.0, 0.0)  # eval tokens stay out of the next rate
+        self._engine_seen = self._engine_counters()  # eval tokens stay out of the next rate
         self.test_history.append((step, score))
         self.log.event("eval", step, {"rewards/test": score, "n": count, "env_errors": errors})
         return score
@@ -417,13 +366,6 @@ class Trainer:
     def close(self) -> None:
         self.log.close()
         self.rollout.close()
-
-
-def _fingerprinted(named, acc: list[float]):
-    """Pass (name, tensor) pairs through, adding sum|w| (float64) of each into acc[0]."""
-    for name, value in named:
-        acc[0] += float(value.detach().double().abs().sum())
-        yield name, value
 
 
 def run(cfg: DictConfig) -> None:

@@ -54,16 +54,6 @@ def _groups(rewards: Tensor, group_size: int) -> Tensor:
     return rewards.view(-1, group_size)
 
 
-def group_baseline_advantages(rewards: Tensor, group_size: int, norm_var: bool, eps: float = 1e-6) -> Tensor:
-    """A_i = r_i - mean_g(r), and if norm_var: A_i / (std_g(r) + eps), with the Bessel-corrected
-    std (sum (r - mean)^2 / (G - 1)) as verl, TRL and OpenRLHF compute it; group_size 1 -> 0."""
-    r = _groups(rewards, group_size)
-    adv = r - r.mean(dim=1, keepdim=True)  # exactly 0 when group_size == 1
-    if norm_var and r.numel() > 0 and group_size > 1:  # a rank whose groups were all filtered has none
-        adv = adv / (r.std(dim=1, unbiased=True, keepdim=True) + eps)
-    return adv.reshape(-1)
-
-
 def shared_baseline_advantages(rewards: Tensor, mean: float, std: float | None, eps: float = 1e-6) -> Tensor:
     """`adv.global_norm` for reinforce: one baseline for the whole batch, A_i = r_i - mean, divided
     by (std + eps) unless std is None (Dr. GRPO); mean and std are the batch's (all ranks), from
@@ -98,24 +88,36 @@ def masked_sums(values: Tensor, mask: Tensor) -> tuple[float, float, float]:
     return float(sel.numel()), float(sel.sum()), float((sel * sel).sum())
 
 
-def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
-    """A_i = r_i - mean_{j != i} r_j = G/(G-1) * (r_i - mean_g(r)) (leave-one-out); group_size 1 -> 0."""
-    r = _groups(rewards, group_size)
-    if group_size == 1:
-        return torch.zeros_like(rewards)
-    loo = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
-    return (r - loo).reshape(-1)
+def group_sums(values: Tensor, groups: Tensor, n_groups: int) -> Tensor:
+    """[n_groups, 3] float64 (count, sum, sum of squares) of `values` per group id: the local part of
+    group statistics whose samples may sit on several ranks (all-reduce it, then use the functions
+    below)."""
+    v = values.double()
+    out = torch.zeros(n_groups, 3, dtype=torch.float64)
+    out.index_add_(0, groups.long(), torch.stack([torch.ones_like(v), v, v * v], dim=1))
+    return out
 
 
-def masked_mean_std(values: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """mean = sum(m*v)/sum(m), std = sqrt(sum(m*(v-mean)^2)/(sum(m) - 1)) (Bessel-corrected, as the
-    peers); empty mask -> (0, 0), a single entry -> std 0."""
-    if mask is None:
-        mask = torch.ones_like(values, dtype=torch.bool)
-    mean = masked_mean(values, mask)
-    n = _fmask(mask, values).sum()
-    var = masked_sum((values - mean) ** 2, mask) / (n - 1).clamp_min(1.0)
-    return mean, var.sqrt()
+def group_advantages_from_sums(values: Tensor, groups: Tensor, sums: Tensor, norm_var: bool,
+                               eps: float = 1e-6) -> Tensor:
+    """GRPO's A_i = r_i - mean_g, divided by (std_g + eps) if norm_var, with the group's count, sum
+    and sum of squares `sums[g]` (all ranks): the Bessel-corrected std (G - 1), as verl, TRL and
+    OpenRLHF; a group of one has advantage 0."""
+    count, s1, s2 = sums[groups.long()].unbind(dim=1)
+    mean = s1 / count.clamp_min(1.0)
+    adv = values.double() - mean
+    if norm_var:
+        var = ((s2 - count * mean * mean) / (count - 1).clamp_min(1.0)).clamp_min(0.0)
+        adv = torch.where(count > 1, adv / (var.sqrt() + eps), torch.zeros_like(adv))
+    return adv
+
+
+def group_rloo_from_sums(values: Tensor, groups: Tensor, sums: Tensor) -> Tensor:
+    """RLOO's A_i = r_i - (sum_g - r_i) / (G - 1), from the group's count and sum (all ranks); a
+    group of one has advantage 0."""
+    count, s1, _ = sums[groups.long()].unbind(dim=1)
+    v = values.double()
+    return torch.where(count > 1, v - (s1 - v) / (count - 1).clamp_min(1.0), torch.zeros_like(v))
 
 
 def global_normalize(adv: Tensor, mean: Tensor | float, std: Tensor | float, eps: float = 1e-6) -> Tensor:
@@ -181,12 +183,10 @@ def gae(
     return adv, returns
 
 
-def whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """(v - mean) / sqrt(var + eps) over action tokens (Bessel-corrected var); mean added back if not shift_mean; 0 off-mask."""
-    mean, std = masked_mean_std(values, mask)
-    out = (values - mean) * torch.rsqrt(std**2 + eps)
-    if not shift_mean:
-        out = out + mean
+def whiten(values: Tensor, mask: Tensor, mean: float, var: float, eps: float = 1e-8) -> Tensor:
+    """(v - mean) / sqrt(var + eps) on action tokens, 0 elsewhere; mean and var are the global
+    (all-rank, Bessel-corrected) moments, e.g. `mean_var_from_sums` of all-reduced `masked_sums`."""
+    out = (values - mean) * (1.0 / math.sqrt(var + eps))
     return torch.where(_bmask(mask), out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
@@ -194,7 +194,8 @@ def whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1
 # KL estimators (Schulman, "Approximating KL divergence"), samples drawn from the policy
 
 
-KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "kl", "mse", "abs")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")  # the names the config takes
+KL_KINDS = KL_TYPES + ("kl", "mse", "abs")  # with aliases
 
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
@@ -328,6 +329,8 @@ def gspo_loss(
 
 
 AGG_MODES = ("all_token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum")
+POLICY_LOSSES = ("ppo", "gspo")  # ppo_clip_loss (token ratio), gspo_loss (sequence ratio)
+TIS_LEVELS = ("token", "sequence")  # tis_weights
 
 
 def aggregate_loss(
@@ -420,22 +423,17 @@ def tis_weights(
     return torch.where(m, w, torch.zeros((), dtype=w.dtype, device=w.device))
 
 
-def sampler_mismatch_stats(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """Sampler-vs-trainer diagnostics over action tokens, d = trainer_logp - sampler_logp.
-
-    "kl": masked mean of k3 = exp(d) - 1 - d, an unbiased, non-negative estimate of
-    KL(sampler || trainer) (the tokens were drawn by the sampler); "max_ratio": max exp(d)
-    (-inf with no action tokens); "mean_abs_diff": masked mean |d|. Detached 0-dim tensors.
-    """
+def sampler_mismatch_sums(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Sampler-vs-trainer diagnostics over action tokens, d = trainer_logp - sampler_logp, as sums to
+    be reduced over ranks and divided by the global action-token count: "kl" sums k3 = exp(d) - 1 - d,
+    an unbiased, non-negative estimate of KL(sampler || trainer) (the tokens were drawn by the
+    sampler); "abs_diff" sums |d|; "max_ratio" is max exp(d) (-inf with no action tokens). Detached
+    0-dim tensors."""
     with torch.no_grad():
         d = (trainer_logp - sampler_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         ratio = torch.exp(d)
         rmax, _ = _ratio_stats(ratio, mask)
-        return {
-            "kl": masked_mean(ratio - 1.0 - d, mask),
-            "max_ratio": rmax,
-            "mean_abs_diff": masked_mean(d.abs(), mask),
-        }
+        return {"kl": masked_sum(ratio - 1.0 - d, mask), "abs_diff": masked_sum(d.abs(), mask), "max_ratio": rmax}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -527,16 +525,6 @@ def explained_variance_from_moments(n: float, sum_r: float, sumsq_r: float, sum_
     if var_r <= 0:
         return math.nan
     return 1.0 - var_e / var_r
-
-
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
-    """1 - Var(R - V) / Var(R) over action tokens (population variances): 1 is a perfect critic, 0 is
-    no better than a constant, < 0 worse."""
-    m = _bmask(mask)
-    r = returns[m].double()
-    e = (returns - values)[m].double()
-    return explained_variance_from_moments(float(m.sum()), float(r.sum()), float((r * r).sum()),
-                                           float(e.sum()), float((e * e).sum()))
 
 
 def merge_moments(count: float, mean: float, var: float, batch_count: float, batch_mean: float,

@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from train.utils.distributed import DistContext, barrier
+from train.parallel.distributed import DistContext
+from train.parallel.collectives import barrier
 
 STEP_DIR = re.compile(r"^step(\d+)$")
 COMPLETE = "COMPLETE"
@@ -60,19 +61,25 @@ def _replace_dir(tmp: str, final: str) -> None:
         os.rename(tmp, final)
 
 
-def save_checkpoint(save_dir: str, step: int, model, optimizer, scheduler, trainer_state: dict,
-                    rank_state: dict, ctx: DistContext, extras: dict[str, tuple] | None = None) -> str:
-    """`extras` maps a name to another (model, optimizer, scheduler), e.g. the critic: saved as
-    `{name}_model.pt`, `{name}_optimizer.pt`, `{name}_scheduler.pt` in the same atomic folder."""
+def _prefix(name: str) -> str:
+    return "" if name == "actor" else f"{name}_"  # the actor's files keep their plain names
+
+
+def save_checkpoint(save_dir: str, step: int, workers: dict, trainer_state: dict, rank_state: dict,
+                    ctx: DistContext) -> str:
+    """Every worker's state parts (Trainable.state_parts: model, optimizer, scheduler) as
+    `{name}_model.pt`, `{name}_optimizer.pt`, `{name}_scheduler.pt` (plain names for the actor),
+    the trainer state and one file per rank, in one atomic folder."""
     final = os.path.join(save_dir, f"step{step}")
     tmp = final + ".tmp"
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    parts = {"": (model, optimizer, scheduler), **{f"{k}_": v for k, v in (extras or {}).items()}}
     states = {}
-    for prefix, (m, opt, sched) in parts.items():
+    for name, worker in workers.items():
+        parts = worker.state_parts()
+        m, opt = parts["model"], parts["optimizer"]
         # collectives: every rank calls them, in the same order
-        states[prefix] = (get_model_state_dict(m, options=options), get_optimizer_state_dict(m, opt, options=options),
-                          sched.state_dict())
+        states[_prefix(name)] = (get_model_state_dict(m, options=options),
+                                 get_optimizer_state_dict(m, opt, options=options), parts["scheduler"].state_dict())
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -92,10 +99,8 @@ def save_checkpoint(save_dir: str, step: int, model, optimizer, scheduler, train
     return final
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler, ctx: DistContext,
-                    extras: dict[str, tuple] | None = None) -> tuple[dict, dict]:
-    """Restore model/optimizer/scheduler (and `extras`, as saved) in place; return (trainer_state,
-    this rank's state)."""
+def load_checkpoint(path: str, workers: dict, ctx: DistContext) -> tuple[dict, dict]:
+    """Restore every worker's state parts in place (as saved); return (trainer_state, this rank's state)."""
     if not os.path.exists(os.path.join(path, COMPLETE)):
         raise FileNotFoundError(f"trainer.load_ckpt_from: '{path}' is not a complete checkpoint")
     rank_file = os.path.join(path, f"rank{ctx.rank}.pt")
@@ -103,8 +108,10 @@ def load_checkpoint(path: str, model, optimizer, scheduler, ctx: DistContext,
         raise ValueError(f"trainer.load_ckpt_from: '{path}' was written by fewer ranks; resume with "
                          "the same number of processes")
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    parts = {"": (model, optimizer, scheduler), **{f"{k}_": v for k, v in (extras or {}).items()}}
-    for prefix, (m, opt, sched) in parts.items():
+    for name, worker in workers.items():
+        prefix = _prefix(name)
+        parts = worker.state_parts()
+        m, opt = parts["model"], parts["optimizer"]
         if not os.path.exists(os.path.join(path, f"{prefix}model.pt")):
             raise ValueError(f"trainer.load_ckpt_from: '{path}' has no {prefix}model.pt (it was saved by a run "
                              "without this component); resume with the same algorithm settings")
@@ -112,7 +119,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler, ctx: DistContext,
         set_model_state_dict(m, model_sd, options=options)
         optim_sd = torch.load(os.path.join(path, f"{prefix}optimizer.pt"), weights_only=False) if ctx.is_main else {}
         set_optimizer_state_dict(m, opt, optim_sd, options=options)
-        sched.load_state_dict(torch.load(os.path.join(path, f"{prefix}scheduler.pt"), weights_only=False))
+        parts["scheduler"].load_state_dict(torch.load(os.path.join(path, f"{prefix}scheduler.pt"), weights_only=False))
     with open(os.path.join(path, "trainer_state.json")) as f:
         trainer_state = json.load(f)
     return trainer_state, torch.load(rank_file, weights_only=False)

@@ -1,24 +1,11 @@
-"""Loading a Hugging Face causal LM and wrapping it for training, torchtitan style: small
-composable functions over a device mesh, applied in order by `parallelize`:
-`apply_tp` (train/utils/tensor_parallel.py), `install_packed_attention` (segment attention over
-packed rows, Ulysses when sp > 1: train/utils/seq_parallel.py), `apply_ac`, `apply_fsdp`."""
+"""Loading models (the causal LM; the critic's value model), their optimizer and schedule, and the
+clipped optimizer step. Wrapping them for a layout is train/parallel/parallelize.py."""
 from __future__ import annotations
 
 import math
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from transformers import AutoModel, AutoModelForCausalLM
-
-from train.utils.dispatch import Dispatch
-from train.utils.distributed import all_reduce_max
-from train.utils.packing import PackedMicroBatch, build_packed, plan_packs
-from train.utils.parallel import Layout
-from train.utils.seq_parallel import install_packed_attention
-from train.utils.tensor_parallel import apply_tp
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str = "cpu") -> torch.nn.Module:
@@ -59,48 +46,13 @@ def load_value_model(path: str, device: torch.device | str = "cpu") -> ValueMode
     return ValueModel(backbone).to(device)
 
 
-def transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated decoder blocks (Llama/Qwen2/Qwen3/Mistral: model.model.layers)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: cannot find decoder layers at model.model.layers")
-    return list(layers)
-
-
-def apply_ac(model: torch.nn.Module) -> None:
-    """Activation checkpointing per decoder layer (HF's own implementation)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: str = "float32",
-               reshard_after_forward: bool = True, offload: bool = False) -> torch.nn.Module:
-    """FSDP2: shard each decoder layer, then the root (embeddings, norm, lm_head). A 2-D
-    (ddp, fsdp) mesh gives hybrid sharding: replicate over ddp, shard over fsdp. `offload` keeps
-    parameters, gradients and the optimizer step on the CPU (CPUOffloadPolicy)."""
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
-    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
-    for layer in transformer_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
-                    offload_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=policy)
-    return model
-
-
-def parallelize(model: torch.nn.Module, layout: Layout, *, param_dtype: str = "float32",
-                gradient_checkpointing: bool = False, offload: bool = False) -> torch.nn.Module:
-    """The composition, in the order the pieces require: TP plans on plain modules, packed
-    (and, with sp > 1, Ulysses) attention, activation checkpointing, then FSDP over the (ddp, fsdp) mesh."""
-    if layout.sizes.tp > 1:
-        apply_tp(model, layout.tp_mesh)
-    install_packed_attention(model)
-    if gradient_checkpointing:
-        apply_ac(model)
-    return apply_fsdp(model, layout.fsdp_mesh, param_dtype=param_dtype, offload=offload)
-
-
 def build_optimizer(model: torch.nn.Module, lr: float, betas, weight_decay: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+    """AdamW over the trainable parameters: fused (one kernel for all tensors) for plain tensors,
+    multi-tensor (`foreach`) for DTensors (FSDP shards); the per-tensor loop is the slowest path."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    sharded = any(hasattr(p, "placements") for p in params)
+    kind = {"foreach": True} if sharded else {"fused": True}
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, **kind)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, total_updates: int, warmup_ratio: float,
@@ -117,48 +69,6 @@ def build_scheduler(optimizer: torch.optim.Optimizer, total_updates: int, warmup
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def full_named_tensors(model: torch.nn.Module):
-    """(name, full tensor) for every state-dict entry; DTensor shards are all-gathered, so every
-    rank must iterate this in the same order."""
-    for name, value in model.state_dict().items():
-        if hasattr(value, "full_tensor"):
-            value = value.full_tensor()
-        yield name, value.detach()
-
-
-def packed_micro_batches(index: list[int], ids: list[list[int]], masks: list[list[int]], max_tokens: int,
-                         pad_id: int, layout: Layout, device: torch.device) -> list[PackedMicroBatch]:
-    """Samples `index` packed into micro-batches of at most `max_tokens` per device (x sp: each
-    sp rank holds a 1/sp chunk), padded with empty packs to the busiest rank's count: FSDP
-    collectives need every rank to run as many forwards."""
-    sp, tp = layout.sizes.sp, layout.sizes.tp
-    plan = [[index[j] for j in p] for p in plan_packs([len(ids[i]) for i in index], max_tokens * sp)] if index else []
-    n = int(all_reduce_max(len(plan), device))
-    plan += [[] for _ in range(n - len(plan))]
-    return [build_packed(p, ids, masks, pad_id, device, sp_rank=layout.sp_rank, sp_size=sp, multiple=sp * tp)
-            for p in plan]
-
-
-def token_lists(tensors: list[torch.Tensor]) -> list[list[int]]:
-    return [t.long().tolist() for t in tensors]
-
-
-def per_sample_pass(ids: list[list[int]], masks: list[list[int]], layout: Layout, device: torch.device,
-                    micro_batches, forward) -> list[torch.Tensor]:
-    """A no-grad pass over this rank's own sequences: spread them over dp groups, run
-    `forward(mb) -> [samples, longest - 1]` over `micro_batches(index, ids, masks)`, and return one
-    [len-1] CPU tensor per own sequence."""
-    dispatch = Dispatch([len(x) for x in ids], layout, device)
-    got = dispatch.scatter({"ids": [torch.tensor(x) for x in ids], "mask": [torch.tensor(m) for m in masks]})
-    g_ids, g_masks = token_lists(got["ids"]), token_lists(got["mask"])
-    out: list[torch.Tensor | None] = [None] * len(g_ids)
-    for mb in micro_batches(list(range(len(g_ids))), g_ids, g_masks):
-        values = forward(mb)
-        for row, i in enumerate(mb.index):
-            out[i] = values[row, : len(g_ids[i]) - 1].cpu()
-    return dispatch.gather(out)
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:

@@ -118,6 +118,4 @@ class RolloutWorker:
             self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.loop.close()
         self.env.close()
-        close_engine = getattr(self.engine, "close", None)
-        if close_engine is not None:
-            close_engine()
+        self.engine.close()

@@ -1,18 +1,19 @@
 """Packed micro-batches: sequences laid end to end in one row with no padding between them.
 
 Each sequence restarts its position ids at 0 and attends only to itself: attention runs segment
-by segment (`segments`, see train/utils/seq_parallel.py), so a packed forward gives the same numbers
-as running every sequence alone while token-wise work (MLP, norms, LM head) sees no padding. The
-row is padded at the end to a multiple of sp * tp (a padding segment that attends to itself and
-carries no loss) and split into `sp` equal chunks for Ulysses sequence parallelism.
+by segment (`segments`, see train/parallel/seq_parallel.py), so a packed forward gives the same
+numbers as running every sequence alone while token-wise work (MLP, norms, LM head) sees no
+padding. The row is padded at the end to a multiple of sp * tp (a padding segment that attends to
+itself and carries no loss) and split into `sp` equal chunks for Ulysses sequence parallelism.
 
-Per-token tensors follow the trainer's convention: for a sequence of n tokens, entry t refers to
-token t + 1 (the label predicted at position t), so a sample has n - 1 entries. `rows()` turns a
-flat per-position tensor back into the familiar [samples, longest - 1] layout for the losses.
+Per-token tensors follow the trainer's convention (train/parallel/step_batch.py): for a sequence
+of n tokens, entry t refers to token t + 1 (the label predicted at position t), so a sample has
+n - 1 entries. `rows()` turns a flat per-position tensor back into the [samples, longest - 1]
+layout the losses use; `gather()` stacks per-sample tensors into it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,6 +60,7 @@ class PackedMicroBatch:
     row_index: torch.Tensor  # [n, longest - 1] row positions (0..T-1) of each sample's entries (0 past its end)
     row_valid: torch.Tensor  # [n, longest - 1] float: 1 inside the sample
     action_mask: torch.Tensor  # [n, longest - 1] float
+    cache: dict = field(default_factory=dict)  # per-pack tensors built once and reused across epochs
 
     @property
     def total_len(self) -> int:
@@ -76,12 +78,18 @@ class PackedMicroBatch:
         picked = flat.index_select(0, self.row_index.reshape(-1)).view(self.row_index.shape)
         return picked * self.row_valid.to(flat.dtype)
 
-    def pad_token_tensor(self, per_sample: list[torch.Tensor], fill: float = 0.0) -> torch.Tensor:
-        """Stack this pack's per-sample [len-1] tensors into [n, longest - 1]."""
-        out = torch.full(self.row_valid.shape, fill, dtype=torch.float32)
+    def gather(self, per_sample: list[torch.Tensor], name: str | None = None) -> torch.Tensor:
+        """This pack's per-sample [len-1] tensors stacked into [n, longest - 1] (zero padded) on the
+        pack's device; cached under `name` when given (the same field is read every epoch)."""
+        if name is not None and name in self.cache:
+            return self.cache[name]
+        out = torch.zeros(self.row_valid.shape, dtype=torch.float32)
         for row, i in enumerate(self.index):
             values = per_sample[i]
             out[row, : values.numel()] = values
+        out = out.to(self.row_valid.device)
+        if name is not None:
+            self.cache[name] = out
         return out
 
 
@@ -97,44 +105,37 @@ def segment_slots(lengths: list[int], device: torch.device) -> tuple[torch.Tenso
     return slots.to(device), valid.reshape(-1).nonzero().squeeze(1).to(device)
 
 
-def build_packed(index: list[int], seqs: list[list[int]], masks: list[list[int]], pad_id: int,
+def build_packed(index: list[int], ids: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int,
                  device: torch.device, sp_rank: int = 0, sp_size: int = 1, multiple: int = 1) -> PackedMicroBatch:
-    """Pack samples `index` into one row of length T (a multiple of `multiple`, itself a multiple of
-    sp_size) and keep this sp rank's chunk of it."""
-    members = [(seqs[i], masks[i]) for i in index]
-    if not members:  # a padding pack: one sequence with no action token
-        members = [([pad_id] * max(2, multiple), [0] * max(2, multiple))]
-    ids, pos, labels, label_mask = [], [], [], []
-    offsets = []
-    for seq, mask in members:
-        offsets.append(len(ids))
-        n = len(seq)
-        ids += seq
-        pos += range(n)
-        labels += seq[1:] + [0]
-        label_mask += [float(m) for m in mask[1:]] + [0.0]
-    real = len(ids)
+    """Pack samples `index` (int64 token ids [len]; float action masks [len - 1], entry t for token
+    t + 1) into one row of length T (a multiple of `multiple`, itself a multiple of sp_size) and keep
+    this sp rank's chunk of it."""
+    if index:
+        seqs = [ids[i] for i in index]
+        acts = [masks[i].float() for i in index]
+    else:  # a padding pack: one sequence with no action token
+        n = max(2, multiple)
+        seqs, acts = [torch.full((n,), pad_id, dtype=torch.int64)], [torch.zeros(n - 1)]
+    lengths = [int(s.numel()) for s in seqs]
+    real = sum(lengths)
     total = -(-real // multiple) * multiple
     pad = total - real
-    ids += [pad_id] * pad
-    pos += range(pad)
-    labels += [0] * pad
-    label_mask += [0.0] * pad
-    segments = [len(seq) for seq, _ in members] + ([pad] if pad else [])
-    longest = max(len(seq) for seq, _ in members)
-    n_rows = len(members)
-    row_valid = torch.zeros(n_rows, longest - 1)
-    action = torch.zeros(n_rows, longest - 1)
-    row_index = torch.zeros(n_rows, longest - 1, dtype=torch.long)
-    for r, ((seq, mask), off) in enumerate(zip(members, offsets)):
-        k = len(seq) - 1
-        row_index[r, :k] = torch.arange(off, off + k)
-        row_valid[r, :k] = 1.0
-        action[r, :k] = torch.tensor(mask[1:], dtype=torch.float32)
+    zero = torch.zeros(1, dtype=torch.int64)
+    input_ids = torch.cat(seqs + [torch.full((pad,), pad_id, dtype=torch.int64)])
+    positions = torch.cat([torch.arange(n) for n in lengths] + [torch.arange(pad)])
+    labels = torch.cat([t for s in seqs for t in (s[1:], zero)] + [torch.zeros(pad, dtype=torch.int64)])
+    label_mask = torch.cat([t for a in acts for t in (a, torch.zeros(1))] + [torch.zeros(pad)])
+    segments = lengths + ([pad] if pad else [])
+    longest = max(lengths) - 1
+    offsets = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    steps = torch.arange(longest)
+    row_valid = (steps[None, :] < torch.tensor(lengths)[:, None] - 1).float()
+    row_index = torch.where(row_valid > 0, offsets[:, None] + steps[None, :], 0)
+    action = torch.nn.utils.rnn.pad_sequence(acts, batch_first=True) if longest else torch.zeros(len(acts), 0)
     chunk = total // sp_size
     lo, hi = sp_rank * chunk, (sp_rank + 1) * chunk
-    as_t = lambda x, dtype=torch.long: torch.tensor(x[lo:hi], dtype=dtype, device=device)  # noqa: E731
     return PackedMicroBatch(
-        index=list(index), input_ids=as_t(ids)[None], position_ids=as_t(pos)[None],
-        segments=segments, segment_slots=segment_slots(segments, device), labels=as_t(labels), loss_positions=as_t(label_mask, torch.float32) > 0,
-        row_index=row_index.to(device), row_valid=row_valid.to(device), action_mask=action.to(device))
+        index=list(index), input_ids=input_ids[lo:hi].to(device)[None], position_ids=positions[lo:hi].to(device)[None],
+        segments=segments, segment_slots=segment_slots(segments, device), labels=labels[lo:hi].to(device),
+        loss_positions=label_mask[lo:hi].to(device) > 0, row_index=row_index.to(device),
+        row_valid=row_valid.to(device), action_mask=action[:, :longest].to(device))

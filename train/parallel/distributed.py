@@ -1,6 +1,7 @@
-"""Process-group set-up and the few collectives the trainer needs.
+"""Process-group set-up: every rank joins the torchrun group (gloo on CPU, NCCL on GPU).
 
-Everything is passed explicitly through a `DistContext`; nothing lives in module state.
+Everything is passed explicitly through a `DistContext`; nothing lives in module state. The few
+collectives the trainer issues itself are in train/parallel/collectives.py.
 """
 from __future__ import annotations
 
@@ -53,35 +54,6 @@ def init_distributed(timeout_s: int = 1800) -> DistContext:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
     return DistContext(rank, world, local_rank, local_world, device, mesh)
-
-
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """Sum a list of floats over all ranks in one collective (float64 to keep counts exact)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-def all_reduce_max(value: float, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def gather_to_main(obj, ctx: DistContext) -> list | None:
-    """Small objects (log samples, events) to rank 0; never used for training data."""
-    if ctx.world_size == 1:
-        return [obj]
-    out = [None] * ctx.world_size if ctx.is_main else None
-    dist.gather_object(obj, out, dst=0)
-    return out
-
-
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def cleanup() -> None:

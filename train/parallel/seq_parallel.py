@@ -93,9 +93,9 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      **_: Any) -> tuple[torch.Tensor, None]:
     """query [1, H, C, d], key/value [1, Hkv, C, d] for this rank's chunk of a packed row;
     `packed_segments` = (slots, real): the whole row's segment slots, built once per micro-batch
-    by `segment_slots` (train/utils/packing.py). Returns [1, C, H, d]."""
+    by `segment_slots` (train/parallel/packing.py). Returns [1, C, H, d]."""
     if packed_segments is None:
-        raise ValueError("packed attention needs packed_segments= (train/utils/packing.py PackedMicroBatch.model_inputs)")
+        raise ValueError("packed attention needs packed_segments= (train/parallel/packing.py PackedMicroBatch.model_inputs)")
     sp = dist.get_world_size(sp_group) if sp_group is not None else 1
     if sp > 1:
         if key.shape[1] % sp:  # too few key/value heads to split: give every query head its own copy

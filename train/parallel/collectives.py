@@ -1,0 +1,60 @@
+"""The collectives the trainer issues itself (besides FSDP's, TP's and Ulysses' inside the model):
+a few all-reduces of counts and metrics, and a gather of small log records to rank 0. Each takes a
+list of numbers and does one collective, so callers batch what they need into one call.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from train.parallel.distributed import DistContext
+from train.utils.algorithms import mean_var_from_sums
+
+
+def _active() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum a list of floats over all ranks in one collective (float64 to keep counts exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if _active():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_reduce_max(value: float, device: torch.device) -> float:
+    return all_reduce_max_many([value], device)[0]
+
+
+def all_reduce_max_many(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise max of a list of floats over all ranks, in one collective (min: negate)."""
+    if not values:
+        return []
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if _active():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def global_moments(local_sums: tuple[float, float, float], device: torch.device) -> tuple[float, float]:
+    """(mean, Bessel-corrected variance) over all ranks from this rank's (count, sum, sum of squares),
+    e.g. `algorithms.masked_sums(x, mask)`: one all-reduce. Ranks that must not count (the non-leaders
+    of a dp group) pass zeros."""
+    return mean_var_from_sums(*all_reduce_sum(list(local_sums), device))
+
+
+def gather_to_main(obj, ctx: DistContext) -> list | None:
+    """Small objects (log samples, events) to rank 0; never used for training data."""
+    if ctx.world_size == 1:
+        return [obj]
+    out = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def barrier() -> None:
+    if _active():
+        dist.barrier()
+
+

@@ -1,0 +1,59 @@
+"""Wrapping a model for its layout, torchtitan style: small composable functions over a device mesh,
+applied in order by `parallelize`: `apply_tp` (train/parallel/tensor_parallel.py),
+`install_packed_attention` (segment attention over packed rows, Ulysses when sp > 1:
+train/parallel/seq_parallel.py), `apply_ac`, `apply_fsdp`."""
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from train.parallel.layout import Layout
+from train.parallel.seq_parallel import install_packed_attention
+from train.parallel.tensor_parallel import apply_tp
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated decoder blocks (Llama/Qwen2/Qwen3/Mistral: model.model.layers)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: cannot find decoder layers at model.model.layers")
+    return list(layers)
+
+
+def apply_ac(model: torch.nn.Module) -> None:
+    """Activation checkpointing per decoder layer (HF's own implementation)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: str = "float32",
+               reshard_after_forward: bool = True, offload: bool = False) -> torch.nn.Module:
+    """FSDP2: shard each decoder layer, then the root (embeddings, norm, lm_head). A 2-D
+    (ddp, fsdp) mesh gives hybrid sharding: replicate over ddp, shard over fsdp. `offload` keeps
+    parameters, gradients and the optimizer step on the CPU (CPUOffloadPolicy)."""
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    for layer in transformer_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    offload_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=policy)
+    return model
+
+
+def parallelize(model: torch.nn.Module, layout: Layout, *, param_dtype: str = "float32",
+                gradient_checkpointing: bool = False, offload: bool = False) -> torch.nn.Module:
+    """The composition, in the order the pieces require: TP plans on plain modules, packed
+    (and, with sp > 1, Ulysses) attention, activation checkpointing, then FSDP over the (ddp, fsdp)
+    mesh. A single replica in fp32 without offload (one process) stays a plain module: FSDP would
+    shard over one rank and only add its hooks and DTensor dispatch to every call."""
+    if layout.sizes.tp > 1:
+        apply_tp(model, layout.tp_mesh)
+    install_packed_attention(model)
+    if gradient_checkpointing:
+        apply_ac(model)
+    if layout.fsdp_mesh.size() == 1 and layout.sizes.tp == 1 and param_dtype == "float32" and not offload:
+        return model
+    return apply_fsdp(model, layout.fsdp_mesh, param_dtype=param_dtype, offload=offload)

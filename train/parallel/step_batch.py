@@ -1,0 +1,221 @@
+"""The step batch: a step's kept samples, dispatched once to the data-parallel groups that process them.
+
+Every rank rolls out its own prompts. Before any model pass the samples move, once, to the ranks
+that will run them: a sample goes only to the sp x tp ranks of its dp group (an all-to-all), never
+to every rank. Every per-token tensor is built here, once, in the trainer's convention: entry t of a
+[len - 1] tensor refers to token t + 1 (the label predicted at position t). This is the one place
+the shift happens. Reference log-probs, old log-probs, values, advantages and returns are then
+written into the batch in place (`fields`), and both updates read them from it; nothing goes back
+to the samples' owners but metrics.
+
+Which samples a dp group holds is decided from an index every rank shares (one all-gather of each
+sample's length, group and reward): mini-batch m takes the samples whose global number is m mod
+`mini_batches`, and each mini-batch is balanced over the dp groups by token count (longest first,
+to the lightest group). Every rank computes the same assignment without asking. Mini-batch
+membership depends only on the global order, not on the layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from train.parallel.layout import Layout
+from train.parallel.packing import balance
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@dataclass(frozen=True)
+class BatchIndex:
+    """Every kept sample of the step on every rank, identical everywhere; global sample g is the
+    `local[g]`-th kept sample of rank `owner[g]`, in rank order."""
+    owner: list[int]
+    local: list[int]
+    length: list[int]
+    group: list[int]  # global group id (samples of a group are contiguous on their owner)
+    reward: list[float]  # the (shaped) reward the advantages start from
+    n_groups: int
+
+    @property
+    def size(self) -> int:
+        return len(self.owner)
+
+
+def exchange_index(lengths: list[int], groups: list[int], rewards: list[float], device: torch.device) -> BatchIndex:
+    """All ranks' per-sample metadata (two small all-gathers: counts, then the padded rows)."""
+    rank, world = _world()
+    if world == 1:
+        n_groups = max(groups, default=-1) + 1
+        return BatchIndex([0] * len(lengths), list(range(len(lengths))), list(lengths), list(groups),
+                          [float(r) for r in rewards], n_groups)
+    count = torch.tensor([len(lengths)], dtype=torch.int64, device=device)
+    counts = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(counts, count)
+    counts_l = counts.tolist()
+    width = max(max(counts_l), 1)
+    rows = torch.zeros(width, 3, dtype=torch.float64, device=device)
+    if lengths:
+        rows[: len(lengths)] = torch.tensor(list(zip(lengths, groups, rewards)), dtype=torch.float64)
+    everything = torch.empty(world * width * 3, dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(everything, rows.reshape(-1))
+    everything = everything.cpu().view(world, width, 3)
+    owner, local, length, group, reward = [], [], [], [], []
+    offset = 0
+    for r, n in enumerate(counts_l):
+        part = everything[r, :n]
+        n_local_groups = int(part[:, 1].max()) + 1 if n else 0
+        owner += [r] * n
+        local += list(range(n))
+        length += part[:, 0].long().tolist()
+        group += (part[:, 1].long() + offset).tolist()
+        reward += part[:, 2].tolist()
+        offset += n_local_groups
+    return BatchIndex(owner, local, length, group, reward, offset)
+
+
+def assign(index: BatchIndex, dp: int, mini_batches: int) -> tuple[list[int], list[int]]:
+    """(dp group, mini-batch) of every global sample; deterministic, the same on every rank."""
+    minibatch = [g % mini_batches for g in range(index.size)]
+    groups = [0] * index.size
+    for m in range(mini_batches):
+        members = [g for g in range(index.size) if minibatch[g] == m]
+        for d, part in enumerate(balance([index.length[g] for g in members], dp)):
+            for j in part:
+                groups[members[j]] = d
+    return groups, minibatch
+
+
+@dataclass
+class StepBatch:
+    """The samples one dp group holds (the same on its sp x tp ranks), in (mini-batch, global) order."""
+    index: BatchIndex
+    dp: int  # the number of dp groups of this layout
+    dp_rank: int
+    group_size: int  # sp x tp: ranks that hold the same samples
+    is_leader: bool  # counts this group's samples in global sums (one rank per dp group)
+    mini_batches: int  # the mini-batch count the assignment balanced (any count can be trained)
+    members: list[int]  # global sample numbers held here
+    ids: list[torch.Tensor]  # int64 [len]
+    mask: list[torch.Tensor]  # float32 [len - 1]: 1 where token t + 1 is an action token
+    sampler_logp: list[torch.Tensor]  # float32 [len - 1]: the engine's log-prob of token t + 1
+    fields: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # per token [len - 1], added by passes
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    @property
+    def rewards(self) -> torch.Tensor:
+        return torch.tensor([self.index.reward[g] for g in self.members], dtype=torch.float64)
+
+    @property
+    def groups(self) -> torch.Tensor:
+        return torch.tensor([self.index.group[g] for g in self.members], dtype=torch.int64)
+
+    def minibatch_members(self, m: int, count: int) -> list[int]:
+        """Local positions of the samples of mini-batch m of `count`: global sample g is in mini-batch
+        g mod count, whatever the layout."""
+        return [i for i, g in enumerate(self.members) if g % count == m]
+
+    def layout_key(self) -> tuple[int, int]:
+        return self.dp, self.group_size
+
+
+def _ranks_of(dp_index: int, group_size: int) -> range:
+    """Global ranks of a dp group: ranks are laid out (dp, sp, tp) with tp innermost."""
+    return range(dp_index * group_size, (dp_index + 1) * group_size)
+
+
+def _all_to_all(send: list[list[torch.Tensor]], recv_sizes: list[int], dtype: torch.dtype,
+                device: torch.device) -> list[torch.Tensor]:
+    """send[r]: tensors for rank r -> one flat tensor received from each rank (its parts concatenated)."""
+    rank, world = _world()
+    flat_parts = [torch.cat([t.reshape(-1).to(dtype) for t in parts]) if parts else torch.empty(0, dtype=dtype)
+                  for parts in send]
+    if world == 1:
+        return [flat_parts[0]]
+    in_sizes = [p.numel() for p in flat_parts]
+    inp = torch.cat(flat_parts).to(device)
+    out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+    dist.all_to_all_single(out, inp, output_split_sizes=recv_sizes, input_split_sizes=in_sizes)
+    return list(torch.split(out.cpu(), recv_sizes))
+
+
+def dispatch(index: BatchIndex, ids: list[list[int]], masks: list[list[int]], sampler_logp: list[list[float]],
+             layout: Layout, mini_batches: int, device: torch.device) -> StepBatch:
+    """This rank's kept samples (ids, action masks, sampler log-probs: one entry per token) -> the
+    StepBatch of its dp group in `layout`. Two all-to-alls (token ids with masks, log-probs); every
+    rank takes part."""
+    rank, world = _world()
+    dp, dp_rank = layout.sizes.dp, layout.dp_rank
+    group_size, is_leader = layout.sizes.sp * layout.sizes.tp, layout.is_data_leader
+    target, minibatch = assign(index, dp, mini_batches)
+    mine = sorted((g for g in range(index.size) if target[g] == dp_rank), key=lambda g: (minibatch[g], g))
+    own = [g for g in range(index.size) if index.owner[g] == rank]  # in local order
+    send_int: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    send_float: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    for g in own:
+        j = index.local[g]
+        tokens = torch.tensor([ids[j], masks[j]], dtype=torch.int64)
+        logp = torch.tensor(sampler_logp[j], dtype=torch.float32)
+        for r in _ranks_of(target[g], group_size):
+            send_int[r].append(tokens)
+            send_float[r].append(logp)
+    # What arrives from rank r: its samples for my group, in its local order (sizes known from the index).
+    from_rank = [[g for g in range(index.size) if index.owner[g] == r and target[g] == dp_rank] for r in range(world)]
+    got_int = _all_to_all(send_int, [2 * sum(index.length[g] for g in gs) for gs in from_rank], torch.int64, device)
+    got_float = _all_to_all(send_float, [sum(index.length[g] for g in gs) for gs in from_rank], torch.float32,
+                            device)
+    by_global: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for gs, flat_i, flat_f in zip(from_rank, got_int, got_float):
+        lens = [index.length[g] for g in gs]
+        for g, tok, lp in zip(gs, torch.split(flat_i, [2 * n for n in lens]), torch.split(flat_f, lens)):
+            by_global[g] = (tok.view(2, -1), lp)
+    batch_ids, batch_mask, batch_logp = [], [], []
+    for g in mine:
+        tok, lp = by_global[g]
+        batch_ids.append(tok[0].clone())
+        batch_mask.append(tok[1, 1:].float())  # the shift: entry t is token t + 1
+        batch_logp.append(lp[1:].clone())
+    return StepBatch(index, dp, dp_rank, group_size, is_leader, mini_batches, mine, batch_ids, batch_mask,
+                     batch_logp)
+
+
+def transfer(src: StepBatch, dst: StepBatch, names: list[str], device: torch.device) -> None:
+    """Copy per-token fields from one layout's batch to another's (same index): each src dp group's
+    leader sends each sample to the ranks of its dst group. A no-op when both are the same batch."""
+    if src is dst:
+        return
+    rank, world = _world()
+    src_groups, dst_groups = _members_by_group(src), _members_by_group(dst)
+    dst_group_of = {g: d for d, gs in enumerate(dst_groups) for g in gs}
+    send: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    if src.is_leader:
+        for i, g in enumerate(src.members):
+            for r in _ranks_of(dst_group_of[g], dst.group_size):
+                send[r] += [src.fields[name][i] for name in names]
+    wanted = set(dst.members)
+    from_rank: list[list[int]] = [[] for _ in range(world)]
+    for d, gs in enumerate(src_groups):  # what group d's leader sends me, in its order
+        from_rank[d * src.group_size] = [g for g in gs if g in wanted]
+    per_sample = {g: len(names) * (src.index.length[g] - 1) for g in dst.members}
+    got = _all_to_all(send, [sum(per_sample[g] for g in gs) for gs in from_rank], torch.float32, device)
+    values: dict[int, list[torch.Tensor]] = {}
+    for gs, flat in zip(from_rank, got):
+        for g, part in zip(gs, torch.split(flat, [per_sample[g] for g in gs])):
+            values[g] = list(part.view(len(names), -1))
+    for k, name in enumerate(names):
+        dst.fields[name] = [values[g][k].clone() for g in dst.members]
+
+
+def _members_by_group(batch: StepBatch) -> list[list[int]]:
+    target, minibatch = assign(batch.index, batch.dp, batch.mini_batches)
+    out: list[list[int]] = [[] for _ in range(batch.dp)]
+    for g in sorted(range(batch.index.size), key=lambda g: (minibatch[g], g)):
+        out[target[g]].append(g)
+    return out

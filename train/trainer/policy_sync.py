@@ -1,0 +1,95 @@
+"""The engine samples from exactly the weights the trainer accepted: weight pushes (gathered in flat
+buckets, train/parallel/weight_sync.py), a fingerprint of what was pushed, and the governor's
+accept / hold / rollback (train/trainer/governor.py) in one place.
+
+Without the governor every update is pushed. With it, an update is pushed only once accepted; a
+held (suspect) update stays out of the engine; a rollback restores the last accepted snapshot, which
+the engine already holds, so nothing is pushed. Every method is collective: all ranks call it.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from train.engines.base import RolloutEngine
+from train.parallel.weight_sync import gather_full_tensors
+from train.trainer.governor import Governor, Snapshot
+from train.utils.logging import RunLogger
+
+MB = 1 << 20
+
+
+def fingerprinted(named: Iterable[tuple[str, torch.Tensor]], acc: list[float]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass (name, tensor) pairs through, adding sum|w| (float64) of each into acc[0]."""
+    for name, value in named:
+        acc[0] += float(value.detach().double().abs().sum())
+        yield name, value
+
+
+def unique_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's state-dict entries, each storage once (tied embeddings are pushed once; the
+    engine's copy is tied too)."""
+    seen: set[int] = set()
+    for name, value in model.state_dict().items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        key = local.untyped_storage().data_ptr() if local.numel() else id(value)
+        if key in seen:
+            continue
+        seen.add(key)
+        yield name, value
+
+
+class PolicySync:
+    def __init__(self, model: torch.nn.Module, engine: RolloutEngine, bucket_mb: float,
+                 governor: Governor | None, workers: dict, log: RunLogger) -> None:
+        self.model, self.engine, self.governor, self.workers, self.log = model, engine, governor, workers, log
+        self.bucket_bytes = max(1, int(bucket_mb * MB))
+        self.pushed_fingerprint: float | None = None
+        self.snapshot = Snapshot(workers) if governor is not None else None
+
+    def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The actor's full weights in the engine's dtype, bucket by bucket (collective)."""
+        return gather_full_tensors(unique_state(self.model), self.bucket_bytes, getattr(self.engine, "dtype", None))
+
+    def push(self) -> float:
+        """Push the actor's weights into the engine; the seconds it took."""
+        start = time.perf_counter()
+        acc = [0.0]
+        self.engine.update_weights(fingerprinted(self.full_tensors(), acc))
+        self.pushed_fingerprint = acc[0]
+        return time.perf_counter() - start
+
+    def fingerprint(self) -> float:
+        """sum|w| of the actor's current weights as the engine would receive them (collective)."""
+        acc = [0.0]
+        for _ in fingerprinted(self.full_tensors(), acc):
+            pass
+        return acc[0]
+
+    def after_update(self, step: int, metrics: dict[str, float], push: bool) -> dict[str, float]:
+        """Push (and with the governor, judge) a finished update; metrics of what happened."""
+        if self.governor is None:
+            return {"time/weight_sync_s": self.push()} if push else {}
+        verdict = self.governor.observe(metrics)  # all-reduced metrics: every rank takes the same branch
+        out = {"governor/panic": float(verdict.action != "accept"), "governor/rollback": 0.0}
+        if verdict.action == "accept":
+            self.snapshot = Snapshot(self.workers)
+            if push:
+                out["time/weight_sync_s"] = self.push()
+                out["engine/weights_fingerprint"] = self.pushed_fingerprint
+        elif verdict.action == "hold":  # suspect weights stay out of the engine until judged
+            self.log.event("governor.panic", step, {"reason": verdict.reason, "panics": self.governor.panics})
+        else:
+            bad = self.fingerprint()
+            self.snapshot.restore()
+            restored = self.fingerprint()
+            out["governor/rollback"] = 1.0
+            # The engine never received weights after the snapshot (pushes wait for an accept), so
+            # it already holds the restored ones: nothing to push.
+            self.log.event("governor.rollback", step, {
+                "reason": verdict.reason, "skipped_step": step, "bad_fingerprint": bad,
+                "restored_fingerprint": restored, "engine_fingerprint": self.pushed_fingerprint})
+            self.log.write(f"step {step}: governor rolled back ({verdict.reason})")
+        return out

@@ -1,0 +1,179 @@
+"""What the actor and the critic share: a model wrapped for its layout, its optimizer and scheduler,
+no-grad passes over a step batch, and one update loop with the loss as a hook.
+
+The update loop: `epochs` passes over the batch, `mini_batches` optimizer steps per pass. Each
+mini-batch's samples (on this dp group) are packed into micro-batches once and reused by every
+epoch; ranks with fewer packs run empty ones, so FSDP's collectives stay in step. Loss normalisers
+are counted once over the whole mini-batch (every dp group, every micro-batch) before the loop,
+in one all-reduce for all mini-batches; the loss is multiplied by the number of ranks FSDP averages
+over (`layout.grad_scale`). Metric sums from one rank per dp group are reduced once at the end.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from train.parallel.collectives import all_reduce_max_many, all_reduce_sum
+from train.parallel.layout import Layout
+from train.parallel.packing import PackedMicroBatch, build_packed, plan_packs
+from train.parallel.step_batch import StepBatch
+from train.workers import base
+
+
+@dataclass
+class Norms:
+    """A mini-batch's global loss normalisers: action tokens and sequences over every dp group."""
+    tokens: float
+    seqs: float
+
+
+@dataclass
+class UpdateStats:
+    """Metric sums (one rank per dp group adds), maxima (this rank's), optimizer steps' grad norms."""
+    sums: dict[str, float] = field(default_factory=dict)
+    maxima: dict[str, float] = field(default_factory=dict)
+    grad_norms: list[float] = field(default_factory=list)
+
+    def add(self, key: str, value) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + float(value)
+
+    def max(self, key: str, value) -> None:
+        self.maxima[key] = max(self.maxima.get(key, float("-inf")), float(value))
+
+
+LossHook = Callable[[PackedMicroBatch, Norms, UpdateStats], torch.Tensor]
+
+
+class Trainable:
+    """Subclasses set model, optimizer, scheduler and the config keys (see Actor, Critic)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+
+    def __init__(self, layout: Layout, device: torch.device, pad_id: int, max_tokens: int, infer_tokens: int,
+                 max_grad_norm: float = 1.0, offload_optimizer: bool = False) -> None:
+        self.layout, self.device, self.pad_id = layout, device, pad_id
+        self.max_tokens, self.infer_tokens = max_tokens, infer_tokens
+        self.max_grad_norm, self.offload_optimizer = max_grad_norm, offload_optimizer
+
+    # -- state: what checkpoints and the governor's snapshots hold ---------------------------------
+    def state_parts(self) -> dict[str, object]:
+        """Named parts with state_dict()/load_state_dict(): the model, and when training, the optimizer
+        and scheduler (torchtitan's Stateful idea)."""
+        parts: dict[str, object] = {"model": self.model}
+        if self.optimizer is not None:
+            parts["optimizer"] = self.optimizer
+            parts["scheduler"] = self.scheduler
+        return parts
+
+    # -- packing ---------------------------------------------------------------------------------
+    def packs(self, batch: StepBatch, positions: list[int], max_tokens: int) -> list[PackedMicroBatch]:
+        """This dp group's samples `positions` in packs of at most max_tokens per device (x sp)."""
+        sp, tp = self.layout.sizes.sp, self.layout.sizes.tp
+        lengths = [batch.ids[i].numel() for i in positions]
+        plan = [[positions[j] for j in p] for p in plan_packs(lengths, max_tokens * sp)] if positions else []
+        return [build_packed(p, batch.ids, batch.mask, self.pad_id, self.device, sp_rank=self.layout.sp_rank,
+                             sp_size=sp, multiple=sp * tp) for p in plan]
+
+    def _padding(self) -> PackedMicroBatch:
+        sp, tp = self.layout.sizes.sp, self.layout.sizes.tp
+        return build_packed([], [], [], self.pad_id, self.device, sp_rank=self.layout.sp_rank, sp_size=sp,
+                            multiple=sp * tp)
+
+    def _even_out(self, packs_per_part: list[list[PackedMicroBatch]]) -> list[list[PackedMicroBatch]]:
+        """Every rank runs as many forwards per part as the busiest (one all-reduce for all parts)."""
+        most = all_reduce_max_many([float(len(p)) for p in packs_per_part], self.device)
+        return [p + [self._padding() for _ in range(int(n) - len(p))] for p, n in zip(packs_per_part, most)]
+
+    # -- passes ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def per_token_pass(self, batch: StepBatch, forward: Callable[[PackedMicroBatch], torch.Tensor]
+                       ) -> list[torch.Tensor]:
+        """forward(pack) -> [samples, longest - 1] for every pack of the batch; one [len - 1] float32
+        CPU tensor per sample of the batch."""
+        self.model.eval()
+        [packs] = self._even_out([self.packs(batch, list(range(len(batch))), self.infer_tokens)])
+        out: list[torch.Tensor | None] = [None] * len(batch)
+        for mb in packs:
+            values = forward(mb)
+            for row, i in enumerate(mb.index):
+                out[i] = values[row, : batch.ids[i].numel() - 1].float().cpu()
+        return out  # type: ignore[return-value]
+
+    # -- the update loop -------------------------------------------------------------------------
+    def run_update(self, batch: StepBatch, epochs: int, mini_batches: int, loss: LossHook,
+                   after_backward: Callable[[int, dict[str, float], int], bool] | None = None) -> UpdateStats:
+        """`epochs` passes of `mini_batches` optimizer steps. `after_backward(epoch, sums,
+        steps_taken)`, given this mini-batch's metric sums (a collective is the hook's to make), may
+        return True to drop the step just accumulated and stop (e.g. a target KL)."""
+        lead = 1.0 if batch.is_leader else 0.0
+        norms, packs = self.prepare(batch, mini_batches)
+        stats = UpdateStats()
+        self.model.train()
+        for epoch in range(epochs):
+            for m, part in enumerate(packs):
+                local = UpdateStats(maxima=stats.maxima)
+                self.accumulate(part, norms[m], loss, local)
+                sums = {key: value * lead for key, value in local.sums.items()}
+                if after_backward is not None and after_backward(epoch, sums, len(stats.grad_norms)):
+                    self.optimizer.zero_grad(set_to_none=True)  # this step is not taken
+                    return stats
+                for key, value in sums.items():
+                    stats.add(key, value)
+                stats.grad_norms.append(self.optimizer_step())
+        return stats
+
+    def prepare(self, batch: StepBatch, mini_batches: int) -> tuple[list[Norms], list[list[PackedMicroBatch]]]:
+        """Each mini-batch's global normalisers and this rank's packs (as many as the busiest rank's):
+        built once, reused by every epoch."""
+        parts = [batch.minibatch_members(m, mini_batches) for m in range(mini_batches)]
+        return self.mini_batch_norms(batch, mini_batches), self._even_out(
+            [self.packs(batch, members, self.max_tokens) for members in parts])
+
+    def accumulate(self, packs: list[PackedMicroBatch], norms: Norms, loss: LossHook, stats: UpdateStats) -> None:
+        """Backward over one mini-batch's packs: gradients summed into .grad, no optimizer step."""
+        for mb in packs:
+            (loss(mb, norms, stats) * self.layout.grad_scale).backward()
+
+    def mini_batch_norms(self, batch: StepBatch, mini_batches: int) -> list[Norms]:
+        """Each mini-batch's global normalisers (action tokens, sequences): one all-reduce."""
+        lead = 1.0 if batch.is_leader else 0.0
+        counts = []
+        for m in range(mini_batches):
+            members = batch.minibatch_members(m, mini_batches)
+            counts += [lead * float(sum(float(batch.mask[i].sum()) for i in members)), lead * float(len(members))]
+        totals = all_reduce_sum(counts, self.device)
+        return [Norms(max(totals[2 * m], 1.0), max(totals[2 * m + 1], 1.0)) for m in range(mini_batches)]
+
+    def optimizer_step(self) -> float:
+        """Global gradient clipping and the optimizer step; the pre-clip norm."""
+        return base.clip_and_step(self.model, self.optimizer, self.scheduler, self.max_grad_norm,
+                                  self.offload_optimizer)
+
+    def reduce(self, stats: UpdateStats, prefix: str, sum_keys: tuple[str, ...],
+               max_keys: tuple[str, ...] = ()) -> dict[str, float]:
+        """Global metrics: token-weighted sums over the global token count (one all-reduce), the
+        loss per optimizer step, maxima over ranks (one all-reduce; a `neg_` key holds a minimum),
+        grad norms, the learning rate. The key lists are fixed, so every rank reduces the same."""
+        totals = dict(zip(sum_keys, all_reduce_sum([stats.sums.get(k, 0.0) for k in sum_keys], self.device)))
+        tokens = max(totals.pop("tokens", 0.0), 1.0)
+        steps = max(len(stats.grad_norms), 1)
+        metrics = {f"{prefix}/loss": totals.pop("loss", 0.0) / steps}
+        metrics.update({f"{prefix}/{k}": v / tokens for k, v in totals.items()})
+        local_max = [stats.maxima.get(k, float("-inf")) for k in max_keys]
+        for k, v in zip(max_keys, all_reduce_max_many(local_max, self.device)):
+            if v == float("-inf"):  # no action token on any rank
+                continue
+            if k.startswith("neg_"):  # a minimum, kept as the max of its negation
+                metrics[f"{prefix}/{k[4:]}"] = -v
+            else:
+                metrics[f"{prefix}/{k}"] = v
+        if stats.grad_norms:
+            metrics[f"{prefix}/grad_norm"] = sum(stats.grad_norms) / len(stats.grad_norms)
+            metrics[f"{prefix}/grad_norm_max"] = max(stats.grad_norms)
+        metrics[f"{prefix}/lr"] = self.scheduler.get_last_lr()[0]
+        metrics[f"{prefix}/optimizer_steps"] = float(len(stats.grad_norms))
+        return metrics
