@@ -221,6 +221,8 @@ def worker(args) -> None:
                 times.append(dt)
 
         rss_end_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        steps_hwm = _vm_hwm_mib() if hwm_reset else None
+        io = checkpoint_timings(actor, ctx, args.out_dir) if args.checkpoint else {}
         record = {
             "rank": ctx.rank,
             "world": ctx.world_size,
@@ -238,7 +240,8 @@ def worker(args) -> None:
             "peak_rss_mib": max(rss_build_mib, rss_end_mib, _vm_hwm_mib() or 0.0),
             "peak_rss_build_mib": rss_build_mib,
             # the update steps only (high-water mark reset after the actor was built)
-            "peak_rss_steps_mib": _vm_hwm_mib() if hwm_reset else None,
+            "peak_rss_steps_mib": steps_hwm,
+            **io,
             "first_update": {k: metrics[0].get(k) for k in ("actor/loss", "actor/grad_norm")} if metrics else None,
             "metrics": metrics,
         }
@@ -249,6 +252,39 @@ def worker(args) -> None:
             json.dump(record, f, indent=1)
     finally:
         cleanup()
+
+
+def checkpoint_timings(actor, ctx, out_dir: str) -> dict:
+    """Seconds to save the actor's model and Adam state (sharded, sync), the step-loop stall of an
+    asynchronous save and its time to completion, and the seconds to load it back."""
+    import torch.distributed as dist
+
+    from train.utils.checkpoint import Checkpointer
+
+    folder = os.path.join(out_dir, "ckpt") if ctx.is_main else None
+    holder = [folder]
+    dist.broadcast_object_list(holder, src=0)
+    folder = holder[0]
+    workers = {"actor": actor}
+    sync = Checkpointer(folder, ctx)
+    dist.barrier()
+    start = time.perf_counter()
+    path = sync.save(1, workers, {"step": 1}, {"rng": None})
+    save_s = time.perf_counter() - start
+    asynchronous = Checkpointer(folder, ctx, async_save=True)
+    dist.barrier()
+    start = time.perf_counter()
+    asynchronous.save(2, workers, {"step": 2}, {"rng": None})
+    stall_s = time.perf_counter() - start
+    asynchronous.wait()
+    async_total_s = time.perf_counter() - start
+    dist.barrier()
+    start = time.perf_counter()
+    sync.load(path, workers)
+    load_s = time.perf_counter() - start
+    sync.close()
+    asynchronous.close()
+    return {"save_s": save_s, "async_stall_s": stall_s, "async_total_s": async_total_s, "load_s": load_s}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,6 +343,8 @@ def run_layout(args, model: str, model_path: str, name: str, run_dir: str) -> di
            "--responses", str(args.responses), "--prompt-len", str(args.prompt_len),
            "--response-len", str(args.response_len), "--max-tokens", str(args.max_tokens),
            "--lr", str(args.lr), "--seed", str(args.seed), "--dtype", args.dtype]
+    if args.checkpoint:
+        cmd.append("--checkpoint")
     for item in args.set or []:
         cmd += ["--set", item]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
@@ -353,6 +391,9 @@ def table(rows: list[dict], cuda: bool) -> str:
     head = ["layout", "ranks", "step s", "peak RSS MiB per rank", "RSS during steps MiB per rank"]
     if cuda:
         head += ["GPU peak MiB per rank (steps)", "GPU peak MiB per rank (whole run)"]
+    checkpoints = any("save_s" in r for row in rows for r in row.get("ranks", []))
+    if checkpoints:
+        head += ["save s", "async save: stall / done s", "load s"]
     head += ["loss / grad norm (1st update)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for row in rows:
@@ -375,6 +416,11 @@ def table(rows: list[dict], cuda: bool) -> str:
             if cuda:
                 cells += [fmt_list([r.get("gpu_peak_steps_mib") for r in ranks]),
                           fmt_list([r.get("gpu_peak_mib") for r in ranks])]
+            if checkpoints:
+                slowest = {k: max(r.get(k, 0.0) for r in ranks) for k in ("save_s", "async_stall_s",
+                                                                        "async_total_s", "load_s")}
+                cells += [f"{slowest['save_s']:.2f}", f"{slowest['async_stall_s']:.2f} / {slowest['async_total_s']:.2f}",
+                          f"{slowest['load_s']:.2f}"]
             cells.append(check)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -498,6 +544,8 @@ def main() -> None:
                    help="run folder (default: a temp dir, removed unless --keep or a failure)")
     p.add_argument("--keep", action="store_true", help="keep the temp run folder")
     # worker mode (set by the driver)
+    p.add_argument("--checkpoint", action="store_true",
+                   help="also time a sharded save, an asynchronous save (stall and total) and a load")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-path", help=argparse.SUPPRESS)
     p.add_argument("--ddp", type=int, default=1, help=argparse.SUPPRESS)

@@ -282,6 +282,7 @@ def run_ours(a, work: Path, threads_per_proc: int) -> dict:
         "weight_sync_s": [r.get("time/weight_sync_s", 0.0) for r in rows],
         "rewards": [r.get("rewards/train") for r in rows],
         "response_length": [r.get("response_length/train") for r in rows],
+        "trajectory_length": [r.get("trajectory_length/train") for r in rows],
         "wall_s": wall,
         "other_processes_cores": others,
     }
@@ -303,6 +304,42 @@ def run_trl(a, work: Path, threads_per_proc: int) -> dict:
     out["wall_s"] = wall
     out["other_processes_cores"] = others
     return out
+
+
+def matmul_peak_gflops(threads: int, n: int = 2048, repeats: int = 5) -> float:
+    """This machine's fp32 matmul rate with `threads` threads (the best of a few n^3 products)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    torch.set_num_threads(before)
+    return 2 * n**3 / best / 1e9
+
+
+def update_gflop(model_dir: str, samples: int, tokens_per_sample: float, action_tokens_per_sample: float) -> float:
+    """FLOPs of one update (forward + backward): 6 x body parameters x tokens, the LM head only on
+    action tokens (as ours runs it), and causal attention scores and values, 6 x L^2 x hidden per
+    layer and sequence (L the mean sequence length)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    h, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
+    heads = c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or h // heads
+    per_layer = h * heads * head_dim * 2 + h * kv * head_dim * 2 + 3 * h * c.intermediate_size
+    body = layers * per_layer
+    tokens = samples * tokens_per_sample
+    flops = 6 * body * tokens + 6 * vocab * h * samples * action_tokens_per_sample
+    flops += 6 * layers * h * samples * tokens_per_sample**2
+    return flops / 1e9
 
 
 def mean(xs) -> float | None:
@@ -456,6 +493,15 @@ def main() -> None:
     ours, trl_res = results.get("ours"), results.get("trl")
     if ours and trl_res:
         results["ratio_samples_per_s_ours_over_trl"] = ours["samples_per_s"] / trl_res["samples_per_s"]
+    if ours:  # the distance to the physical limit: the update's achieved FLOP/s against matmul peak
+        raw = min(rounds["ours"], key=lambda x: x["summary"]["step_s_mean"])["raw"]
+        traj, resp = mean(raw["trajectory_length"][a.warmup:]), mean(raw["response_length"][a.warmup:])
+        if traj and resp and ours.get("update_s_mean"):
+            gflop = update_gflop(a.model, samples, traj, resp)
+            peak = matmul_peak_gflops(threads_per_proc * a.nproc)
+            results["efficiency"] = {"update_gflop": gflop, "update_gflops": gflop / ours["update_s_mean"],
+                                     "matmul_peak_gflops": peak,
+                                     "fraction_of_peak": gflop / ours["update_s_mean"] / peak}
     print_table(results, a.rounds)
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=2) + "\n")
@@ -500,6 +546,11 @@ def print_table(results: dict, n_rounds: int = 1) -> None:
         rest = trl_res["step_s_mean"] - trl_res["generate_s_mean"]
         print(f"TRL per step:  generate+reward {trl_res['generate_s_mean']:.3f} s, "
               f"loss/backward/optimizer {rest:.3f} s")
+    eff = results.get("efficiency")
+    if eff:
+        print(f"ours update: {eff['update_gflop']:.1f} GFLOP per step (6 x params x tokens, LM head on action tokens, "
+              f"attention) = {eff['update_gflops']:.1f} GFLOP/s, {100 * eff['fraction_of_peak']:.0f}% of this "
+              f"machine's fp32 matmul peak ({eff['matmul_peak_gflops']:.1f} GFLOP/s, same threads)")
 
 
 if __name__ == "__main__":

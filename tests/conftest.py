@@ -82,3 +82,19 @@ def stub_hub_cache(tmp_path_factory) -> Path:
     cache = tmp_path_factory.mktemp("hf_hub_cache")
     add_to_cache(str(STUB_MODEL), STUB_HUB_ID, str(cache))
     return cache
+
+
+def tiny_model(tmp_path_factory, family: str) -> str:
+    """A random tiny model of another family, saved like a checkpoint (vocabulary covers the
+    batch's token ids): Qwen2 has q/k/v biases and untied embeddings, Qwen3 per-head q/k norms."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = (Qwen2Config(**common, tie_word_embeddings=False) if family == "qwen2"
+              else Qwen3Config(**common, head_dim=16, tie_word_embeddings=True))
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(family)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)

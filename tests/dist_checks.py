@@ -20,7 +20,7 @@ from train.engines.hf import HFEngine  # noqa: E402
 from train.parallel.distributed import cleanup, init_distributed  # noqa: E402
 from train.parallel.step_batch import StepBatch, assign, dispatch, exchange_index  # noqa: E402
 from train.parallel.weight_sync import gather_full_tensors  # noqa: E402
-from train.trainer.policy_sync import unique_state  # noqa: E402
+from train.parallel.weight_sync import unique_state  # noqa: E402
 from train.workers.actor import Actor  # noqa: E402
 from train.workers.critic import Critic  # noqa: E402
 from train.workers.trainable import UpdateStats  # noqa: E402
@@ -138,7 +138,7 @@ def step_and_save(worker, ctx, out) -> None:
 
 def packing(args, ctx) -> None:
     """Packed actor vs a plain per-sequence reference (see tests/test_packing.py)."""
-    from train.workers.base import load_causal_lm
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     cfg = actor_cfg(max_length_per_device=48)
@@ -155,7 +155,7 @@ def packing(args, ctx) -> None:
     actor.model.train()
     actor.accumulate(mbs, norms[0], actor.policy_loss(sb, 32), UpdateStats())
     got = {name: p.grad.clone() for name, p in actor.model.named_parameters()}
-    plain = load_causal_lm(MODEL)
+    plain = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
     n_tok = sum(sum(m[1:]) for m in batch.action_mask)
     loss, err = 0.0, 0.0
     for seq, mask, adv, lp in zip(batch.ids, batch.action_mask, batch.advantages, logp):
@@ -265,7 +265,7 @@ def match(args, ctx) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["grads", "match", "critic_grads", "reference", "packing", "collectives",
-                                         "advantages", "push"])
+                                         "advantages", "push", "load", "reshard"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--agg", default="all_token_mean")
     parser.add_argument("--split", default="uneven")
@@ -280,13 +280,14 @@ def main() -> None:
     parser.add_argument("--ac", action="store_true", help="activation checkpointing")
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--bucket_kb", type=int, default=256)
+    parser.add_argument("--ckpt", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = init_distributed()
     try:
         {"grads": grads, "match": match, "critic_grads": critic_grads, "reference": reference,
          "packing": packing, "collectives": collectives, "advantages": advantages,
-         "push": push}[args.mode](args, ctx)
+         "push": push, "load": load, "reshard": reshard}[args.mode](args, ctx)
     finally:
         cleanup()
 
@@ -432,6 +433,78 @@ def push(args, ctx) -> None:
         torch.save({"result": result, "expected_names": [n for n, _ in state],
                     "full_bytes": sum(t.numel() * 4 for t in expected.values()),
                     "sharded": len(sharded)}, args.out)
+
+
+def load(args, ctx) -> None:
+    """The actor and the critic built on the meta device and filled shard by shard, against
+    `from_pretrained` in one process: every weight and buffer, and the logits / values of a forward."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from train.parallel.packing import build_packed
+    from train.workers.base import ValueModel
+
+    torch.manual_seed(0)
+    actor = Actor(actor_cfg(**layout_overrides(args)), ctx, args.model, pad_token_id=0, train=True,
+                  temperature=1.0, total_updates=1)
+    critic = Critic(critic_cfg(**layout_overrides(args)), ctx, args.model, pad_token_id=0, total_updates=1)
+    plain = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    plain_critic = ValueModel(AutoModel.from_pretrained(args.model, dtype=torch.float32))
+    out = {}
+    for name, built, ref in (("actor", actor.model, plain), ("critic", critic.model, plain_critic)):
+        full = {k: v.clone() for k, v in gather_full_tensors(built.state_dict().items(), 1 << 20)}
+        expected = ref.state_dict()
+        weights = {k: (full[k].shape == expected[k].shape and torch.equal(full[k], expected[k])) for k in expected}
+        buffers = {}
+        for (bn, b), (rn, r) in zip(built.named_buffers(), ref.named_buffers()):
+            buffers[bn] = bn == rn and torch.equal(b.full_tensor() if hasattr(b, "full_tensor") else b, r)
+        out[name] = {"weights": weights, "extra_keys": sorted(set(full) - set(expected)), "buffers": buffers}
+    tied = getattr(plain.config, "tie_word_embeddings", False)
+    out["tied"] = (not tied) or actor.model.lm_head.weight is actor.model.model.embed_tokens.weight
+    # One packed forward on every rank (the same row), compared with the plain models.
+    seq = torch.randint(3, plain.config.vocab_size, (23,), generator=torch.Generator().manual_seed(3))
+    sp, tp = actor.layout.sizes.sp, actor.layout.sizes.tp
+    mb = build_packed([0], [seq], [torch.ones(22)], 0, ctx.device, sp_rank=actor.layout.sp_rank, sp_size=sp,
+                      multiple=sp * tp)
+    from train.parallel.seq_parallel import gather_sequence
+
+    with torch.no_grad():
+        logits = actor.model(**mb.model_inputs(), use_cache=False, sp_group=actor.layout.sp_group).logits[0]
+        if hasattr(logits, "full_tensor"):
+            logits = logits.full_tensor()
+        if tp > 1:  # column-parallel lm_head: each rank holds a vocabulary slice
+            parts = [torch.empty_like(logits) for _ in range(tp)]
+            torch.distributed.all_gather(parts, logits.contiguous(), group=actor.layout.tp_group)
+            logits = torch.cat(parts, -1)
+        logits = gather_sequence(logits, actor.layout.sp_group)[:23]
+        values = critic.model(**mb.model_inputs(), sp_group=critic.layout.sp_group)[0]
+        values = gather_sequence(values, critic.layout.sp_group)[:23]
+        # the same packed attention as the trainer's, so that only the loading can differ
+        from train.parallel.seq_parallel import install_packed_attention
+
+        install_packed_attention(plain)
+        install_packed_attention(plain_critic)
+        whole = build_packed([0], [seq], [torch.ones(22)], 0, ctx.device)
+        ref_logits = plain(**whole.model_inputs(), use_cache=False).logits[0][:23]
+        ref_values = plain_critic(**whole.model_inputs())[0][:23]
+    out["logits_err"] = float((logits - ref_logits).abs().max())
+    out["values_err"] = float((values - ref_values).abs().max())
+    out["logits_equal"] = bool(torch.equal(logits, ref_logits))
+    if ctx.is_main:
+        torch.save(out, args.out)
+
+
+def reshard(args, ctx) -> None:
+    """Load a checkpoint saved under another layout or world size (`--ckpt`), save it again at once,
+    and let the test compare the two."""
+    from train.utils.checkpoint import Checkpointer
+
+    actor = Actor(actor_cfg(**layout_overrides(args)), ctx, args.model, pad_token_id=0, train=True,
+                  temperature=1.0, total_updates=100)
+    checkpointer = Checkpointer(os.path.dirname(args.out), ctx)
+    state, _ = checkpointer.load(args.ckpt, {"actor": actor})
+    checkpointer.save(state["step"], {"actor": actor}, {k: v for k, v in state.items() if k != "schedulers"},
+                      {"rng": None})
+    checkpointer.close()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from train.datasets.dataloader import build_dataloader
 
@@ -21,19 +22,36 @@ def _take(loader, n):
     return [_ids(loader.next_batch()) for _ in range(n)]
 
 
-def test_batches_per_epoch_and_epoch_advance():
-    loader = _loader()
-    assert loader.batches_per_epoch == 2  # 5 rows per rank -> batches of 3 and 2
-    assert [len(b) for b in _take(loader, 2)] == [3, 2]
-    assert loader.epoch == 0
-    loader.next_batch()
-    assert loader.epoch == 1
-    assert _loader(drop_last=True).batches_per_epoch == 1
+def _global(rows, world, steps, batch=3, seed=7, state=None):
+    """The rows of every step, all ranks together, in rank-interleaved order."""
+    loaders = [build_dataloader(rows, batch_size=batch, rank=r, world_size=world, seed=seed) for r in range(world)]
+    if state is not None:
+        for loader in loaders:
+            loader.load_state_dict(state)
+    out = []
+    for _ in range(steps):
+        parts = [_ids(loader.next_batch()) for loader in loaders]
+        out.append(sorted(i for p in parts for i in p))
+    return out, loaders[0].state_dict()
+
+
+def test_the_stream_follows_the_seeded_permutations_without_gaps():
+    """Epoch e is torch.randperm(n) seeded with seed + e (DistributedSampler's order); steps take the
+    next world x batch rows of the stream, rank r every world-th from r; batches are always full."""
+    perm = lambda e: torch.randperm(10, generator=torch.Generator().manual_seed(7 + e)).tolist()  # noqa: E731
+    stream = perm(0) + perm(1) + perm(2)
+    loaders = [_loader(rank=r) for r in range(2)]
+    assert loaders[0].batches_per_epoch == 2  # ceil(10 rows / 6 per step)
+    for step in range(4):
+        chunk = stream[6 * step: 6 * (step + 1)]
+        for r, loader in enumerate(loaders):
+            assert _ids(loader.next_batch()) == chunk[r::2]
+    assert loaders[0].state_dict() == {"epoch": 2, "cursor": 4}
 
 
 def test_batches_are_row_dicts_unchanged():
     rows = [{"messages": [{"role": "user", "content": "q"}], "answer": [1, {"a": None}]}]
-    batch = build_dataloader(rows, batch_size=4, rank=0, world_size=1, seed=0).next_batch()
+    batch = build_dataloader(rows, batch_size=1, rank=0, world_size=1, seed=0).next_batch()
     assert batch == rows and batch[0] is rows[0]
 
 
@@ -49,17 +67,18 @@ def test_resume_gives_same_sequence(stop):
     resumed = _loader()
     resumed.load_state_dict(state)
     assert head + _take(resumed, total - stop) == expected
-    assert resumed.epoch == straight.epoch
+    assert resumed.state_dict() == straight.state_dict()
 
 
-def test_resume_epoch_counter():
-    a = _loader()
-    _take(a, 3)  # epoch 1, mid-epoch
-    b = _loader()
-    b.load_state_dict(a.state_dict())
-    assert b.epoch == 1
-    _take(b, 2)
-    assert b.epoch == 2
+@pytest.mark.parametrize("world_after", [1, 3, 6])
+def test_resume_on_another_world_size_takes_the_same_prompts(world_after):
+    """2 ranks x 3 rows, then resumed on 1, 3 or 6 ranks with the same global batch of 6: the same
+    rows step after step, none repeated or skipped."""
+    rows = [{"i": i} for i in range(23)]
+    straight, _ = _global(rows, 2, 8)
+    head, state = _global(rows, 2, 3)
+    tail, _ = _global(rows, world_after, 5, batch=6 // world_after, state=json.loads(json.dumps(state)))
+    assert head + tail == straight
 
 
 def test_two_ranks_disjoint_and_covering():
@@ -71,14 +90,6 @@ def test_two_ranks_disjoint_and_covering():
         seen.append([i for b in _take(loader, 3) for i in b])
     assert set(seen[0]).isdisjoint(seen[1])
     assert sorted(seen[0] + seen[1]) == list(range(12))
-
-
-def test_uneven_rows_pad_with_equal_batch_counts():
-    rows = [{"i": i} for i in range(5)]
-    loaders = [build_dataloader(rows, batch_size=2, rank=r, world_size=2, seed=0) for r in range(2)]
-    assert [l.batches_per_epoch for l in loaders] == [2, 2]
-    seen = [i for l in loaders for b in _take(l, 2) for i in b]
-    assert len(seen) == 6 and set(seen) == set(range(5))  # one row repeated as padding
 
 
 def test_epochs_reshuffled_differently():
@@ -95,17 +106,17 @@ def test_epochs_reshuffled_differently():
 
 
 def test_no_shuffle_keeps_order():
-    loader = build_dataloader(ROWS, batch_size=5, rank=0, world_size=1, seed=0, shuffle=False)
-    assert _take(loader, 3) == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [0, 1, 2, 3, 4]]
+    loader = build_dataloader(ROWS, batch_size=4, rank=0, world_size=1, seed=0, shuffle=False)
+    assert _take(loader, 3) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]  # full batches across epochs
 
 
 def test_one_row_two_ranks():
     rows = [{"i": 0}]
     for rank in range(2):
-        loader = build_dataloader(rows, batch_size=4, rank=rank, world_size=2, seed=0)
+        loader = build_dataloader(rows, batch_size=2, rank=rank, world_size=2, seed=0)
         assert loader.batches_per_epoch == 1
-        assert _take(loader, 3) == [[0], [0], [0]]
-        assert loader.epoch == 2
+        assert _take(loader, 3) == [[0, 0], [0, 0], [0, 0]]
+        assert loader.epoch == 12  # four rows a step, one row an epoch
 
 
 def test_bad_arguments():
@@ -113,5 +124,5 @@ def test_bad_arguments():
         build_dataloader([], batch_size=1, rank=0, world_size=1, seed=0)
     with pytest.raises(ValueError, match="rank"):
         build_dataloader(ROWS, batch_size=1, rank=2, world_size=2, seed=0)
-    with pytest.raises(ValueError, match="no batch"):
-        build_dataloader(ROWS, batch_size=6, rank=0, world_size=2, seed=0, drop_last=True)
+    with pytest.raises(ValueError, match="batch_size"):
+        build_dataloader(ROWS, batch_size=0, rank=0, world_size=2, seed=0)

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, run_torchrun
+from conftest import ROOT, run_torchrun, tiny_model
 
 
 def launch(nproc: int, out, *args: str) -> dict:
@@ -127,21 +127,6 @@ def test_critic_layouts_match_one_process(tmp_path, single_process, layout):
     nproc, flags = LAYOUTS[layout]
     other = launch(nproc, tmp_path / "x.pt", "critic_grads", "--max_tokens", "64", "--clip", "0.05", *flags)
     assert_same_update(single_process("critic_grads"), other)
-
-
-def tiny_model(tmp_path_factory, family: str) -> str:
-    """A random tiny model of another family, saved like a checkpoint (vocabulary covers the
-    batch's token ids): Qwen2 has q/k/v biases and untied embeddings, Qwen3 per-head q/k norms."""
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
-
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    config = (Qwen2Config(**common, tie_word_embeddings=False) if family == "qwen2"
-              else Qwen3Config(**common, head_dim=16, tie_word_embeddings=True))
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp(family)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return str(path)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import STUB_MATH, read_jsonl, run_trainer
+from train.utils.checkpoint import consolidate
 
 SMALL = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",
          "trainer.test_freq=null", "trainer.log_samples=100"]
@@ -45,11 +46,13 @@ def test_run_leaves_the_documented_files(straight_run):
     for step in (2, 4):
         assert (run / f"step{step}" / "COMPLETE").exists()
     assert not list(run.glob("*.tmp"))
+    # sharded: each of the 2 ranks wrote its own shard file, rank 0 the metadata
+    assert sorted(p.name for p in (run / "step4" / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(run / "latest")
     tok = AutoTokenizer.from_pretrained(run / "latest")
-    saved = torch.load(run / "step4" / "model.pt")
+    saved = consolidate(str(run / "step4"))["actor"]["model"]
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=name)
     assert tok.eos_token == "<|im_end|>"
@@ -60,17 +63,9 @@ def test_resume_is_exact(straight_run, tmp_path):
     resumed = tmp_path / "resumed"
     run_trainer([f"trainer.save_dir={resumed}", "trainer.total_steps=4", "trainer.save_freq=2",
                  f"trainer.load_ckpt_from={straight_run / 'step2'}", *SMALL], nproc=2)
-    a, b = straight_run / "step4", resumed / "step4"
-    for name in ("model.pt", "optimizer.pt", "scheduler.pt"):
-        sa, sb = torch.load(a / name, weights_only=False), torch.load(b / name, weights_only=False)
-        flat_a, flat_b = _flatten(sa), _flatten(sb)
-        assert flat_a.keys() == flat_b.keys()
-        for key in flat_a:
-            if isinstance(flat_a[key], torch.Tensor):
-                assert torch.equal(flat_a[key], flat_b[key]), (name, key)
-            else:
-                assert flat_a[key] == flat_b[key], (name, key)
-    assert any("exp_avg_sq" in k for k in _flatten(torch.load(a / "optimizer.pt", weights_only=False)))
+    a, b = consolidate(str(straight_run / "step4")), consolidate(str(resumed / "step4"))
+    assert_same(a, b)
+    assert any("exp_avg_sq" in k for k in _flatten(a["actor"]["optimizer"]))
     straight, again = prompts_by_step(straight_run), prompts_by_step(resumed)
     assert sorted(again) == [3, 4]
     assert again[3] == straight[3] and again[4] == straight[4]  # no repeated or skipped prompts
@@ -86,17 +81,24 @@ def test_resume_is_exact_under_tensor_parallel_and_checkpoints_move_between_layo
     run_trainer([f"trainer.save_dir={straight}", "trainer.total_steps=4", "trainer.save_freq=2", *tp], nproc=2)
     run_trainer([f"trainer.save_dir={resumed}", "trainer.total_steps=4", "trainer.save_freq=2",
                  f"trainer.load_ckpt_from={straight / 'step2'}", *tp], nproc=2)
-    for name in ("model.pt", "optimizer.pt"):
-        a = _flatten(torch.load(straight / "step4" / name, weights_only=False))
-        b = _flatten(torch.load(resumed / "step4" / name, weights_only=False))
-        assert a.keys() == b.keys()
-        for key in a:
-            assert torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key], key
+    assert_same(consolidate(str(straight / "step4")), consolidate(str(resumed / "step4")))
     run_trainer([f"trainer.save_dir={moved}", "trainer.total_steps=4", "trainer.save_freq=2",
                  f"trainer.load_ckpt_from={straight_run / 'step2'}", *tp], nproc=2)
-    fsdp_run = torch.load(straight_run / "step4" / "model.pt")
-    for name, value in torch.load(moved / "step4" / "model.pt").items():
+    fsdp_run = consolidate(str(straight_run / "step4"))["actor"]["model"]
+    for name, value in consolidate(str(moved / "step4"))["actor"]["model"].items():
         torch.testing.assert_close(value, fsdp_run[name], rtol=0, atol=1e-4, msg=name)
+
+
+def assert_same(a: dict, b: dict) -> None:
+    """Two consolidated checkpoints hold bit-identical models, optimizers (Adam moments), schedulers
+    and trainer state (step, dataloader position, ...)."""
+    flat_a, flat_b = _flatten(a), _flatten(b)
+    assert flat_a.keys() == flat_b.keys()
+    for key in flat_a:
+        if isinstance(flat_a[key], torch.Tensor):
+            assert torch.equal(flat_a[key], flat_b[key]), key
+        else:
+            assert flat_a[key] == flat_b[key], key
 
 
 def _flatten(obj, prefix=""):
@@ -217,18 +219,11 @@ def test_ppo_with_critic_metrics_and_exact_resume(tmp_path):
                 "actor/epochs", "actor/early_stopped", "actor/entropy_coef"]:
         assert all(key in m and math.isfinite(m[key]) for m in metrics), key
     assert all(m["actor/optimizer_steps"] >= 1 for m in metrics)
-    for name in ("model.pt", "optimizer.pt", "scheduler.pt", "critic_model.pt", "critic_optimizer.pt",
-                 "critic_scheduler.pt"):
-        a = _flatten(torch.load(straight / "step4" / name, weights_only=False))
-        b = _flatten(torch.load(resumed / "step4" / name, weights_only=False))
-        assert a.keys() == b.keys(), name
-        for key in a:
-            same = torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key]
-            assert same, (name, key)
-    critic_sd = torch.load(straight / "step4" / "critic_model.pt")
+    a, b = consolidate(str(straight / "step4")), consolidate(str(resumed / "step4"))
+    assert_same(a, b)  # actor, critic, both optimizers and schedulers, the running reward statistics
+    critic_sd = a["critic"]["model"]
     assert "value_head.weight" in critic_sd and float(critic_sd["value_head.weight"].abs().max()) > 0
-    state = [json.loads((d / "step4" / "trainer_state.json").read_text())["reward_moments"] for d in (straight, resumed)]
-    assert state[0] == state[1] and state[0]["count"] == 4 * 16
+    assert a["trainer_state"]["reward_moments"]["count"] == 4 * 16
 
 
 def test_target_kl_stops_the_epochs_early(tmp_path):

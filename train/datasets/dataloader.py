@@ -1,117 +1,74 @@
-"""An endless, resumable, rank-sharded loader over prompt rows.
+"""An endless, resumable stream of prompt batches, split over data-parallel ranks.
 
-Each data-parallel rank builds its own loader with the same rows and seed: a ``DistributedSampler``
-gives every rank a disjoint shard of a permutation that depends only on ``seed + epoch``, and the
-``StatefulDataLoader`` remembers how far into that permutation the rank got, so a checkpoint restores
-the exact next batch.
+Every rank walks the same global sequence: epoch e is a permutation of the rows seeded by
+``seed + e`` (the order PyTorch's ``DistributedSampler`` uses), epochs follow each other without a
+gap, and step k takes the next ``batch_size * world_size`` rows of that stream; rank r keeps every
+world_size-th of them, starting at r. Every batch is full (the stream runs into the next epoch),
+every rank has the same number of rows, and fewer rows than ranks simply repeat.
+
+The state is global: the epoch and the position in its permutation. A checkpoint therefore resumes
+at the same global position whatever the new world size is (same prompts, none repeated or
+skipped: only which rank handles which prompt changes).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
-from typing import Any
 
-from torch.utils.data import Dataset
-from torch.utils.data.distributed import DistributedSampler
-from torchdata.stateful_dataloader import StatefulDataLoader
-
-
-class _RowDataset(Dataset):
-    def __init__(self, rows: list[dict]) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict:
-        return self.rows[index]
-
-
-def _collate_rows(batch: list[dict]) -> list[dict]:
-    # Rows are ragged (messages, arbitrary answers): keep them as a plain list of dicts.
-    return batch
+import torch
 
 
 class RLDataLoader:
-    """Yields per-rank batches of rows forever, moving to the next (reshuffled) epoch by itself."""
+    """Yields this rank's batch of rows for every step, forever."""
 
-    def __init__(
-        self,
-        rows: list[dict],
-        *,
-        batch_size: int,
-        rank: int,
-        world_size: int,
-        seed: int,
-        shuffle: bool = True,
-        drop_last: bool = False,
-    ) -> None:
+    def __init__(self, rows: list[dict], *, batch_size: int, rank: int, world_size: int, seed: int,
+                 shuffle: bool = True) -> None:
         if not rows:
             raise ValueError("build_dataloader: no rows")
         if batch_size < 1:
             raise ValueError(f"build_dataloader: batch_size must be >= 1, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"build_dataloader: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-        # The sampler never drops rows: with drop_last=False it pads by repeating rows so every rank
-        # has the same number of samples (and so the same number of batches: no rank waits forever
-        # in a collective). Fewer rows than ranks is fine: ranks then share repeated rows.
-        self.sampler = DistributedSampler(
-            _RowDataset(rows), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False
-        )
-        per_rank = self.sampler.num_samples  # identical on every rank
-        self.batches_per_epoch: int = per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
-        if self.batches_per_epoch < 1:
-            raise ValueError(
-                f"build_dataloader: {len(rows)} rows give {per_rank} per rank, fewer than batch_size={batch_size} "
-                "with drop_last=True, so an epoch would have no batch"
-            )
-        with warnings.catch_warnings():
-            # torchdata 0.11 calls torch.set_vital, which newer torch deprecates: noise, not a problem.
-            warnings.filterwarnings("ignore", message=".*set_vital.*deprecated", category=UserWarning)
-            self.loader = StatefulDataLoader(
-                self.sampler.dataset,
-                batch_size=batch_size,
-                sampler=self.sampler,
-                num_workers=0,
-                collate_fn=_collate_rows,
-                drop_last=drop_last,
-            )
-        self.epoch: int = 0
-        self._iter: Any = None
+        self.rows, self.batch_size, self.rank, self.world_size = rows, batch_size, rank, world_size
+        self.seed, self.shuffle = seed, shuffle
+        self.global_batch = batch_size * world_size
+        self.batches_per_epoch: int = math.ceil(len(rows) / self.global_batch)
+        self.epoch = 0
+        self.cursor = 0  # rows of this epoch's permutation already used, all ranks together
+        self._order: tuple[int, list[int]] | None = None
 
-    def _start_epoch(self) -> None:
-        # set_epoch makes the permutation seed + epoch, so each epoch is shuffled differently but
-        # identically on all ranks.
-        self.sampler.set_epoch(self.epoch)
-        self._iter = iter(self.loader)
+    def _permutation(self, epoch: int) -> list[int]:
+        if self._order is None or self._order[0] != epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed + epoch)
+                order = torch.randperm(len(self.rows), generator=g).tolist()
+            else:
+                order = list(range(len(self.rows)))
+            self._order = (epoch, order)
+        return self._order[1]
 
     def next_batch(self) -> list[dict]:
-        """The next batch of this rank; after the last batch of an epoch, the first of the next."""
-        if self._iter is None:
-            self._start_epoch()
-        try:
-            return next(self._iter)
-        except StopIteration:
-            self.epoch += 1
-            self._start_epoch()
-            return next(self._iter)
+        """This rank's rows of the next global batch."""
+        picked: list[int] = []
+        while len(picked) < self.global_batch:
+            order = self._permutation(self.epoch)
+            take = min(self.global_batch - len(picked), len(order) - self.cursor)
+            picked += order[self.cursor:self.cursor + take]
+            self.cursor += take
+            if self.cursor == len(order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+        return [self.rows[i] for i in picked[self.rank::self.world_size]]
 
     def state_dict(self) -> dict:
-        """Position to resume from: the epoch and the StatefulDataLoader's place in it."""
-        return {"epoch": self.epoch, "loader": self.loader.state_dict()}
+        """The global position: the same on every rank."""
+        return {"epoch": self.epoch, "cursor": self.cursor}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a :meth:`state_dict`; the next :meth:`next_batch` is the batch that would have come next."""
-        self.epoch = int(state["epoch"])
-        # The sampler's epoch must be set before the loader fast-forwards through it, so the skipped
-        # indices are those of the saved epoch's permutation.
-        self.sampler.set_epoch(self.epoch)
-        self.loader.load_state_dict(state["loader"])
-        self._iter = iter(self.loader)
+        """Resume at a :meth:`state_dict`'s position (saved by any number of ranks)."""
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
 
 
-def build_dataloader(rows: list[dict], **kwargs: Any) -> RLDataLoader:
+def build_dataloader(rows: list[dict], **kwargs) -> RLDataLoader:
     """Build the loader of one rank (keywords as `RLDataLoader`: batch_size per rank, rank,
-    world_size, seed, shuffle, drop_last)."""
+    world_size, seed, shuffle)."""
     return RLDataLoader(rows, **kwargs)

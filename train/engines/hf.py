@@ -14,8 +14,8 @@ How it works:
   same quantity the trainer recomputes from a full forward pass (no top-p/top-k renormalisation;
   greedy rows use T = 1). They are computed in float32.
 - Sampling draws one uniform number per row and step and inverts the (filtered) CDF. A request
-  with `seed` draws from its own generator, so its sample depends only on (seed, model, prompt,
-  sampling params) and not on the batch around it.
+  with `seed` draws its uniforms from its own generator (all at once, at the start of its batch), so
+  its sample depends only on (seed, model, prompt, sampling params) and not on the batch around it.
 
 On CUDA (docs/gpu.md):
 - `from_pretrained` loads bfloat16 weights by default (float32 on CPU); the worker thread selects
@@ -354,9 +354,9 @@ class HFEngine:
         penalties: Penalties | None = None
         stop_ids = [frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.eos_token_ids)
                     for sp in params]
-        generators = [
-            torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None for sp in params
-        ]
+        # Every row's uniforms for its whole response, drawn up front: a seeded row from its own
+        # generator (so its sample depends only on its seed), the others from the engine's.
+        uniforms = self._uniforms(params, [budgets[i] for i in rows])
         tokens: list[list[int]] = [[] for _ in rows]
         logprobs: list[list[float]] = [[] for _ in rows]
         active = list(range(n))  # positions in `rows` still decoding, in batch order
@@ -368,10 +368,11 @@ class HFEngine:
         if any(sp.uses_penalties for sp in params):
             penalties = Penalties(prompts, params, logits.shape[-1], dev)
         while True:
-            uniforms = self._uniforms([generators[j] for j in active]).to(dev)
+            step = len(tokens[active[0]])  # every active row has sampled as many tokens
+            u = uniforms[active, step].to(dev) if len(active) < n else uniforms[:, step].to(dev)
             if penalties is not None:
                 logits = penalties.apply(logits)
-            tok, lp = sample_tokens(logits, temp, top_p, top_k, uniforms, min_p)
+            tok, lp = sample_tokens(logits, temp, top_p, top_k, u, min_p)
             if penalties is not None:
                 penalties.record(tok)
             keep: list[int] = []
@@ -406,12 +407,14 @@ class HFEngine:
             next_pos = next_pos + 1
         return results  # type: ignore[return-value]
 
-    def _uniforms(self, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """One uniform in (0, 1] per row; seeded rows use their own generator."""
-        u = torch.rand(len(generators), generator=self._generator, dtype=torch.float64)
-        for b, g in enumerate(generators):
-            if g is not None:
-                u[b] = torch.rand(1, generator=g, dtype=torch.float64)[0]
+    def _uniforms(self, params: list[SamplingParams], budgets: list[int]) -> torch.Tensor:
+        """[rows, longest budget] uniforms in (0, 1]: entry t is what the row's t-th token draws."""
+        width = max(budgets)
+        u = torch.rand(len(params), width, generator=self._generator, dtype=torch.float64)
+        for b, sp in enumerate(params):
+            if sp.seed is not None:
+                u[b, : budgets[b]] = torch.rand(budgets[b], generator=torch.Generator().manual_seed(sp.seed),
+                                                dtype=torch.float64)
         return 1.0 - u  # (0, 1]: a zero-probability token can never be picked
 
     def _finish_reason(self, tokens: list[int], sp: SamplingParams, budget: int,

@@ -123,10 +123,29 @@ def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots:
     def batch(t: torch.Tensor) -> torch.Tensor:
         return t[0].index_select(1, slots.reshape(-1)).view(h, n, longest, d).transpose(0, 1)
 
-    out = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), dropout_p=dropout, is_causal=True,
-                                         scale=scaling)
+    if q.device.type == "cpu" and longest <= MATH_ATTENTION_MAX_LEN and dropout == 0.0:
+        out = _causal_math_attention(batch(q), batch(k), batch(v), scaling)
+    else:
+        out = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), dropout_p=dropout, is_causal=True,
+                                             scale=scaling)
     flat = out.transpose(0, 1).reshape(h, n * longest, d).index_select(1, real)  # [H, T, d] in row order
     return flat[None]
+
+
+# On CPU, short segments (RL prompts and replies of a few dozen tokens) attend faster with plain
+# matmuls and a softmax than through SDPA's flash kernel, whose per-call cost dominates there; the
+# [segments, heads, L, L] scores stay small below this length.
+MATH_ATTENTION_MAX_LEN = 128
+
+
+def _causal_math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Causal attention [b, H, L, d] as softmax(q k^T * scale, masked) v (what SDPA computes)."""
+    length = q.shape[2]
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def install_packed_attention(model: torch.nn.Module) -> None:

@@ -102,3 +102,16 @@ class _Bucket:
     size: int
     items: list[_Pending] = field(default_factory=list)
     nbytes: int = 0
+
+
+def unique_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's state-dict entries, each storage once (tied embeddings travel once; the
+    receiver's copy is tied too)."""
+    seen: set[int] = set()
+    for name, value in model.state_dict().items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        key = local.untyped_storage().data_ptr() if local.numel() else id(value)
+        if key in seen:
+            continue
+        seen.add(key)
+        yield name, value

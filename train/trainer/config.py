@@ -152,6 +152,11 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
         _positive_int(cfg, key, allow_none=True)
     _number(cfg, "trainer.model_fetch_timeout_s", 0.0, low_open=True, allow_none=True,
             example="trainer.model_fetch_timeout_s=7200")
+    _positive_int(cfg, "trainer.keep_last_n", allow_none=True)
+    _number(cfg, "trainer.export_shard_gb", 0.0, low_open=True, example="trainer.export_shard_gb=2")
+    if not isinstance(_get(cfg, "trainer.async_save"), bool):
+        _fail("trainer.async_save", f"expected true or false, got {_get(cfg, 'trainer.async_save')!r}",
+              "trainer.async_save=true")
 
     _choice(cfg, "actor.agg_mode", AGG_MODES)
     _choice(cfg, "actor.kl.type", KL_TYPES)
@@ -188,9 +193,13 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
         _fail("rollout.env_path", f"path '{path}' does not exist (relative paths are from {os.getcwd()})",
               REQUIRED["rollout.env_path"])
     load = cfg.trainer.load_ckpt_from
-    if load is not None and load != "latest" and not os.path.isdir(load):
-        _fail("trainer.load_ckpt_from", f"'{load}' is not a checkpoint folder",
-              "trainer.load_ckpt_from=latest")
+    if load is not None and load != "latest":
+        from train.utils.checkpoint import CheckpointError, read_meta
+
+        try:
+            read_meta(load)
+        except CheckpointError as e:
+            raise ConfigError(str(e)) from None
 
     try:  # last: it may download
         paths = ModelPaths.from_resolved((resolve or hub.resolve_all)(model_names(cfg)))

@@ -13,6 +13,14 @@ import random
 import sys
 import time
 
+# The rollout engine computes in its own thread and the update in the main thread, each with its own
+# OpenMP team, and both run thousands of small ops per step: worker threads that go to sleep between
+# ops pay a wake-up each time (measured on the 2-core CPU, stub model: 0.09-0.11 s per step spinning
+# against 0.16 s with the runtime's default and 0.20 s with PASSIVE; docs/training.md). With one
+# thread per rank (torchrun's default) there is no worker to spin. Read by the OpenMP runtime when
+# torch loads, so it is set before torch is imported; a user's value wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
+
 import hydra
 import numpy as np
 import torch
@@ -36,10 +44,12 @@ from train.trainer.step import RunningMoments, mask_truncated, rollout_metrics, 
 from train.utils import algorithms as alg
 from train.utils import api_stats, hub
 from train.utils import checkpoint as ckpt
+from train.utils.export import GB, export_hf
 from train.utils.logging import RunLogger
 from train.workers.actor import Actor
 from train.workers.critic import Critic
 from train.workers.environment import EnvLoadError, Environment
+from train.workers.model_init import CheckpointError
 from train.workers.rollout import RolloutWorker, Sample, sample_seed
 
 
@@ -111,6 +121,8 @@ class Trainer:
         self._engine_seen = (0.0, 0.0)  # engine token / time counters at the last step
         self.start_step = 0
         self.test_history: list[tuple[int, float]] = []
+        self.checkpointer = ckpt.Checkpointer(cfg.trainer.save_dir, ctx, async_save=cfg.trainer.async_save,
+                                              keep_last_n=cfg.trainer.keep_last_n)
         resumed = self._maybe_resume()
         self.log = RunLogger(cfg, ctx.is_main, self.total_steps, self.start_step)
         self.sync = PolicySync(self.actor.model, self.engine, cfg.rollout.bucket_size_mb, self.governor,
@@ -145,24 +157,30 @@ class Trainer:
         path = ckpt.find_latest(self.cfg.trainer.save_dir) if source == "latest" else source
         if path is None:  # `latest` with nothing saved yet: a fresh start (restart-on-preemption loops)
             return False
-        state, rank_state = ckpt.load_checkpoint(path, self.workers, self.ctx)
+        state, rank_state = self.checkpointer.load(path, self.workers)
         self.start_step = state["step"]
         self.test_history = [tuple(x) for x in state.get("test_history", [])]
         if "reward_moments" in state:
             self.reward_moments.load_state_dict(state["reward_moments"])
         if self.governor is not None and "governor" in state:
             self.governor.load_state_dict(state["governor"])
-        self.loader.load_state_dict(rank_state["dataloader"])
-        ckpt.set_rng_state(rank_state["rng"])
+        self.loader.load_state_dict(state["dataloader"])  # global: any world size resumes at the same prompts
+        if rank_state is not None:
+            ckpt.set_rng_state(rank_state["rng"])
+        else:  # a rank the saving run did not have: a seed of its own, the same on every resume
+            seed_everything(self.cfg.trainer.seed + 7919 * self.start_step, self.ctx.rank)
         return True
 
-    def save(self, step: int) -> None:
-        state = {"step": step, "test_history": self.test_history, "reward_moments": self.reward_moments.state_dict()}
+    def save(self, step: int) -> float:
+        """A checkpoint of `step` (train/utils/checkpoint.py); the seconds the step loop waited."""
+        start = time.perf_counter()
+        state = {"step": step, "test_history": self.test_history, "reward_moments": self.reward_moments.state_dict(),
+                 "dataloader": self.loader.state_dict()}
         if self.governor is not None:
             state["governor"] = self.governor.state_dict()
-        path = ckpt.save_checkpoint(self.cfg.trainer.save_dir, step, self.workers, state,
-                                    {"dataloader": self.loader.state_dict(), "rng": ckpt.rng_state()}, self.ctx)
-        self.log.event("checkpoint", step, {"path": path})
+        path = self.checkpointer.save(step, self.workers, state, {"rng": ckpt.rng_state()})
+        self.log.event("checkpoint", step, {"path": path, "async": self.checkpointer.async_save})
+        return time.perf_counter() - start
 
     # -- one step --------------------------------------------------------------------------
     def _generate(self, step: int, round_: int) -> tuple[list[Sample], list[float], list[float], float]:
@@ -352,11 +370,15 @@ class Trainer:
                 metrics["rewards/test"] = self.evaluate(step)
                 metrics["time/eval_s"] = time.perf_counter() - t
                 self.log.write(f"step {step}: test reward {metrics['rewards/test']:.3f}")
+            self.checkpointer.poll()  # an asynchronous save that has finished writing becomes `latest`
             if save_freq and step % save_freq == 0:
-                self.save(step)
+                metrics["time/checkpoint_s"] = self.save(step)
             self.log.log_metrics(step, metrics)
             self.log.progress(step, metrics)
-        ckpt.export_hf(self.actor.model, self.tokenizer, os.path.join(cfg.trainer.save_dir, "latest"), self.ctx)
+        self.checkpointer.wait()
+        export_hf(self.actor.model, self.tokenizer, os.path.join(cfg.trainer.save_dir, "latest"), self.ctx,
+                  shard_bytes=int(cfg.trainer.export_shard_gb * GB), bucket_bytes=self.sync.bucket_bytes,
+                  critic=self.critic.model if self.critic is not None else None)
         if len(self.test_history) >= 2:
             (s0, first), (s1, last) = self.test_history[0], self.test_history[-1]
             self.log.write(f"test reward: {first:.3f} (step {s0}) -> {last:.3f} (step {s1}), {last - first:+.3f}")
@@ -364,6 +386,7 @@ class Trainer:
             self.log.write("evaluation off (trainer.test_freq=null)")
 
     def close(self) -> None:
+        self.checkpointer.close()
         self.log.close()
         self.rollout.close()
 
@@ -382,7 +405,7 @@ def run(cfg: DictConfig) -> None:
 
 
 # Mistakes a user can fix (config, data, env module, chat template): one clear line, no traceback.
-USER_ERRORS = (ConfigError, DataError, EnvLoadError, TokenizationError)
+USER_ERRORS = (ConfigError, DataError, EnvLoadError, TokenizationError, ckpt.CheckpointError, CheckpointError)
 
 
 @hydra.main(config_path="../../config", config_name="grpo", version_base=None)

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from train.engines.base import RolloutEngine
-from train.parallel.weight_sync import gather_full_tensors
+from train.parallel.weight_sync import gather_full_tensors, unique_state
 from train.trainer.governor import Governor, Snapshot
 from train.utils.logging import RunLogger
 
@@ -25,19 +25,6 @@ def fingerprinted(named: Iterable[tuple[str, torch.Tensor]], acc: list[float]) -
     """Pass (name, tensor) pairs through, adding sum|w| (float64) of each into acc[0]."""
     for name, value in named:
         acc[0] += float(value.detach().double().abs().sum())
-        yield name, value
-
-
-def unique_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's state-dict entries, each storage once (tied embeddings are pushed once; the
-    engine's copy is tied too)."""
-    seen: set[int] = set()
-    for name, value in model.state_dict().items():
-        local = value.to_local() if hasattr(value, "to_local") else value
-        key = local.untyped_storage().data_ptr() if local.numel() else id(value)
-        if key in seen:
-            continue
-        seen.add(key)
         yield name, value
 
 

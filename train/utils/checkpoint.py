@@ -1,9 +1,18 @@
-"""Resumable checkpoints and the Hugging Face export, both written atomically.
+"""Resumable checkpoints, sharded per rank with torch.distributed.checkpoint (DCP), and the streamed
+Hugging Face export. Both are written to a temporary name and renamed when complete.
 
-`step{N}/` holds the full (unsharded) model and optimizer state (Adam moments included), the
-scheduler, the trainer state, and one file per rank with its RNG and dataloader state. It is
-written as `step{N}.tmp/` and renamed only when complete, so a crash never leaves a half
-checkpoint that `load_ckpt_from=latest` would pick up.
+    step{N}/
+      dcp/                 every worker's model and optimizer state (Adam moments included): each rank
+                           writes its own shards (__{rank}_0.distcp), rank 0 the .metadata
+      trainer_state.pt     the step, schedulers, the dataloader's global position, the governor, ...
+      rank{r}.pt           each rank's RNG states
+      meta.json            what wrote it: world size, each model's layout and shapes (for people and errors)
+      COMPLETE             written last, then step{N}.tmp/ is renamed to step{N}/
+
+Memory per rank for a save is its own shards (plus a staging copy with `trainer.async_save`); no
+rank gathers the model. DCP reshards on load, so a checkpoint resumes under another layout or world
+size (the dataloader's position is global; RNG states are per rank and re-seeded for ranks that did
+not exist). `find_latest` only ever returns complete checkpoints.
 """
 from __future__ import annotations
 
@@ -12,23 +21,26 @@ import os
 import random
 import re
 import shutil
+import time
+from concurrent.futures import Future
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from train.parallel.distributed import DistContext
 from train.parallel.collectives import barrier
+from train.parallel.distributed import DistContext
 
 STEP_DIR = re.compile(r"^step(\d+)$")
 COMPLETE = "COMPLETE"
+# For the kill-safety tests only: a pause between "every shard written" and the completion marker.
+TEST_DELAY_S = float(os.environ.get("INFINITE_RL_TEST_CHECKPOINT_DELAY_S", "0"))
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed: names the path and what does not match."""
 
 
 def rng_state() -> dict:
@@ -41,13 +53,18 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
+def complete_steps(save_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every complete step{N} folder, oldest first."""
+    if not os.path.isdir(save_dir):
+        return []
+    return sorted((int(m.group(1)), os.path.join(save_dir, name)) for name in os.listdir(save_dir)
+                  if (m := STEP_DIR.match(name)) and os.path.exists(os.path.join(save_dir, name, COMPLETE)))
+
+
 def find_latest(save_dir: str) -> str | None:
     """The complete step{N} folder with the highest N, or None."""
-    if not os.path.isdir(save_dir):
-        return None
-    steps = [(int(m.group(1)), name) for name in os.listdir(save_dir) if (m := STEP_DIR.match(name))
-             and os.path.exists(os.path.join(save_dir, name, COMPLETE))]
-    return os.path.join(save_dir, max(steps)[1]) if steps else None
+    steps = complete_steps(save_dir)
+    return steps[-1][1] if steps else None
 
 
 def _replace_dir(tmp: str, final: str) -> None:
@@ -61,84 +78,165 @@ def _replace_dir(tmp: str, final: str) -> None:
         os.rename(tmp, final)
 
 
-def _prefix(name: str) -> str:
-    return "" if name == "actor" else f"{name}_"  # the actor's files keep their plain names
+def _shapes(state: dict, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """Flattened name -> global shape of every tensor in a (nested) state dict."""
+    out: dict[str, tuple[int, ...]] = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_shapes(value, name + "."))
+        elif isinstance(value, torch.Tensor):
+            out[name] = tuple(value.shape)
+    return out
 
 
-def save_checkpoint(save_dir: str, step: int, workers: dict, trainer_state: dict, rank_state: dict,
-                    ctx: DistContext) -> str:
-    """Every worker's state parts (Trainable.state_parts: model, optimizer, scheduler) as
-    `{name}_model.pt`, `{name}_optimizer.pt`, `{name}_scheduler.pt` (plain names for the actor),
-    the trainer state and one file per rank, in one atomic folder."""
-    final = os.path.join(save_dir, f"step{step}")
-    tmp = final + ".tmp"
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    states = {}
-    for name, worker in workers.items():
-        parts = worker.state_parts()
-        m, opt = parts["model"], parts["optimizer"]
-        # collectives: every rank calls them, in the same order
-        states[_prefix(name)] = (get_model_state_dict(m, options=options),
-                                 get_optimizer_state_dict(m, opt, options=options), parts["scheduler"].state_dict())
-    if ctx.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        for prefix, (model_sd, optim_sd, sched_sd) in states.items():
-            torch.save(model_sd, os.path.join(tmp, f"{prefix}model.pt"))
-            torch.save(optim_sd, os.path.join(tmp, f"{prefix}optimizer.pt"))
-            torch.save(sched_sd, os.path.join(tmp, f"{prefix}scheduler.pt"))
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(trainer_state, f)
-    barrier()
-    torch.save(rank_state, os.path.join(tmp, f"rank{ctx.rank}.pt"))
-    barrier()
-    if ctx.is_main:
+class Checkpointer:
+    """Saves and restores the trainable workers' state parts (Trainable.state_parts) and the
+    trainer's state. Every method is collective unless it says otherwise."""
+
+    def __init__(self, save_dir: str, ctx: DistContext, *, async_save: bool = False, keep_last_n: int | None = None):
+        self.save_dir, self.ctx = save_dir, ctx
+        self.async_save, self.keep_last_n = async_save, keep_last_n
+        # Its own gloo group: an asynchronous save talks from a background thread, never on the
+        # group the training step uses at the same time.
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._pending: tuple[Future, str, str] | None = None  # (DCP future, tmp folder, final folder)
+        self._finished = False  # rank 0 already renamed the pending save (poll)
+
+    # -- saving ----------------------------------------------------------------------------------
+    def _states(self, workers: dict) -> dict:
+        states = {}
+        for name, worker in workers.items():
+            parts = worker.state_parts()
+            model_sd, optim_sd = get_state_dict(parts["model"], parts["optimizer"])
+            states[name] = {"model": model_sd, "optimizer": optim_sd}
+        return states
+
+    def save(self, step: int, workers: dict, trainer_state: dict, rank_state: dict) -> str:
+        """Write step{step}/ (see the module docstring); with async_save the shards are written in
+        the background and the folder is renamed once they are (`poll`, `wait`)."""
+        self.wait()  # one save in flight at a time
+        final = os.path.join(self.save_dir, f"step{step}")
+        tmp = final + ".tmp"
+        if self.ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed save of the same step
+            os.makedirs(tmp)
+            schedulers = {name: w.state_parts()["scheduler"].state_dict() for name, w in workers.items()}
+            torch.save({**trainer_state, "schedulers": schedulers}, os.path.join(tmp, "trainer_state.pt"))
+        barrier()
+        torch.save(rank_state, os.path.join(tmp, f"rank{self.ctx.rank}.pt"))
+        states = self._states(workers)
+        if self.ctx.is_main:
+            meta = {"step": step, "world_size": self.ctx.world_size,
+                    "workers": {name: {"layout": vars(w.layout.sizes), "shapes": _shapes(states[name]["model"])}
+                                for name, w in workers.items()}}
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump(meta, f, indent=1)
+        target = os.path.join(tmp, "dcp")
+        if self.async_save:
+            future = dcp.async_save(states, checkpoint_id=target, process_group=self.group)
+            self._pending = (future, tmp, final)
+        else:
+            dcp.save(states, checkpoint_id=target, process_group=self.group)
+            barrier()  # every rank's shards are on disk
+            self._finish(tmp, final)
+        return final
+
+    def _finish(self, tmp: str, final: str) -> None:
+        """Rank 0 marks the folder complete, renames it and applies the retention (no collective)."""
+        if not self.ctx.is_main:
+            return
+        if TEST_DELAY_S:  # tests/test_checkpoints.py kills the run inside this window
+            time.sleep(TEST_DELAY_S)
         open(os.path.join(tmp, COMPLETE), "w").close()
         _replace_dir(tmp, final)
-    barrier()
-    return final
+        if self.keep_last_n:
+            for _, path in complete_steps(self.save_dir)[: -self.keep_last_n]:
+                shutil.rmtree(path, ignore_errors=True)  # only older complete ones, after the newer is complete
+
+    def poll(self) -> None:
+        """Finish an asynchronous save whose shards are written (rank 0; no collective): called
+        between steps, it never waits. Every rank still calls `wait` before the next save."""
+        if self._pending is not None and self.ctx.is_main and not self._finished and self._pending[0].done():
+            self._pending[0].result()  # raises what the background write raised
+            self._finish(*self._pending[1:])
+            self._finished = True
+
+    def wait(self) -> None:
+        """Block until an asynchronous save is complete and renamed (collective)."""
+        if self._pending is None:
+            return
+        future, tmp, final = self._pending
+        future.result()
+        barrier()  # every rank's shards are on disk
+        if self.ctx.is_main and not self._finished:
+            self._finish(tmp, final)
+        self._pending, self._finished = None, False
+        barrier()
+
+    # -- loading ---------------------------------------------------------------------------------
+    def load(self, path: str, workers: dict) -> tuple[dict, dict | None]:
+        """Restore every worker's model and optimizer state (resharded to the current layouts) and
+        schedulers; return (trainer state, this rank's state or None if the checkpoint had fewer ranks)."""
+        meta = read_meta(path)
+        missing = [name for name in workers if name not in meta["workers"]]
+        if missing:
+            raise CheckpointError(f"trainer.load_ckpt_from: '{path}' holds no state for {missing} (it was saved by a "
+                                  f"run with {sorted(meta['workers'])}); resume with the same algorithm settings")
+        states = self._states(workers)
+        saved = dcp.FileSystemReader(os.path.join(path, "dcp")).read_metadata().state_dict_metadata
+        for name in workers:
+            for key, shape in _shapes(states[name]["model"], f"{name}.model.").items():
+                entry = saved.get(key)
+                if entry is None or tuple(entry.size) != shape:
+                    found = "absent" if entry is None else tuple(entry.size)
+                    raise CheckpointError(f"trainer.load_ckpt_from: '{path}' does not fit this model: '{key}' is "
+                                          f"{found} there and {shape} here (a different model shape)")
+        dcp.load(states, checkpoint_id=os.path.join(path, "dcp"), process_group=self.group)
+        trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        for name, worker in workers.items():
+            parts = worker.state_parts()
+            set_state_dict(parts["model"], parts["optimizer"], model_state_dict=states[name]["model"],
+                           optim_state_dict=states[name]["optimizer"])
+            parts["scheduler"].load_state_dict(trainer_state["schedulers"][name])
+        rank_file = os.path.join(path, f"rank{self.ctx.rank}.pt")
+        rank_state = torch.load(rank_file, weights_only=False) if os.path.exists(rank_file) else None
+        return trainer_state, rank_state
+
+    def close(self) -> None:
+        self.wait()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
 
 
-def load_checkpoint(path: str, workers: dict, ctx: DistContext) -> tuple[dict, dict]:
-    """Restore every worker's state parts in place (as saved); return (trainer_state, this rank's state)."""
+def read_meta(path: str) -> dict:
+    """A checkpoint folder's meta.json, or a CheckpointError saying why the folder is not one."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"trainer.load_ckpt_from: '{path}' is not a folder")
     if not os.path.exists(os.path.join(path, COMPLETE)):
-        raise FileNotFoundError(f"trainer.load_ckpt_from: '{path}' is not a complete checkpoint")
-    rank_file = os.path.join(path, f"rank{ctx.rank}.pt")
-    if not os.path.exists(rank_file):
-        raise ValueError(f"trainer.load_ckpt_from: '{path}' was written by fewer ranks; resume with "
-                         "the same number of processes")
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    for name, worker in workers.items():
-        prefix = _prefix(name)
-        parts = worker.state_parts()
-        m, opt = parts["model"], parts["optimizer"]
-        if not os.path.exists(os.path.join(path, f"{prefix}model.pt")):
-            raise ValueError(f"trainer.load_ckpt_from: '{path}' has no {prefix}model.pt (it was saved by a run "
-                             "without this component); resume with the same algorithm settings")
-        model_sd = torch.load(os.path.join(path, f"{prefix}model.pt"), weights_only=False) if ctx.is_main else {}
-        set_model_state_dict(m, model_sd, options=options)
-        optim_sd = torch.load(os.path.join(path, f"{prefix}optimizer.pt"), weights_only=False) if ctx.is_main else {}
-        set_optimizer_state_dict(m, opt, optim_sd, options=options)
-        parts["scheduler"].load_state_dict(torch.load(os.path.join(path, f"{prefix}scheduler.pt"), weights_only=False))
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        trainer_state = json.load(f)
-    return trainer_state, torch.load(rank_file, weights_only=False)
+        raise CheckpointError(f"trainer.load_ckpt_from: '{path}' is not a complete checkpoint (no {COMPLETE} "
+                              "marker: a save that did not finish); use trainer.load_ckpt_from=latest")
+    meta_file = os.path.join(path, "meta.json")
+    if not os.path.exists(meta_file) or not os.path.isdir(os.path.join(path, "dcp")):
+        raise CheckpointError(f"trainer.load_ckpt_from: '{path}' was not written by this trainer's sharded "
+                              "checkpoints (no meta.json and dcp/)")
+    with open(meta_file) as f:
+        return json.load(f)
 
 
-def export_hf(model, tokenizer, out_dir: str, ctx: DistContext) -> None:
-    """A plain Hugging Face folder (model + tokenizer) that from_pretrained loads, atomically."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if ctx.is_main:
-        with torch.device("meta"):  # a plain (unsharded) copy of the architecture, no memory yet
-            export = AutoModelForCausalLM.from_config(model.config)
-        export.load_state_dict(state, assign=True, strict=False)
-        if getattr(model.config, "tie_word_embeddings", False):
-            export.tie_weights()
-        if getattr(model, "generation_config", None) is not None:
-            export.generation_config = model.generation_config
-        tmp = out_dir + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        export.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        _replace_dir(tmp, out_dir)
-    barrier()
+def consolidate(path: str) -> dict:
+    """A checkpoint's model and optimizer states as full tensors in this process, keyed
+    {worker: {"model": ..., "optimizer": ...}}, plus "trainer_state": for inspection, tests and
+    converting; a whole model in memory, so not for the trainer's own use."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    read_meta(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "full.pt")
+        dcp_to_torch_save(os.path.join(path, "dcp"), out)
+        state = torch.load(out, weights_only=False)
+    state["trainer_state"] = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    return state

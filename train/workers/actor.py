@@ -15,12 +15,12 @@ from train.parallel.distributed import DistContext
 from train.parallel.fused_logprobs import FusedLogprobHead
 from train.parallel.layout import Layout, layout_for
 from train.parallel.packing import PackedMicroBatch
-from train.parallel.parallelize import parallelize
 from train.parallel.seq_parallel import gather_sequence
 from train.parallel.step_batch import StepBatch
 from train.parallel.tensor_parallel import vocab_parallel_logprobs
 from train.utils import algorithms as alg
 from train.workers import base
+from train.workers.model_init import build_model
 from train.workers.trainable import Norms, Trainable, UpdateStats
 
 
@@ -45,12 +45,13 @@ class Actor(Trainable):
         self.cfg, self.ctx, self.train = cfg, ctx, train
         self.total_updates = total_updates
         self.temperature = temperature
-        self.model = base.load_causal_lm(model_path, device=ctx.device)
+        # Built on the meta device and filled shard by shard: no rank ever holds the whole model.
+        self.model = build_model(model_path, self.layout, ctx.device,
+                                 param_dtype=cfg.dtype if ctx.device.type == "cuda" else "float32",
+                                 gradient_checkpointing=train and cfg.gradient_checkpointing,
+                                 offload=bool(cfg.offload_model))
         # actor.use_liger_kernel: fused log-prob/entropy head, no [tokens, vocab] logits (train/parallel/fused_logprobs.py)
         self.fused_head = FusedLogprobHead(self.model) if cfg.use_liger_kernel else None
-        param_dtype = cfg.dtype if ctx.device.type == "cuda" else "float32"
-        parallelize(self.model, self.layout, param_dtype=param_dtype,
-                    gradient_checkpointing=train and cfg.gradient_checkpointing, offload=bool(cfg.offload_model))
         self.optimizer = self.scheduler = None
         self.last_entropy_coef = 0.0
         if train:

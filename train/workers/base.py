@@ -1,17 +1,10 @@
-"""Loading models (the causal LM; the critic's value model), their optimizer and schedule, and the
-clipped optimizer step. Wrapping them for a layout is train/parallel/parallelize.py."""
+"""The critic's value model, the optimizer and its schedule, and the clipped optimizer step.
+Building a model for its layout is train/workers/model_init.py."""
 from __future__ import annotations
 
 import math
 
 import torch
-from transformers import AutoModel, AutoModelForCausalLM
-
-
-def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str = "cpu") -> torch.nn.Module:
-    # Parameters stay fp32 for the optimizer; bf16 compute comes from FSDP's mixed precision.
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model.to(device)
 
 
 class ValueModel(torch.nn.Module):
@@ -38,12 +31,6 @@ class ValueModel(torch.nn.Module):
 
     def set_attn_implementation(self, name: str) -> None:
         self.model.set_attn_implementation(name)
-
-
-def load_value_model(path: str, device: torch.device | str = "cpu") -> ValueModel:
-    """A causal LM folder's backbone (its LM head is not loaded) plus a fresh value head."""
-    backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
-    return ValueModel(backbone).to(device)
 
 
 def build_optimizer(model: torch.nn.Module, lr: float, betas, weight_decay: float) -> torch.optim.Optimizer:

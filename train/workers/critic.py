@@ -12,11 +12,11 @@ import torch
 from train.parallel.distributed import DistContext
 from train.parallel.layout import Layout, layout_for
 from train.parallel.packing import PackedMicroBatch
-from train.parallel.parallelize import parallelize
 from train.parallel.seq_parallel import gather_sequence
 from train.parallel.step_batch import StepBatch
 from train.utils import algorithms as alg
 from train.workers import base
+from train.workers.model_init import build_model
 from train.workers.trainable import Norms, Trainable, UpdateStats
 
 
@@ -28,9 +28,11 @@ class Critic(Trainable):
                          cfg.max_inference_length_per_device or 2 * cfg.max_length_per_device,
                          cfg.max_grad_norm, bool(cfg.offload_optimizer))
         self.cfg, self.ctx = cfg, ctx
-        self.model = base.load_value_model(model_path, device=ctx.device)
-        parallelize(self.model, self.layout, param_dtype=cfg.dtype if ctx.device.type == "cuda" else "float32",
-                    gradient_checkpointing=cfg.gradient_checkpointing, offload=bool(cfg.offload_model))
+        # The backbone of `model_path` (or a critic this trainer exported) and a value head, built on
+        # the meta device and filled shard by shard.
+        self.model = build_model(model_path, self.layout, ctx.device, value_head=True,
+                                 param_dtype=cfg.dtype if ctx.device.type == "cuda" else "float32",
+                                 gradient_checkpointing=cfg.gradient_checkpointing, offload=bool(cfg.offload_model))
         self.optimizer = base.build_optimizer(self.model, cfg.lr, cfg.betas, cfg.weight_decay)
         self.scheduler = base.build_scheduler(self.optimizer, total_updates, cfg.warmup_ratio, "constant", 1.0)
 

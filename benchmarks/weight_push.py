@@ -1,0 +1,125 @@
+"""Weight push seconds against their floor, on this machine.
+
+    .venv/bin/python benchmarks/weight_push.py                                  # stub, 1 and 2 ranks
+    .venv/bin/python benchmarks/weight_push.py --model .cache/smollm2-135m-instruct --nproc 1 2
+
+For each rank count, one torchrun builds the actor exactly as the trainer does (FSDP2 over the ranks;
+a plain module on one rank) and an `hf` rollout engine per rank, then times, after a warm-up:
+
+* **push**: `PolicySync.push()`, what the trainer runs after every update: the flat-bucket gather of
+  the full weights (train/parallel/weight_sync.py) and the engine's copy of each bucket into its
+  own weights;
+* **gather only**: the same gather without the engine (what the push costs in collectives);
+* **floor**: one `all_gather_into_tensor` of the same number of bytes on the same ranks (no
+  bucketing, no unpacking, no engine copy): what moving the weights cannot beat. On one rank there is
+  no collective, and the floor is one copy of the weights (the engine must receive them).
+
+Reported: seconds per push and per billion parameters, and push / floor. `--bucket-mb` is
+`rollout.bucket_size_mb`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def worker(args) -> None:
+    sys.path.insert(0, ROOT)
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from train.engines.hf import HFEngine
+    from train.parallel.distributed import cleanup, init_distributed
+    from train.trainer.policy_sync import PolicySync
+    from train.parallel.weight_sync import unique_state
+    from train.parallel.weight_sync import gather_full_tensors
+    from train.workers.actor import Actor
+
+    torch.set_num_threads(args.threads)
+    ctx = init_distributed()
+    try:
+        cfg = OmegaConf.load(os.path.join(ROOT, "config", "grpo.yaml")).actor
+        actor = Actor(cfg, ctx, args.model, pad_token_id=0, train=True, temperature=1.0)
+        engine = HFEngine.from_pretrained(args.model, device=ctx.device)
+        sync = PolicySync(actor.model, engine, args.bucket_mb, None, {"actor": actor}, log=None)
+        n_params = sum(t.numel() for _, t in unique_state(actor.model))
+        nbytes = n_params * 4
+
+        def gather_only() -> None:
+            for _ in gather_full_tensors(unique_state(actor.model), sync.bucket_bytes, engine.dtype):
+                pass
+
+        flat = torch.zeros(-(-nbytes // 4 // ctx.world_size), dtype=torch.float32)
+        out = torch.empty(flat.numel() * ctx.world_size, dtype=torch.float32)
+        source = torch.zeros(n_params, dtype=torch.float32)
+        target = torch.empty(n_params, dtype=torch.float32)
+
+        def floor() -> None:
+            if ctx.world_size > 1:
+                dist.all_gather_into_tensor(out, flat)
+            else:
+                target.copy_(source)  # one copy of the weights into the engine's storage
+
+        timings = {}
+        for name, fn in (("push", sync.push), ("gather_only", gather_only), ("floor", floor)):
+            fn()  # warm-up
+            times = []
+            for _ in range(args.repeats):
+                if dist.is_initialized():
+                    dist.barrier()
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            timings[name] = statistics.median(times)
+        if ctx.is_main:
+            with open(args.out, "w") as f:
+                json.dump({"ranks": ctx.world_size, "params": n_params, **timings}, f)
+    finally:
+        cleanup()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=os.path.join(ROOT, "stub", "model"))
+    p.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--bucket-mb", type=float, default=512)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    rows = []
+    for n in args.nproc:
+        threads = max(1, args.cores // n)
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                   os.path.abspath(__file__), "--worker", "--model", args.model, "--bucket-mb", str(args.bucket_mb),
+                   "--repeats", str(args.repeats), "--threads", str(threads), "--out", out.name]
+            env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(proc.stderr[-3000:])
+            rows.append(json.load(open(out.name)))
+    print(f"model {os.path.relpath(args.model, ROOT)}, bucket {args.bucket_mb:g} MB, median of {args.repeats}")
+    print("| ranks | params | push s | gather only s | floor s | push s per 1B params | push / floor |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        per_b = r["push"] / r["params"] * 1e9
+        print(f"| {r['ranks']} | {r['params'] / 1e6:.1f}M | {r['push']:.4f} | {r['gather_only']:.4f} | "
+              f"{r['floor']:.4f} | {per_b:.1f} | {r['push'] / max(r['floor'], 1e-9):.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
