@@ -134,6 +134,44 @@ def _vm_hwm_mib() -> float | None:
     return None
 
 
+class PrivatePeak:
+    """Peak private (anonymous) memory of this process while the `with` block runs, sampled every
+    `interval` s from /proc/self/status. ru_maxrss also counts the checkpoint's file pages that
+    safetensors maps (page cache, shared by every rank of a node and reclaimable); RssAnon is what a
+    rank itself holds, the memory that adds up per rank."""
+
+    def __init__(self, interval: float = 0.002):
+        import threading
+
+        self.interval, self.peak_mib, self._stop = interval, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def current_mib() -> float:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("RssAnon:"):
+                        return int(line.split()[1]) / 1024.0
+        except OSError:
+            pass
+        return float("nan")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_mib = max(self.peak_mib, self.current_mib())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "PrivatePeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_mib = max(self.peak_mib, self.current_mib())
+
+
 def _reset_rss_peak() -> bool:
     """Reset the kernel's RSS high-water mark of this process (Linux >= 4.0)."""
     try:
@@ -190,8 +228,9 @@ def worker(args) -> None:
 
         total_updates = args.warmup + args.steps + 1
         t_build = time.perf_counter()
-        actor = Actor(cfg, ctx, args.model_path, pad_token_id=0, train=True, temperature=1.0,
-                      total_updates=max(total_updates, 100))
+        with PrivatePeak() as private_build:
+            actor = Actor(cfg, ctx, args.model_path, pad_token_id=0, train=True, temperature=1.0,
+                          total_updates=max(total_updates, 100))
         build_s = time.perf_counter() - t_build
         # the trainer's path: every rank's own samples, dispatched once to the dp groups
         index = exchange_index([len(ids[i]) for i in own], list(range(len(own))), [0.0] * len(own), ctx.device)
@@ -239,6 +278,7 @@ def worker(args) -> None:
             # the whole process (model loading included); ru_maxrss is KiB on Linux
             "peak_rss_mib": max(rss_build_mib, rss_end_mib, _vm_hwm_mib() or 0.0),
             "peak_rss_build_mib": rss_build_mib,
+            "peak_private_build_mib": private_build.peak_mib,
             # the update steps only (high-water mark reset after the actor was built)
             "peak_rss_steps_mib": steps_hwm,
             **io,
@@ -388,7 +428,9 @@ def fmt_list(values, digits: int = 0) -> str:
 
 
 def table(rows: list[dict], cuda: bool) -> str:
-    head = ["layout", "ranks", "step s", "peak RSS MiB per rank", "RSS during steps MiB per rank"]
+    head = ["layout", "ranks", "step s", "build peak private MiB per rank", "build peak RSS MiB per rank",
+            "peak RSS MiB per rank",
+            "RSS during steps MiB per rank"]
     if cuda:
         head += ["GPU peak MiB per rank (steps)", "GPU peak MiB per rank (whole run)"]
     checkpoints = any("save_s" in r for row in rows for r in row.get("ranks", []))
@@ -411,6 +453,8 @@ def table(rows: list[dict], cuda: bool) -> str:
             check = (f"{first.get('actor/loss'):.5f} / {first.get('actor/grad_norm'):.5f}"
                      if first.get("actor/grad_norm") is not None else "n/a")
             cells = [title, str(row["world"]), step,
+                     fmt_list([r["peak_private_build_mib"] for r in ranks]),
+                     fmt_list([r["peak_rss_build_mib"] for r in ranks]),
                      fmt_list([r["peak_rss_mib"] for r in ranks]),
                      fmt_list([r["peak_rss_steps_mib"] for r in ranks])]
             if cuda:
@@ -424,6 +468,18 @@ def table(rows: list[dict], cuda: bool) -> str:
             cells.append(check)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def stored_copy(model_path: str, dtype: str, out: str) -> str:
+    """`model_path` saved again with its weights in `dtype` (the Hub stores most models in bfloat16;
+    loading those into fp32 parameters is what costs memory at start-up)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isfile(os.path.join(out, "config.json")):
+        AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).save_pretrained(out)
+        AutoTokenizer.from_pretrained(model_path).save_pretrained(out)
+    return out
 
 
 def count_params(model_path: str) -> int | None:
@@ -483,6 +539,8 @@ def driver(args) -> None:
                  f"(make it with `.venv/bin/python benchmarks/prepare_smollm2.py`)")
             emit()
             continue
+        if args.stored_dtype:
+            path = stored_copy(path, args.stored_dtype, os.path.join(run_dir, f"{model}_{args.stored_dtype}"))
         n = count_params(path)
         emit(f"## {model} (`{os.path.relpath(path, ROOT)}`{f', {n / 1e6:.1f}M parameters' if n else ''})")
         emit()
@@ -501,8 +559,13 @@ def driver(args) -> None:
         emit(table(rows, cuda_devices > 0))
         emit()
     emit("step s: mean over ranks of each rank's mean `actor.update` time (min-max over ranks in brackets). "
+         "Build peak private: the process's anonymous memory (RssAnon, sampled every 2 ms) while the actor is "
+         "built, the memory each rank holds on its own. Build peak RSS: ru_maxrss once the actor is built "
+         "(imports and loading; it also counts the checkpoint's mapped file pages, page cache shared by the "
+         "node's ranks). "
          "Peak RSS: whole process, model loading included (ru_maxrss). RSS during steps: high-water mark "
-         "reset after the actor was built. The 1st-update loss / grad norm should agree across layouts.")
+         "reset after the actor was built. Save / load: the slowest rank. The 1st-update loss / grad norm "
+         "should agree across layouts.")
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write("\n".join(out) + "\n")
@@ -531,6 +594,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=1024, help="actor.max_length_per_device")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--dtype", default="float32", help="actor.dtype (bfloat16 applies on CUDA only)")
+    p.add_argument("--stored-dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="build from a copy of each model saved in this dtype (Hub checkpoints are mostly bfloat16)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="extra actor config override, e.g. --set gradient_checkpointing=true (repeatable)")
     p.add_argument("--seed", type=int, default=0)

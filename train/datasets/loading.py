@@ -38,12 +38,12 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from train.datasets.errors import DataError
+
+__all__ = ["DataError", "SOURCE_SCHEMES", "load_rows"]
+
 ROLES = ("system", "user", "assistant", "tool")
 SUPPORTED_EXTENSIONS = (".json", ".jsonl", ".csv", ".parquet", ".arrow")
-
-
-class DataError(ValueError):
-    """A data source cannot be read or one of its rows breaks the data contract."""
 
 
 def _load_verifiers(uri: str) -> list[dict]:

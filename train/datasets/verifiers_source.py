@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import parse_qs
 
-from train.datasets.loading import DataError
+from train.datasets.errors import DataError
 
 ENV_ID_VAR = "VERIFIERS_ENV_ID"
 ENV_ARGS_VAR = "VERIFIERS_ENV_ARGS"
