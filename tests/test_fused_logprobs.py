@@ -123,6 +123,7 @@ def test_fsdp_actor_fused_matches_plain(tmp_path) -> None:
         torch.testing.assert_close(fused["grads"][name], g, rtol=0, atol=1e-5 * scale, msg=name)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not liger_available(),
                     reason="liger-kernel's Triton kernels need a CUDA GPU and liger-kernel installed "
                            "(pip install -r requirements-gpu.txt); not available on this machine")

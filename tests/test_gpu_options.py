@@ -15,7 +15,10 @@ from train.engines.hf import HFEngine, resolve_dtype, same_storage
 from train.engines import engine_kwargs
 from train.trainer.config import ConfigError, validate
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+def CUDA(test):
+    """A test that needs a CUDA GPU: marked `gpu` (benchmarks/gpu_suite.py runs them) and skipped without one."""
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+    return pytest.mark.gpu(skip(test))
 
 
 load = stub_config

@@ -72,21 +72,15 @@ def test_resume_is_exact(straight_run, tmp_path):
     assert not set(again[3]) & set(straight[1] + straight[2])
 
 
-def test_resume_is_exact_under_tensor_parallel_and_checkpoints_move_between_layouts(straight_run, tmp_path):
-    """tp=2: 4 steps straight == 2 + resume + 2, bit for bit (checkpoints hold full tensors, laid
-    out again on load). And the fsdp run's step-2 checkpoint resumes under tp=2 and lands where the
-    fsdp run did, to float rounding."""
+def test_resume_is_exact_under_tensor_parallel(tmp_path):
+    """tp=2: 4 steps straight == 2 + resume + 2, bit for bit. (A checkpoint moving between layouts
+    and world sizes: tests/test_checkpoints.py.)"""
     tp = ["actor.tp_size=2", *SMALL]
-    straight, resumed, moved = tmp_path / "tp_straight", tmp_path / "tp_resumed", tmp_path / "moved"
+    straight, resumed = tmp_path / "tp_straight", tmp_path / "tp_resumed"
     run_trainer([f"trainer.save_dir={straight}", "trainer.total_steps=4", "trainer.save_freq=2", *tp], nproc=2)
     run_trainer([f"trainer.save_dir={resumed}", "trainer.total_steps=4", "trainer.save_freq=2",
                  f"trainer.load_ckpt_from={straight / 'step2'}", *tp], nproc=2)
     assert_same(consolidate(str(straight / "step4")), consolidate(str(resumed / "step4")))
-    run_trainer([f"trainer.save_dir={moved}", "trainer.total_steps=4", "trainer.save_freq=2",
-                 f"trainer.load_ckpt_from={straight_run / 'step2'}", *tp], nproc=2)
-    fsdp_run = consolidate(str(straight_run / "step4"))["actor"]["model"]
-    for name, value in consolidate(str(moved / "step4"))["actor"]["model"].items():
-        torch.testing.assert_close(value, fsdp_run[name], rtol=0, atol=1e-4, msg=name)
 
 
 def assert_same(a: dict, b: dict) -> None:

@@ -47,7 +47,7 @@ class Actor(Trainable):
         self.temperature = temperature
         # Built on the meta device and filled shard by shard: no rank ever holds the whole model.
         self.model = build_model(model_path, self.layout, ctx.device,
-                                 param_dtype=cfg.dtype if ctx.device.type == "cuda" else "float32",
+                                 param_dtype=cfg.dtype,
                                  gradient_checkpointing=train and cfg.gradient_checkpointing,
                                  offload=bool(cfg.offload_model))
         # actor.use_liger_kernel: fused log-prob/entropy head, no [tokens, vocab] logits (train/parallel/fused_logprobs.py)

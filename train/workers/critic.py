@@ -31,7 +31,7 @@ class Critic(Trainable):
         # The backbone of `model_path` (or a critic this trainer exported) and a value head, built on
         # the meta device and filled shard by shard.
         self.model = build_model(model_path, self.layout, ctx.device, value_head=True,
-                                 param_dtype=cfg.dtype if ctx.device.type == "cuda" else "float32",
+                                 param_dtype=cfg.dtype,
                                  gradient_checkpointing=cfg.gradient_checkpointing, offload=bool(cfg.offload_model))
         self.optimizer = base.build_optimizer(self.model, cfg.lr, cfg.betas, cfg.weight_decay)
         self.scheduler = base.build_scheduler(self.optimizer, total_updates, cfg.warmup_ratio, "constant", 1.0)

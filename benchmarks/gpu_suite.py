@@ -1,0 +1,498 @@
+"""One command that validates and measures the trainer on a CUDA machine (about 8 minutes on one GPU).
+
+    python benchmarks/gpu_suite.py                      # on one CUDA GPU: every section, full shapes
+    python benchmarks/gpu_suite.py --tiny               # the same code paths on CPU, tiny shapes (~1 min)
+    python benchmarks/gpu_suite.py --only decode,mfu    # some sections
+
+Sections (each one's failure is recorded and the others still run; the exit status is 1 if any failed):
+
+* `tests`: `pytest -m gpu` (the tests that need CUDA; on CPU they are collected and skipped).
+* `demo`: the README's stub demo on one process (`--config-name stub`), `--demo-steps` steps; on
+  the full run the greedy test reward must rise.
+* `decode`: the `hf` engine's decode tokens/s on a randomly initialised Qwen2.5-0.5B-shaped model
+  (config built here, no download) at batch 64 and 256, against the memory-bandwidth bound: each
+  decode step reads the weights once and every row's KV cache, so tokens/s <= batch x bandwidth /
+  (weight bytes + KV bytes). Bandwidth: the device's datasheet figure where known (H100, H200, A100),
+  and the copy bandwidth measured here (read + write of a 1 GiB buffer) in any case.
+* `mfu`: the actor's update (FSDP2 path, bf16 on CUDA) on one packed micro-batch of 8k and of 16k
+  tokens: 6 x params x tokens + attention FLOPs (LM head on action tokens) per second, over the
+  device's dense bf16 peak (datasheet where known, else a measured bf16 matmul).
+* `push`: weight push seconds per billion parameters (flat-bucket gather + the engine's copy), the
+  trainer's `PolicySync.push` path.
+* `step`: 3 trainer steps on the same 0.5B-shaped model (stub tokenizer and data, `eq.py`),
+  the step's time breakdown from `metrics.jsonl`.
+
+Writes `gpu_suite.json` and `gpu_suite.md` into `--out` (default `runs/gpu_suite`). `--tiny` uses a
+2-layer, 64-wide model and a handful of tokens, so the test suite runs it on CPU and the script
+never rots. docs/gpu.md says how to install the few wheels a bare CUDA PyTorch image lacks.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step")
+
+# Datasheet figures (dense bf16 TFLOP/s, HBM TB/s) matched on torch.cuda.get_device_name().
+DATASHEET = (
+    (r"H200", 989.0, 4.8),
+    (r"H100.*(SXM|HBM3)", 989.0, 3.35),
+    (r"H100.*NVL", 835.0, 3.9),
+    (r"H100.*PCIe", 756.0, 2.0),
+    (r"H100", 989.0, 3.35),
+    (r"A100.*80GB", 312.0, 2.04),
+    (r"A100", 312.0, 1.56),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The model and workload sizes of a run (`--tiny` or full)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    decode_batches: tuple[int, ...]
+    decode_prompt: int
+    decode_new: int
+    mfu_tokens: tuple[int, ...]
+    step_prompts: int
+    step_responses: int
+    step_new_tokens: int
+
+
+# Qwen2.5-0.5B: 24 layers, hidden 896, 14 heads / 2 kv heads, MLP 4864, vocab 151936, tied embeddings.
+FULL = Shapes(896, 24, 14, 2, 4864, 151936, (64, 256), 128, 256, (8192, 16384), 16, 8, 128)
+TINY = Shapes(64, 2, 4, 2, 128, 512, (4, 8), 8, 8, (256, 512), 2, 2, 8)
+
+
+def qwen2_config(s: Shapes):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+                       num_key_value_heads=s.kv_heads, intermediate_size=s.intermediate, vocab_size=s.vocab,
+                       max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1e6,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def write_model(s: Shapes, folder: Path) -> Path:
+    """A randomly initialised model of these shapes with the stub's tokenizer (ids < 512 decode;
+    the others decode to nothing), saved as a normal HF folder the trainer can load."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(qwen2_config(s), dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (ROOT / "stub" / "model" / name).exists():
+            shutil.copy(ROOT / "stub" / "model" / name, folder / name)
+    return folder
+
+
+def datasheet(device_name: str) -> tuple[float | None, float | None]:
+    for pattern, tflops, tbs in DATASHEET:
+        if re.search(pattern, device_name):
+            return tflops, tbs
+    return None, None
+
+
+def device_info() -> dict:
+    import torch
+    import transformers
+
+    cuda = torch.cuda.is_available()
+    name = torch.cuda.get_device_name(0) if cuda else f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+    tflops, tbs = datasheet(name) if cuda else (None, None)
+    return {"device": name, "cuda": cuda, "torch": torch.__version__, "cuda_version": torch.version.cuda,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "datasheet_bf16_tflops": tflops, "datasheet_hbm_tb_s": tbs}
+
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measured_bandwidth_tb_s(device) -> float:
+    """Copy bandwidth (bytes read + written per second) of a 1 GiB buffer (16 MiB on CPU)."""
+    import torch
+
+    n = (1 << 30 if device.type == "cuda" else 16 << 20) // 4
+    a, b = torch.empty(n, device=device), torch.empty(n, device=device)
+    b.copy_(a)
+    best = float("inf")
+    for _ in range(5):
+        sync()
+        start = time.perf_counter()
+        b.copy_(a)
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n * 4 / best / 1e12
+
+
+def measured_matmul_tflops(device, dtype) -> float:
+    import torch
+
+    n = 8192 if device.type == "cuda" else 512
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        sync()
+        start = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e12
+
+
+# ------------------------------------------------------------------------------------------ sections
+
+
+def run_logged(cmd: list[str], log: Path, timeout_s: int, env: dict | None = None) -> subprocess.CompletedProcess:
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s,
+                              env={**os.environ, **(env or {})})
+    if proc.returncode != 0:
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"`{' '.join(cmd)}` exited with {proc.returncode} (log: {log}):\n{tail}")
+    return proc
+
+
+def section_tests(args, work: Path) -> dict:
+    log = work / "pytest_gpu.log"
+    # Only the files that hold `gpu` tests: collecting the others would import the service and
+    # verifiers stacks, which a bare CUDA image does not have (and the gpu tests do not need).
+    files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py")
+                   if "mark.gpu" in f.read_text())
+    if not files:
+        raise RuntimeError("no test file under tests/ has a test marked gpu")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout)
+    text = log.read_text()
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", text)}
+    if proc.returncode != 0 or counts.get("failed") or counts.get("error") or counts.get("errors"):
+        raise RuntimeError(f"pytest -m gpu exited with {proc.returncode}: {text[-3000:]}")
+    return {"files": files, "passed": counts.get("passed", 0), "skipped": counts.get("skipped", 0), "log": str(log)}
+
+
+def trainer_cmd(save_dir: Path, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+            "-m", "train.trainer.grpo", "--config-name", "stub", f"trainer.save_dir={save_dir}",
+            "trainer.progress_bar=false", *overrides]
+
+
+def read_metrics(save_dir: Path) -> list[dict]:
+    with open(save_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def section_demo(args, work: Path) -> dict:
+    run = work / "demo"
+    shutil.rmtree(run, ignore_errors=True)
+    steps = args.demo_steps
+    freq = max(1, steps // 2)
+    start = time.perf_counter()
+    run_logged(trainer_cmd(run, [f"trainer.total_steps={steps}", f"trainer.test_freq={freq}"]),
+               work / "demo.log", args.timeout)
+    wall = time.perf_counter() - start
+    rows = read_metrics(run)
+    tests = [(r["step"], r["rewards/test"]) for r in rows if "rewards/test" in r]
+    steps_rows = [r for r in rows if "time/step_s" in r]
+    out = {"steps": steps, "wall_s": wall, "test_reward": tests,
+           "step_s": statistics.median(r["time/step_s"] for r in steps_rows) if steps_rows else None}
+    if not tests:
+        raise RuntimeError(f"the demo logged no rewards/test (metrics: {run / 'metrics.jsonl'})")
+    if not args.tiny and not tests[-1][1] > tests[0][1]:
+        raise RuntimeError(f"the demo's test reward did not rise: {tests}")
+    return out
+
+
+def section_decode(args, work: Path, shapes: Shapes, info: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from train.engines.base import SamplingParams
+    from train.engines.hf import HFEngine
+
+    device = torch.device("cuda" if info["cuda"] else "cpu")
+    dtype = torch.bfloat16 if info["cuda"] else torch.float32
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(qwen2_config(shapes), dtype=dtype).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    weight_bytes = params * model.dtype.itemsize
+    measured_bw = measured_bandwidth_tb_s(device)
+    bw = info["datasheet_hbm_tb_s"] or measured_bw
+    head_dim = shapes.hidden // shapes.heads
+    kv_bytes_per_token = 2 * shapes.layers * shapes.kv_heads * head_dim * model.dtype.itemsize
+    engine = HFEngine(model, eos_token_ids=[], max_batch_size=max(shapes.decode_batches), copy_model=False)
+    rows = []
+    try:
+        for i, batch in enumerate((min(shapes.decode_batches),) + shapes.decode_batches):
+            g = torch.Generator().manual_seed(batch)
+            prompts = [torch.randint(3, shapes.vocab, (shapes.decode_prompt,), generator=g).tolist()
+                       for _ in range(batch)]
+            new = 4 if i == 0 else shapes.decode_new  # the first pass warms up
+            sp = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True)
+
+            async def generate():
+                return await asyncio.gather(*(engine.generate(p, sp) for p in prompts))
+
+            sync()
+            start = time.perf_counter()
+            out = asyncio.run(generate())
+            sync()
+            seconds = time.perf_counter() - start
+            if i == 0:
+                continue
+            tokens = sum(len(o.token_ids) for o in out)
+            # Mean context over the decode steps: the prompt and half the new tokens.
+            kv_bytes = batch * (shapes.decode_prompt + new / 2) * kv_bytes_per_token
+            bound = batch * bw * 1e12 / (weight_bytes + kv_bytes)
+            rows.append({"batch": batch, "new_tokens": new, "tokens": tokens, "seconds": seconds,
+                         "tokens_per_s": tokens / seconds, "bound_tokens_per_s": bound,
+                         "fraction_of_bound": tokens / seconds / bound})
+    finally:
+        engine.close()
+        del model, engine
+        if info["cuda"]:
+            torch.cuda.empty_cache()
+    return {"params": params, "weight_bytes": weight_bytes, "bandwidth_tb_s": bw,
+            "bandwidth_source": "datasheet" if info["datasheet_hbm_tb_s"] else "measured copy",
+            "measured_copy_tb_s": measured_bw, "batches": rows}
+
+
+def build_actor(model_dir: Path, max_tokens: int, info: dict):
+    import torch
+    from omegaconf import OmegaConf
+
+    from train.parallel.distributed import init_distributed
+    from train.workers.actor import Actor
+
+    ctx = init_distributed()
+    cfg = OmegaConf.load(ROOT / "config" / "grpo.yaml").actor
+    cfg.model_name = str(model_dir)
+    cfg.max_length_per_device = max_tokens
+    cfg.dtype = "bfloat16" if info["cuda"] else "float32"
+    cfg.gradient_checkpointing = True
+    torch.manual_seed(0)
+    return Actor(cfg, ctx, str(model_dir), pad_token_id=0, train=True, temperature=1.0, total_updates=100), ctx
+
+
+def fixed_batch(tokens: int, vocab: int, groups: int = 2, per_group: int = 4):
+    """`groups` x `per_group` samples of exactly tokens / (groups x per_group) tokens each, a quarter
+    of them prompt; random ids, group-normalised random advantages, zero sampler log-probs."""
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    length = tokens // (groups * per_group)
+    prompt_len = max(1, length // 4)
+    ids, masks, adv, sampler = [], [], [], []
+    for _ in range(groups):
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
+        rewards = torch.randn(per_group, generator=g)
+        group_adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        for j in range(per_group):
+            response = torch.randint(3, vocab, (length - prompt_len,), generator=g).tolist()
+            ids.append(prompt + response)
+            masks.append([0] * prompt_len + [1] * (length - prompt_len))
+            adv.append(float(group_adv[j]))
+            sampler.append([0.0] * length)
+    return ids, masks, adv, sampler, length - prompt_len
+
+
+def section_mfu(args, work: Path, shapes: Shapes, info: dict, model_dir: Path) -> dict:
+    import torch
+
+    from train.parallel.step_batch import dispatch, exchange_index
+    from vs_trl import update_gflop
+
+    device = torch.device("cuda" if info["cuda"] else "cpu")
+    peak = info["datasheet_bf16_tflops"]
+    source = "datasheet"
+    if peak is None:
+        peak, source = measured_matmul_tflops(device, torch.bfloat16 if info["cuda"] else torch.float32), "measured matmul"
+    actor, ctx = build_actor(model_dir, max(shapes.mfu_tokens), info)
+    rows = []
+    for tokens in shapes.mfu_tokens:
+        # 2 groups of 4 samples, each tokens/8 long (a quarter prompt), packed into one micro-batch
+        ids, masks, adv, sampler, max_new = fixed_batch(tokens, shapes.vocab)
+        index = exchange_index([len(x) for x in ids], list(range(len(ids))), [0.0] * len(ids), ctx.device)
+        batch = dispatch(index, ids, masks, sampler, actor.layout, 1, ctx.device)
+        batch.fields["advantages"] = [adv[g] * m for g, m in zip(batch.members, batch.mask)]
+        total = sum(len(x) for x in ids)
+        actions = sum(sum(m) for m in masks)
+        times = []
+        for i in range(3):  # the first is a warm-up
+            sync()
+            start = time.perf_counter()
+            actor.update(batch, max_new)
+            sync()
+            if i:
+                times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        gflop = update_gflop(str(model_dir), len(ids), total / len(ids), actions / len(ids))
+        tflops = gflop / seconds / 1e3
+        peak_mem = torch.cuda.max_memory_allocated() / 2**30 if info["cuda"] else None
+        rows.append({"tokens": total, "seconds": seconds, "tflops": tflops, "mfu": tflops / peak,
+                     "peak_gpu_gib": peak_mem})
+    return {"peak_tflops": peak, "peak_source": source, "micro_batches": rows, "_actor": actor}
+
+
+def section_push(args, work: Path, info: dict, actor) -> dict:
+    import torch
+
+    from train.engines.hf import HFEngine
+    from train.parallel.weight_sync import unique_state
+    from train.trainer.policy_sync import PolicySync
+
+    engine = HFEngine.from_pretrained(args.model_dir, device=torch.device("cuda" if info["cuda"] else "cpu"),
+                                      eos_token_ids=[])
+    try:
+        push = PolicySync(actor.model, engine, 512, None, {"actor": actor}, log=None)
+        params = sum(t.numel() for _, t in unique_state(actor.model))
+        push.push()  # warm-up
+        times = [push.push() for _ in range(3)]
+    finally:
+        engine.close()
+    seconds = statistics.median(times)
+    return {"params": params, "seconds": seconds, "s_per_billion": seconds / params * 1e9,
+            "engine_dtype": str(engine.dtype)}
+
+
+def section_step(args, work: Path, shapes: Shapes, model_dir: Path) -> dict:
+    run = work / "step"
+    shutil.rmtree(run, ignore_errors=True)
+    overrides = [f"actor.model_name={model_dir}", "trainer.total_steps=3", "trainer.test_freq=null",
+                 f"data.prompts_per_rollout={shapes.step_prompts}", f"data.responses_per_prompt={shapes.step_responses}",
+                 f"rollout.train_sampling_params.max_new_tokens={shapes.step_new_tokens}",
+                 "rollout.dynamic_filtering=false", "trainer.save_freq=null"]
+    run_logged(trainer_cmd(run, overrides), work / "step.log", args.timeout)
+    rows = [r for r in read_metrics(run) if "time/step_s" in r]
+    keep = rows[1:] or rows  # the first step pays for warm-up
+    keys = sorted({k for r in keep for k in r if k.startswith("time/")})
+    return {"steps": len(rows), **{k: statistics.mean(r[k] for r in keep if k in r) for k in keys}}
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def markdown(result: dict) -> str:
+    info = result["device"]
+    lines = [f"# GPU suite: {info['device']}", "",
+             f"torch {info['torch']} (CUDA {info['cuda_version']}), transformers {info['transformers']}, "
+             f"Python {info['python']}; {result['date']}; {'tiny shapes (--tiny)' if result['tiny'] else 'full shapes'}; "
+             f"`{result['command']}`", "", "| section | result |", "|---|---|"]
+    s = result["sections"]
+
+    def cell(name: str, text) -> None:
+        if name in s:
+            lines.append(f"| {name} | {('FAILED: ' + s[name]['error'].splitlines()[0]) if 'error' in s[name] else text(s[name])} |")
+
+    cell("tests", lambda r: f"{r['passed']} passed, {r['skipped']} skipped")
+    cell("demo", lambda r: f"test reward {' -> '.join(f'{v:.3f} (step {k})' for k, v in r['test_reward'])}; "
+                           f"{r['steps']} steps in {r['wall_s']:.0f} s")
+    cell("decode", lambda r: "; ".join(
+        f"batch {b['batch']}: {b['tokens_per_s']:,.0f} tok/s = {100 * b['fraction_of_bound']:.2g}% of the bound "
+        f"({b['bound_tokens_per_s']:,.0f})" for b in r["batches"])
+        + f" (bandwidth {r['bandwidth_tb_s']:.2f} TB/s, {r['bandwidth_source']}; measured copy {r['measured_copy_tb_s']:.2f})")
+    cell("mfu", lambda r: "; ".join(
+        f"{m['tokens']} tokens: {m['seconds']:.3f} s, {m['tflops']:.3g} TFLOP/s = MFU {100 * m['mfu']:.1f}%"
+        for m in r["micro_batches"]) + f" (peak {r['peak_tflops']:.3g} TFLOP/s, {r['peak_source']})")
+    cell("push", lambda r: f"{r['seconds']:.4g} s for {r['params'] / 1e6:.3g}M params = {r['s_per_billion']:.3g} s per billion")
+    cell("step", lambda r: ", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in r.items() if k.startswith("time/")))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, runs on CPU in about a minute")
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
+    p.add_argument("--out", default=str(ROOT / "runs" / "gpu_suite"), help="folder for gpu_suite.json/.md and logs")
+    p.add_argument("--demo-steps", type=int, default=None, help="stub demo steps (default 200, --tiny 2)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds for each subprocess")
+    args = p.parse_args(argv)
+    only = [x.strip() for x in args.only.split(",") if x.strip()]
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        p.error(f"--only: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    args.demo_steps = args.demo_steps or (2 if args.tiny else 200)
+    shapes = TINY if args.tiny else FULL
+    info = device_info()
+    if not info["cuda"] and not args.tiny:
+        p.error("no CUDA device: the full suite needs a GPU (use --tiny to run the same code paths on CPU)")
+    work = Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "tiny": args.tiny,
+              "date": time.strftime("%Y-%m-%d %H:%M"), "device": info, "shapes": dataclasses.asdict(shapes),
+              "sections": {}}
+    with tempfile.TemporaryDirectory(prefix="gpu_suite_model_") as tmp:
+        model_dir = None
+        actor = None
+        for name in only:
+            print(f"[gpu_suite] {name} ...", flush=True)
+            start = time.perf_counter()
+            try:
+                if name in ("mfu", "push", "step") and model_dir is None:
+                    model_dir = write_model(shapes, Path(tmp))
+                    args.model_dir = str(model_dir)
+                if name == "tests":
+                    out = section_tests(args, work)
+                elif name == "demo":
+                    out = section_demo(args, work)
+                elif name == "decode":
+                    out = section_decode(args, work, shapes, info)
+                elif name == "mfu":
+                    out = section_mfu(args, work, shapes, info, model_dir)
+                    actor = out.pop("_actor")
+                elif name == "push":
+                    if actor is None:
+                        actor, _ = build_actor(model_dir, max(shapes.mfu_tokens), info)
+                    out = section_push(args, work, info, actor)
+                else:
+                    out = section_step(args, work, shapes, model_dir)
+            except Exception as exc:  # one section's failure is recorded; the others still run
+                traceback.print_exc()
+                out = {"error": f"{type(exc).__name__}: {exc}"}
+            out["section_s"] = time.perf_counter() - start
+            result["sections"][name] = out
+            print(f"[gpu_suite] {name}: {json.dumps(out, default=str)[:400]}", flush=True)
+        del actor
+    from train.parallel.distributed import cleanup
+
+    cleanup()
+    (work / "gpu_suite.json").write_text(json.dumps(result, indent=1, default=str))
+    table = markdown(result)
+    (work / "gpu_suite.md").write_text(table)
+    print(table)
+    failed = [n for n, r in result["sections"].items() if "error" in r]
+    if failed:
+        print(f"[gpu_suite] failed: {', '.join(failed)}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
