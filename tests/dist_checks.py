@@ -312,11 +312,16 @@ def collectives(args, ctx) -> None:
     counts: collections.Counter = collections.Counter()
     counting = [False]
     torch_dir = os.path.dirname(torch.__file__)
+    # torch's own sharded-model machinery: a collective issued from inside it is FSDP's or DTensor's,
+    # whatever code called the module (torch versions differ in how they reach `dist`)
+    internal = [os.path.join(torch_dir, "distributed", d) + os.sep for d in ("fsdp", "tensor", "_composable")]
 
     def wrap(name, fn):
         def counted(*a, **kw):
             if counting[0]:
                 for frame in inspect.stack()[1:]:
+                    if any(frame.filename.startswith(d) for d in internal):
+                        break
                     if frame.filename.startswith(torch_dir):
                         continue
                     if os.sep + "train" + os.sep in frame.filename:

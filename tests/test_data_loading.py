@@ -295,3 +295,18 @@ def test_scheme_registry_is_replaceable(monkeypatch):
     monkeypatch.setitem(loading.SOURCE_SCHEMES, "verifiers", lambda uri: [{"prompt": "q"}])
     with pytest.raises(DataError, match=r"verifiers:x: row 0: field 'answer': missing"):
         load_rows("verifiers:x")
+
+
+@pytest.mark.parametrize("suffix,line", [(".jsonl", 2), (".csv", 3), (".json", 1)])
+def test_a_file_that_is_not_utf8_names_its_line(tmp_path, suffix, line):
+    path = tmp_path / f"bad{suffix}"
+    good = '{"messages": [{"role": "user", "content": "a"}], "answer": "1"}'
+    if suffix == ".jsonl":
+        data = good.encode() + b'\n{"messages": [{"role": "user", "content": "b\xff"}], "answer": "2"}\n'
+    elif suffix == ".csv":
+        data = b"prompt,answer\nok,1\nb\xff,2\n"
+    else:
+        data = b'[{"messages": [{"role": "user", "content": "\xfe"}], "answer": "1"}]'
+    path.write_bytes(data)
+    with pytest.raises(DataError, match=rf"{path}: line {line} \(byte \d+\) is not UTF-8"):
+        load_rows(str(path))

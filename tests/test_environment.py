@@ -1,5 +1,6 @@
 """Env modules: loading errors, isolation of failures, timeouts, not blocking the event loop."""
 import asyncio
+import os
 import textwrap
 import time
 
@@ -176,3 +177,43 @@ def test_env_file_with_dataclasses_and_future_annotations(tmp_path):
             return Score(0.25).value
     """, name="dc_env.py")
     assert asyncio.run(make(path).reward([], None)) == 0.25
+
+
+def test_env_isolation_is_complete(tmp_path):
+    """sys.exit() / KeyboardInterrupt inside env code (sync and async), malformed messages from
+    interact and non-finite rewards each score only their sample, with the env file and function
+    named; well-formed messages (string content, content parts, tool calls) pass."""
+    path = write_env(tmp_path, """
+        import sys
+        def interact(messages):
+            kind = messages[-1]["content"]
+            return {"no_content": [{"role": "tool"}], "int": [{"role": "tool", "content": 42}],
+                    "role": [{"role": "robot", "content": "x"}],
+                    "ok": [{"role": "tool", "content": "x"},
+                           {"role": "user", "content": [{"type": "text", "text": "y"}]},
+                           {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
+                    "exit": None}[kind] if kind != "exit" else sys.exit(3)
+        async def reward_fn(messages, answer):
+            if answer == "exit":
+                sys.exit(2)
+            if answer == "interrupt":
+                raise KeyboardInterrupt
+            return {"inf": float("inf"), "-inf": float("-inf")}.get(answer, 1.0)
+    """)
+    env = make(path, max_turns=2)
+    name = os.path.basename(path)
+
+    async def go():
+        rewards = [env.reward([], a) for a in ("exit", "interrupt", "inf", "-inf", "ok")]
+        turns = [env.interact([{"role": "assistant", "content": k}])
+                 for k in ("no_content", "int", "role", "exit", "ok")]
+        return await asyncio.gather(*rewards, *turns, return_exceptions=True)
+
+    r_exit, r_int, r_inf, r_minf, r_ok, i_none, i_int, i_role, i_exit, i_ok = asyncio.run(go())
+    for err, words in ((r_exit, "SystemExit(2)"), (r_int, "KeyboardInterrupt"), (r_inf, "returned inf"),
+                       (r_minf, "returned -inf"), (i_none, "message 0: content must be a string"),
+                       (i_int, "got int"), (i_role, "role must be one of"), (i_exit, "SystemExit: 3")):
+        assert isinstance(err, EnvCallError) and words in str(err), (err, words)
+        assert str(err).startswith(f"{name}:"), err
+    assert r_ok == 1.0 and len(i_ok) == 3
+    env.close()

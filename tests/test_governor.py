@@ -101,3 +101,24 @@ def test_snapshot_restores_weights_optimizer_moments_and_scheduler():
     with pytest.raises(AssertionError):
         for k, v in model.state_dict().items():
             assert torch.equal(v, good[0][k])
+
+
+def test_a_non_finite_gradient_norm_skips_the_optimizer_step():
+    """The step every update runs (Trainable.optimizer_step -> clip_and_step): with a NaN gradient
+    the weights and Adam's state stay as they were, the gradients are cleared and the schedule moves on."""
+    from train.workers.base import build_optimizer, build_scheduler, clip_and_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = build_optimizer(model, 1e-2, (0.9, 0.999), 0.0)
+    scheduler = build_scheduler(optimizer, 10, 0.0, "constant", 1.0)
+    model(torch.randn(2, 4)).sum().backward()
+    clip_and_step(model, optimizer, scheduler, 1.0)  # one real step: Adam state exists
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [s["exp_avg"].clone() for s in optimizer.state.values()]
+    (model(torch.randn(2, 4)).sum() * float("nan")).backward()
+    norm = clip_and_step(model, optimizer, scheduler, 1.0)
+    assert math.isnan(norm)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert all(torch.equal(s["exp_avg"], m) for s, m in zip(optimizer.state.values(), moments))
+    assert all(p.grad is None for p in model.parameters()) and scheduler.last_epoch == 2

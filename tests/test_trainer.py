@@ -294,7 +294,7 @@ def reward_fn(messages, answer):
         step = next(_calls) // PER_STEP + 1
     r = (sum(map(ord, messages[-1]["content"])) % 3) / 2
     if step == 5:
-        return float("inf")  # (NaN itself is an env error) inf - inf: NaN advantages, loss and gradients
+        return 1e39  # (NaN and inf are env errors) finite here, inf in float32: NaN losses and gradients
     if step == 8:
         return 1e4 * r  # a loss / grad-norm spike
     return r
@@ -302,7 +302,7 @@ def reward_fn(messages, answer):
 
 
 def test_governor_rolls_back_nan_and_spike_and_the_engine_never_sees_them(tmp_path):
-    """PPO with a critic: at step 5 an inf reward makes the losses and gradients NaN; at step 8 rewards
+    """PPO with a critic: at step 5 a reward beyond float32's range makes the losses and gradients NaN; at step 8 rewards
     x 1e4 make the critic's value loss spike. Both updates are rolled back (actor, critic, optimizers),
     their batches skipped, `governor.rollback` events logged, and the engine only ever received the
     weights of accepted steps."""
@@ -330,8 +330,7 @@ def test_governor_rolls_back_nan_and_spike_and_the_engine_never_sees_them(tmp_pa
     # step 8's update did move the actor; the engine never held those weights
     assert events[8]["bad_fingerprint"] != events[8]["restored_fingerprint"]
     assert events[8]["bad_fingerprint"] not in pushed.values()
-    # step 5's non-finite gradients never reached the weights (the optimizer step is skipped too)
-    assert events[5]["bad_fingerprint"] == events[5]["restored_fingerprint"]
+    # (a non-finite gradient norm skips the optimizer step itself: tests/test_governor.py)
     # after a rollback training goes on from the restored weights, with sane losses
     assert pushed[6] != pushed[4] and pushed[9] != pushed[7]
     assert metrics[9]["critic/value_loss"] < 100 * metrics[7]["critic/value_loss"] + 1

@@ -123,10 +123,24 @@ def _load_file(path: Path) -> list[dict]:
         raise DataError(
             f"{path}: unsupported file extension {path.suffix!r} (supported: {', '.join(SUPPORTED_EXTENSIONS)})"
         )
-    rows = reader(path)
+    try:
+        rows = reader(path)
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path) from e
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows
+
+
+def _not_utf8(path: Path) -> DataError:
+    """Where a text file stops being UTF-8: its line (a JSONL row) and byte."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        return DataError(f"{path}: line {line} (byte {e.start}) is not UTF-8 ({e.reason}); save the file as UTF-8")
+    return DataError(f"{path}: not UTF-8; save the file as UTF-8")
 
 
 def _read_json(path: Path) -> list[dict]:

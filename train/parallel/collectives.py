@@ -53,6 +53,15 @@ def gather_to_main(obj, ctx: DistContext) -> list | None:
     return out
 
 
+def broadcast_from_main(obj, ctx: DistContext):
+    """A small object from rank 0 to every rank (a decision, an error message); never training data."""
+    if ctx.world_size == 1:
+        return obj
+    box = [obj if ctx.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier() -> None:
     if _active():
         dist.barrier()

@@ -126,6 +126,21 @@ def model_names(cfg: DictConfig) -> dict[str, tuple[str, str]]:
             if key in used and _get(cfg, key) is not None}
 
 
+def useless_settings(cfg: DictConfig) -> list[str]:
+    """Settings that pass every check but cannot learn: one warning line each (the run still starts)."""
+    out = []
+    temperature = _get(cfg, "rollout.train_sampling_params.temperature")
+    if temperature is not None and float(temperature) == 0.0:
+        out.append("rollout.train_sampling_params.temperature=0 samples greedily: the responses to a prompt are "
+                   "all the same, their advantages 0, and nothing is learned; train with a temperature near 1.0")
+    group_baseline = cfg.adv.estimator in ("reinforce", "rloo", "reinforce_pp_baseline") and not cfg.adv.global_norm
+    if cfg.data.responses_per_prompt == 1 and group_baseline:
+        out.append(f"data.responses_per_prompt=1 with adv.estimator={cfg.adv.estimator}: a group of one is its "
+                   "own baseline, so every advantage is 0 and nothing is learned; sample several responses per "
+                   "prompt, or set adv.global_norm=true (one baseline for the whole batch)")
+    return out
+
+
 Resolver = Callable[[Mapping[str, tuple[str, str]]], dict[str, str]]
 
 
@@ -145,6 +160,8 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     _positive_int(cfg, "actor.update_per_rollout")
     _positive_int(cfg, "actor.mini_batches")
     _positive_int(cfg, "rollout.max_turns")
+    _positive_int(cfg, "rollout.max_total_length", allow_none=True)
+    _positive_int(cfg, "trainer.warn_skipped_steps", allow_none=True)
     _positive_int(cfg, "rollout.max_batch_size")
     _positive_int(cfg, "rollout.env_workers")
     _positive_int(cfg, "trainer.n_epochs")
@@ -154,9 +171,9 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
             example="trainer.model_fetch_timeout_s=7200")
     _positive_int(cfg, "trainer.keep_last_n", allow_none=True)
     _number(cfg, "trainer.export_shard_gb", 0.0, low_open=True, example="trainer.export_shard_gb=2")
-    if not isinstance(_get(cfg, "trainer.async_save"), bool):
-        _fail("trainer.async_save", f"expected true or false, got {_get(cfg, 'trainer.async_save')!r}",
-              "trainer.async_save=true")
+    for key in ("trainer.async_save", "trainer.save_on_signal", "trainer.overwrite"):
+        if not isinstance(_get(cfg, key), bool):
+            _fail(key, f"expected true or false, got {_get(cfg, key)!r}", f"{key}=true")
 
     _choice(cfg, "actor.agg_mode", AGG_MODES)
     _choice(cfg, "actor.kl.type", KL_TYPES)

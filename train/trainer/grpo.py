@@ -21,6 +21,11 @@ import time
 # torch loads, so it is set before torch is imported; a user's value wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
 
+if __name__ == "__main__":  # a rank started by torchrun dies with its agent, from the first moment on
+    from train.utils.lifecycle import die_with_parent
+
+    die_with_parent()
+
 import hydra
 import numpy as np
 import torch
@@ -37,7 +42,8 @@ from train.parallel.distributed import DistContext, cleanup, init_distributed
 from train.parallel.layout import Layout, layout_for
 from train.parallel.step_batch import BatchIndex, StepBatch, dispatch, exchange_index, transfer
 from train.trainer.advantages import compute_advantages
-from train.trainer.config import ConfigError, resolve_aliases, role_config, sampling_params, validate
+from train.trainer.config import (ConfigError, resolve_aliases, role_config, sampling_params, useless_settings,
+                                  validate)
 from train.trainer.governor import Governor
 from train.trainer.policy_sync import PolicySync
 from train.trainer.step import RunningMoments, mask_truncated, rollout_metrics, select_groups, shaped_rewards
@@ -45,7 +51,9 @@ from train.utils import algorithms as alg
 from train.utils import api_stats, hub
 from train.utils import checkpoint as ckpt
 from train.utils.export import GB, export_hf
+from train.utils.lifecycle import StopRequest
 from train.utils.logging import RunLogger
+from train.utils.run_folder import RunFolderError, claim
 from train.workers.actor import Actor
 from train.workers.critic import Critic
 from train.workers.environment import EnvLoadError, Environment
@@ -67,6 +75,8 @@ class Trainer:
         # Before anything heavy loads; Hub models are fetched once per node here.
         self.paths = paths = validate(cfg, ctx.world_size,
                                       resolve=lambda names: hub.resolve_on_node(names, ctx.local_rank, timeout))
+        # The folder is this run's (or the resumed run's) before anything loads or is written into it.
+        self.run_folder, moved = claim(cfg.trainer.save_dir, cfg.trainer.load_ckpt_from, cfg.trainer.overwrite, ctx)
         if ctx.device.type == "cpu":
             torch.set_num_threads(cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // ctx.local_world_size))
         seed_everything(cfg.trainer.seed, ctx.rank)
@@ -115,7 +125,7 @@ class Trainer:
                                   gov.rel_std_floor) if gov.enable else None)
         self.engine = build_engine(cfg.rollout, ctx, model_path=paths.rollout, tokenizer=self.rollout_tokenizer,
                                    seed=cfg.trainer.seed)
-        max_len = getattr(self.actor.model.config, "max_position_embeddings", 4096)
+        max_len = cfg.rollout.max_total_length or getattr(self.actor.model.config, "max_position_embeddings", 4096)
         self.rollout = RolloutWorker(self.engine, self.env, self.rollout_tokenizer, max_turns=cfg.rollout.max_turns,
                                      env_error_reward=cfg.rollout.env_error_reward, max_total_length=max_len)
         self._engine_seen = (0.0, 0.0)  # engine token / time counters at the last step
@@ -125,6 +135,12 @@ class Trainer:
                                               keep_last_n=cfg.trainer.keep_last_n)
         resumed = self._maybe_resume()
         self.log = RunLogger(cfg, ctx.is_main, self.total_steps, self.start_step)
+        if moved:
+            self.log.write(f"trainer.overwrite: the run that was in {cfg.trainer.save_dir} is now in {moved}")
+        for warning in useless_settings(cfg):
+            self.log.write(f"warning: {warning}")
+            self.log.event("warning", self.start_step, {"warning": warning})
+        self.skipped_in_a_row = self.updates = 0
         self.sync = PolicySync(self.actor.model, self.engine, cfg.rollout.bucket_size_mb, self.governor,
                                self.workers, self.log)
         if resumed or os.path.realpath(paths.rollout) != os.path.realpath(paths.actor):
@@ -258,7 +274,10 @@ class Trainer:
         frozen = step <= cfg.actor.freeze_steps
         if index.size == 0:  # nothing to learn from on any rank: skip together, no collective left hanging
             metrics["actor/skipped"] = 1.0
+            self._note_skipped(step)
         else:
+            self.skipped_in_a_row = 0
+            self.updates += 1
             if frozen:
                 metrics["actor/frozen"] = 1.0
             metrics.update(self._update(index, kept, update_actor=not frozen))
@@ -266,6 +285,17 @@ class Trainer:
         metrics["time/update_s"] = time.perf_counter() - t1 - metrics.get("time/weight_sync_s", 0.0)
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
+
+    def _note_skipped(self, step: int) -> None:
+        """Say so when `trainer.warn_skipped_steps` steps in a row learned nothing (once per streak)."""
+        self.skipped_in_a_row += 1
+        limit = self.cfg.trainer.warn_skipped_steps
+        if limit and self.skipped_in_a_row == limit:
+            warning = (f"no update in the last {limit} steps (up to step {step}): every group's rewards were "
+                       "identical, so dynamic filtering dropped them all; look at rewards/train and at the samples "
+                       "in trajectories.jsonl (too hard, too easy, or a broken reward_fn?)")
+            self.log.write(f"warning: {warning}")
+            self.log.event("warning", step, {"warning": warning})
 
     def _update(self, index: BatchIndex, kept: list[Sample], update_actor: bool = True) -> dict[str, float]:
         """Dispatch the kept samples once per data layout, then every pass in place on the step batch:
@@ -356,7 +386,9 @@ class Trainer:
         return score
 
     # -- the loop --------------------------------------------------------------------------
-    def fit(self) -> None:
+    def fit(self, stop: StopRequest | None = None) -> None:
+        """Train to `total_steps`, then export; with `stop`, a SIGTERM / SIGINT ends the run at the
+        next step boundary with a checkpoint (`trainer.save_on_signal`) and no export."""
         cfg = self.cfg
         test_freq, save_freq = cfg.trainer.test_freq, cfg.trainer.save_freq
         if test_freq and self.start_step == 0:
@@ -375,37 +407,65 @@ class Trainer:
                 metrics["time/checkpoint_s"] = self.save(step)
             self.log.log_metrics(step, metrics)
             self.log.progress(step, metrics)
+            requested = stop.agreed(self.ctx.device) if stop is not None else None
+            if requested:
+                self._stop(step, requested, saved=bool(save_freq and step % save_freq == 0))
+                return
         self.checkpointer.wait()
         export_hf(self.actor.model, self.tokenizer, os.path.join(cfg.trainer.save_dir, "latest"), self.ctx,
                   shard_bytes=int(cfg.trainer.export_shard_gb * GB), bucket_bytes=self.sync.bucket_bytes,
                   critic=self.critic.model if self.critic is not None else None)
+        if self.updates == 0 and self.total_steps > self.start_step:
+            self.log.write(f"warning: this run made no update in its {self.total_steps - self.start_step} steps: "
+                           "nothing was learned (see the warnings above and actor/skipped in metrics.jsonl)")
         if len(self.test_history) >= 2:
             (s0, first), (s1, last) = self.test_history[0], self.test_history[-1]
             self.log.write(f"test reward: {first:.3f} (step {s0}) -> {last:.3f} (step {s1}), {last - first:+.3f}")
         elif not test_freq:
             self.log.write("evaluation off (trainer.test_freq=null)")
 
+    def _stop(self, step: int, signal_name: str, saved: bool) -> None:
+        """A requested stop after `step`: its checkpoint (complete before returning), one line saying
+        how to resume."""
+        cfg = self.cfg
+        if cfg.trainer.save_on_signal and not saved:
+            self.save(step)
+        self.checkpointer.wait()
+        latest = ckpt.find_latest(cfg.trainer.save_dir)
+        self.log.event("stopped", step, {"signal": signal_name, "checkpoint": latest})
+        if latest is not None:
+            how = f"resume with trainer.load_ckpt_from=latest (checkpoint {latest})"
+        else:
+            how = "no checkpoint was saved (trainer.save_on_signal=false): a restart begins again"
+        self.log.write(f"stopped by {signal_name} after step {step}; {how}")
+
     def close(self) -> None:
         self.checkpointer.close()
         self.log.close()
         self.rollout.close()
+        if self.run_folder is not None:
+            self.run_folder.close()
 
 
 def run(cfg: DictConfig) -> None:
     transformers.utils.logging.disable_progress_bar()  # our own bar is the one to watch
+    stop = StopRequest()
+    stop.install()
     ctx = init_distributed()
     try:
         trainer = Trainer(cfg, ctx)
         try:
-            trainer.fit()
+            trainer.fit(stop)
         finally:
             trainer.close()
     finally:
+        stop.uninstall()
         cleanup()
 
 
 # Mistakes a user can fix (config, data, env module, chat template): one clear line, no traceback.
-USER_ERRORS = (ConfigError, DataError, EnvLoadError, TokenizationError, ckpt.CheckpointError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError, EnvLoadError, TokenizationError, ckpt.CheckpointError, CheckpointError,
+               RunFolderError)
 
 
 @hydra.main(config_path="../../config", config_name="grpo", version_base=None)

@@ -31,13 +31,14 @@ def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, cfg: 
         sum(s.reward for s in samples), float(len(samples)),
         float(sum(s.n_action_tokens for s in samples)),
         float(sum(s.finish_reason == "length" for s in samples)),
+        float(sum(s.finish_reason == "context" for s in samples)),
         float(sum(s.n_turns for s in samples)),
         float(sum(bool(s.env_error) for s in samples)),
         float(dropped), float(n_groups),
         float(sum(len(s.ids) for s in samples)), float(sum(s.prompt_length for s in samples)),
         *per_turn,
     ]
-    reward, count, tokens, clipped, turns, errors, dropped, n_groups, traj, prompt, *per_turn = \
+    reward, count, tokens, clipped, overflow, turns, errors, dropped, n_groups, traj, prompt, *per_turn = \
         all_reduce_sum(values, ctx.device)
     longest = all_reduce_max(float(max((len(s.ids) for s in samples), default=0)), ctx.device)
     count = max(count, 1.0)
@@ -46,6 +47,8 @@ def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, cfg: 
         "rewards/train": reward / count,
         "response_length/train": tokens / count,
         "length_clip_ratio/train": clipped / count,
+        # episodes ended because the env's messages would not fit rollout.max_total_length
+        "context_overflow_ratio/train": overflow / count,
         "n_turns/train": turns / count,
         "env/errors": errors,
         "dynamic_filtering_ratio": dropped / max(n_groups, 1.0) if filtering else 0.0,

@@ -16,6 +16,7 @@ not exist). `find_latest` only ever returns complete checkpoints.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import random
@@ -67,9 +68,25 @@ def find_latest(save_dir: str) -> str | None:
     return steps[-1][1] if steps else None
 
 
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 def _replace_dir(tmp: str, final: str) -> None:
+    """`tmp` becomes `final`. Where `final` exists the two are swapped in one atomic step, so a crash
+    leaves either the old or the new folder at `final`, never neither; the old one is then deleted."""
     if os.path.exists(final):
-        old = final + ".old"
+        if _exchange(tmp, final):
+            shutil.rmtree(tmp, ignore_errors=True)  # now the old folder
+            return
+        old = final + ".old"  # no atomic exchange here (not Linux, or the filesystem refuses)
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
         os.rename(tmp, final)

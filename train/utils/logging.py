@@ -17,6 +17,26 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def drop_rows_after(path: str, step: int) -> None:
+    """Keep the JSONL rows of `path` whose "step" is at most `step` (rewritten atomically)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line).get("step", 0) > step:
+                continue
+        except (json.JSONDecodeError, AttributeError):  # a line cut by a crash mid-write
+            continue
+        kept.append(line)
+    if len(kept) != len(lines):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
 class RunLogger:
     def __init__(self, cfg: DictConfig, is_main: bool, total_steps: int, start_step: int = 0):
         self.is_main = is_main
@@ -29,8 +49,12 @@ class RunLogger:
         os.makedirs(self.save_dir, exist_ok=True)
         with open(os.path.join(self.save_dir, "config.yaml"), "w") as f:
             f.write(OmegaConf.to_yaml(cfg, resolve=True))
-        self.metrics_file = open(os.path.join(self.save_dir, "metrics.jsonl"), "a", buffering=1)
-        self.trajectories_file = open(os.path.join(self.save_dir, "trajectories.jsonl"), "a", buffering=1)
+        metrics, trajectories = (os.path.join(self.save_dir, n) for n in ("metrics.jsonl", "trajectories.jsonl"))
+        if start_step > 0:  # a resume: what a crashed run logged after its checkpoint is re-done, not repeated
+            drop_rows_after(metrics, start_step)
+            drop_rows_after(trajectories, start_step)
+        self.metrics_file = open(metrics, "a", buffering=1)
+        self.trajectories_file = open(trajectories, "a", buffering=1)
         if cfg.trainer.use_wandb:
             import wandb  # imported only when asked for
 

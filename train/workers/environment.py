@@ -8,6 +8,7 @@ import asyncio
 import copy
 import importlib.util
 import inspect
+import math
 import os
 import queue
 import sys
@@ -20,12 +21,33 @@ class EnvLoadError(ValueError):
     pass
 
 
-class EnvCallError(RuntimeError):
-    """An env call raised or timed out; `kind` is 'exception' or 'timeout'."""
+ROLES = ("system", "user", "assistant", "tool")
 
-    def __init__(self, fn: str, kind: str, detail: str):
-        super().__init__(f"{fn}: {kind}: {detail}")
-        self.fn, self.kind, self.detail = fn, kind, detail
+
+class EnvCallError(RuntimeError):
+    """An env call raised or timed out; `kind` is 'exception' or 'timeout'. The message names the
+    env file and function (`env.py:reward_fn: exception: ...`)."""
+
+    def __init__(self, fn: str, kind: str, detail: str, env: str = ""):
+        super().__init__(f"{env + ':' if env else ''}{fn}: {kind}: {detail}")
+        self.fn, self.kind, self.detail, self.env = fn, kind, detail, env
+
+
+def message_problem(message: Any) -> str | None:
+    """Why `message` cannot go into a chat template, or None: a dict with a known role and content
+    that is a string or a list of content parts (dicts with a "type")."""
+    if not isinstance(message, dict):
+        return f"a message must be a dict, got {type(message).__name__}"
+    if message.get("role") not in ROLES:
+        return f"role must be one of {', '.join(ROLES)}, got {message.get('role')!r:.50}"
+    content = message.get("content")
+    if isinstance(content, str):
+        return None
+    if isinstance(content, list) and all(isinstance(p, dict) and "type" in p for p in content):
+        return None
+    if content is None and message.get("tool_calls"):  # an assistant message that only calls tools
+        return None
+    return f"content must be a string or a list of content parts, got {type(content).__name__}"
 
 
 def load_env_module(path: str) -> ModuleType:
@@ -65,13 +87,14 @@ class Environment:
                 f"rollout.max_turns={max_turns} needs; define it (return [] to end the episode) "
                 "or set rollout.max_turns=1")
         self.timeout_s = timeout_s
+        self.name = os.path.basename(path)
         self._pool = DaemonThreadPool(max_workers)
 
     async def _call(self, name: str, fn, *args) -> Any:
         args = copy.deepcopy(args)  # env code must not mutate the rollout's conversation
         try:
             if inspect.iscoroutinefunction(fn):
-                return await asyncio.wait_for(fn(*args), self.timeout_s)
+                return await asyncio.wait_for(_contained(fn(*args)), self.timeout_s)
             future = self._pool.submit(asyncio.get_running_loop(), fn, args)
             try:
                 return await asyncio.wait_for(future, self.timeout_s)
@@ -80,18 +103,25 @@ class Environment:
                 self._pool.add_worker()
                 raise
         except asyncio.TimeoutError:
-            raise EnvCallError(name, "timeout", f"no answer within rollout.env_timeout_s={self.timeout_s}") from None
+            raise self.error(name, "timeout", f"no answer within rollout.env_timeout_s={self.timeout_s}") from None
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - any env failure scores only this sample
-            raise EnvCallError(name, "exception", f"{type(e).__name__}: {e}") from e
+        except BaseException as e:  # noqa: BLE001 - any env failure, sys.exit() included, scores only this sample
+            raise self.error(name, "exception", f"{type(e).__name__}: {e}") from e
+
+    def error(self, fn: str, kind: str, detail: str) -> EnvCallError:
+        return EnvCallError(fn, kind, detail, env=self.name)
 
     async def interact(self, messages: list[dict]) -> list[dict]:
         out = await self._call("interact", self.interact_fn, messages)
         if out is None:
             return []
-        if not isinstance(out, list) or not all(isinstance(m, dict) and "role" in m for m in out):
-            raise EnvCallError("interact", "exception", f"expected a list of message dicts, got {out!r:.200}")
+        if not isinstance(out, list):
+            raise self.error("interact", "exception", f"expected a list of message dicts, got {out!r:.200}")
+        for i, message in enumerate(out):
+            problem = message_problem(message)
+            if problem:
+                raise self.error("interact", "exception", f"message {i}: {problem}")
         return out
 
     async def reward(self, messages: list[dict], answer: Any) -> float:
@@ -99,9 +129,10 @@ class Environment:
         try:
             value = float(value)
         except (TypeError, ValueError):
-            raise EnvCallError("reward_fn", "exception", f"expected a float, got {value!r:.200}") from None
-        if value != value:  # NaN would poison the advantages of the whole group
-            raise EnvCallError("reward_fn", "exception", "returned NaN")
+            raise self.error("reward_fn", "exception", f"expected a float, got {value!r:.200}") from None
+        if not math.isfinite(value):  # NaN or inf would poison the advantages of the whole group
+            raise self.error("reward_fn", "exception",
+                             f"returned {'NaN' if value != value else value} (rewards must be finite)")
         return value
 
     def pop_api_calls(self) -> list[dict]:
@@ -112,6 +143,18 @@ class Environment:
 
     def close(self) -> None:
         self._pool.shutdown()
+
+
+class EnvExit(Exception):
+    """SystemExit / KeyboardInterrupt raised by env code, carried as an ordinary exception: asyncio
+    re-raises those two out of the event loop from any task, which would end the whole run."""
+
+
+async def _contained(coro) -> Any:
+    try:
+        return await coro
+    except (SystemExit, KeyboardInterrupt) as e:
+        raise EnvExit(f"{type(e).__name__}({e})") from None
 
 
 class DaemonThreadPool:

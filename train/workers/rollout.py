@@ -82,6 +82,13 @@ class RolloutWorker:
                 if not new:
                     break
                 extra = continuation_ids(tok, messages, new, tools, ended_with_eos=ended_with_eos)
+                if len(sample.ids) + len(extra) >= self.max_total_length:
+                    # The env's messages do not fit the context (with room for one more token): the
+                    # episode ends here and is scored without them, never holding more than the context.
+                    sample.finish_reason = "context"
+                    sample.events += [{"type": "context_overflow", "turn": turn, "env_tokens": len(extra),
+                                       "room": self.max_total_length - len(sample.ids)}]
+                    break
                 sample.events += [{"type": "tool", "turn": turn, "messages": new}]
                 messages += new
                 sample.ids += extra

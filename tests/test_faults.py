@@ -1,0 +1,260 @@
+"""Nothing lost, nothing hung: what a hostile or careless run does to the trainer. Each test here
+failed on the code before it (see the issue's closing note)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import ROOT, read_jsonl, trainer_env
+
+SMALL = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",
+         "trainer.test_freq=null", "trainer.progress_bar=false"]
+
+HUGE_TOOL_ENV = """
+def interact(messages):
+    return [{"role": "tool", "content": "x" * 1_000_000}]  # 1 MB, far beyond the stub's 512-token context
+
+def reward_fn(messages, answer):
+    return 1.0 if answer in messages[-1]["content"] else 0.0
+"""
+
+
+def trainer_cmd(nproc: int, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+            "-m", "train.trainer.grpo", "--config-name", "stub", *overrides]
+
+
+def peak_rss_of(cmd: list[str], timeout: int = 300) -> tuple[subprocess.CompletedProcess, float]:
+    """Run `cmd` under a small Python parent; (result, the largest descendant's peak RSS in MiB)."""
+    wrapper = ("import json, resource, subprocess, sys; cmd = json.loads(sys.argv[1]); "
+               "p = subprocess.run(cmd, capture_output=True, text=True); "
+               "sys.stdout.write(p.stdout); sys.stderr.write(p.stderr); "
+               "print('PEAK_RSS_MIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024); "
+               "sys.exit(p.returncode)")
+    proc = subprocess.run([sys.executable, "-c", wrapper, json.dumps(cmd)], cwd=ROOT, env=trainer_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    peak = float(proc.stdout.rsplit("PEAK_RSS_MIB", 1)[1].split()[0])
+    return proc, peak
+
+
+def test_a_huge_tool_message_ends_the_episode_within_the_context(tmp_path):
+    """A 1 MB tool message never enters the conversation: the episode ends with finish reason
+    `context` (event and metric), the run completes, memory stays bounded."""
+    env = tmp_path / "huge_env.py"
+    env.write_text(textwrap.dedent(HUGE_TOOL_ENV))
+    run = tmp_path / "run"
+    proc, peak = peak_rss_of(trainer_cmd(2, [f"trainer.save_dir={run}", f"rollout.env_path={env}",
+                                             "rollout.max_turns=2", "trainer.total_steps=2",
+                                             "trainer.log_samples=100", *SMALL]))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    print(f"peak RSS of a rank with a 1 MB tool message: {peak:.0f} MiB")
+    assert peak < 2048, peak  # before: ~11 GB per rank, then OOM-killed
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert any(m["context_overflow_ratio/train"] > 0 for m in metrics)
+    samples = [e for e in read_jsonl(run / "trajectories.jsonl") if e["type"] == "sample"]
+    overflowed = [s for s in samples if s["finish_reason"] == "context"]
+    assert overflowed and all(m["role"] != "tool" for s in overflowed for m in s["messages"])
+    assert all(e["type"] == "context_overflow" and e["env_tokens"] > 100_000 for s in overflowed for e in s["events"])
+
+
+def launch(overrides: list[str], nproc: int = 2) -> subprocess.Popen:
+    return subprocess.Popen(trainer_cmd(nproc, overrides), cwd=ROOT, env=trainer_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(run, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run / "metrics.jsonl").exists() and any(m["step"] >= step for m in read_jsonl(run / "metrics.jsonl")):
+            return
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} within {timeout} s")
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs whose command line contains `text` (this test's unique run folder)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        found.append(int(pid))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.parametrize("when", ["mid_step", "start_up"])
+def test_killing_the_agent_leaves_no_rank_behind(tmp_path, when):
+    """SIGKILL of the torchrun agent, during training or while the ranks start: every rank is gone
+    within 30 s (they were re-parented to PID 1 and kept training / retrying the store before)."""
+    run = tmp_path / "run"
+    proc = launch([f"trainer.save_dir={run}", "trainer.total_steps=100000", "trainer.save_freq=1", *SMALL])
+    try:
+        if when == "mid_step":
+            wait_for_step(run, 1, proc)
+        else:
+            time.sleep(2.0)  # imports / rendezvous / model build
+        ranks = [p for p in processes_mentioning(str(run)) if p != proc.pid]
+        assert ranks, "no rank process found"
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and processes_mentioning(str(run)):
+            time.sleep(0.5)
+        survivors = processes_mentioning(str(run))
+        for pid in survivors:  # leave the machine clean even when the test fails
+            os.kill(pid, signal.SIGKILL)
+        assert not survivors, f"ranks {survivors} outlived their agent"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_saves_at_the_step_boundary_and_resumes_exactly(tmp_path):
+    """SIGTERM to the agent mid-run (what a scheduler's preemption sends): the ranks finish the
+    step, save it, log how to resume and exit without a traceback of their own; resuming from
+    `latest` ends bit for bit where an uninterrupted run does."""
+    from train.utils.checkpoint import consolidate
+    from test_trainer import assert_same
+
+    steps = ["trainer.total_steps=6", "trainer.save_freq=6", *SMALL]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    proc = launch([f"trainer.save_dir={straight}", *steps])
+    assert proc.wait(timeout=300) == 0, proc.stdout.read()[-3000:]
+    proc = launch([f"trainer.save_dir={stopped}", *steps])
+    wait_for_step(stopped, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    events = [e for e in read_jsonl(stopped / "trajectories.jsonl") if e["type"] == "stopped"]
+    assert len(events) == 1 and events[0]["signal"] == "SIGTERM", out[-3000:]
+    at = events[0]["step"]
+    assert 2 <= at < 6 and (stopped / f"step{at}" / "COMPLETE").exists()
+    assert f"stopped by SIGTERM after step {at}; resume with trainer.load_ckpt_from=latest" in out
+    assert "Traceback" not in out.split("stopped by SIGTERM")[0]  # the ranks stopped cleanly
+    proc = launch([f"trainer.save_dir={stopped}", "trainer.load_ckpt_from=latest", *steps])
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert [m["step"] for m in read_jsonl(stopped / "metrics.jsonl")][-(6 - at):] == list(range(at + 1, 7))
+    assert_same(consolidate(str(straight / "step6")), consolidate(str(stopped / "step6")))
+
+
+def test_a_run_folder_belongs_to_one_run(tmp_path):
+    """Starting again in a folder that holds a run is one clear line and changes nothing; with
+    trainer.overwrite=true the old run is moved aside (not deleted) and the new one starts clean."""
+    run = tmp_path / "run"
+    first = launch([f"trainer.save_dir={run}", "trainer.total_steps=2", "trainer.save_freq=2", *SMALL], nproc=1)
+    assert first.wait(timeout=300) == 0, first.stdout.read()[-3000:]
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir()}
+    again = launch([f"trainer.save_dir={run}", "trainer.total_steps=2", "actor.lr=1e-3", *SMALL], nproc=1)
+    out, _ = again.communicate(timeout=300)
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert again.returncode != 0 and len(errors) == 1 and "already holds a run" in errors[0], out[-3000:]
+    assert "trainer.load_ckpt_from=latest" in errors[0] and "trainer.overwrite=true" in errors[0]
+    assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before  # nothing touched
+    over = launch([f"trainer.save_dir={run}", "trainer.total_steps=1", "trainer.overwrite=true", *SMALL], nproc=1)
+    out, _ = over.communicate(timeout=300)
+    assert over.returncode == 0, out[-3000:]
+    [aside] = list(tmp_path.glob("run.replaced-*"))
+    assert (aside / "step2" / "COMPLETE").exists() and [m["step"] for m in read_jsonl(aside / "metrics.jsonl")] == [1, 2]
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1] and not (run / "step2").exists()
+    old_id = json.loads((aside / "run.json").read_text())["run_id"]
+    assert json.loads((run / "run.json").read_text())["run_id"] != old_id
+
+
+def test_a_live_run_locks_its_folder_and_a_resume_repeats_no_step(tmp_path):
+    """A second run cannot open a folder a live run holds; after the live run is killed, resuming
+    from `latest` re-does the steps logged after that checkpoint instead of logging them twice."""
+    run = tmp_path / "run"
+    slow = tmp_path / "slow_env.py"  # >= 0.5 s per step, so the kill lands between two saves
+    slow.write_text(f"import sys, time\nsys.path.insert(0, {str(ROOT / 'environments')!r})\n"
+                    "from eq import reward_fn as _eq\n"
+                    "def reward_fn(messages, answer):\n    time.sleep(0.5)\n    return _eq(messages, answer)\n")
+    live = launch([f"trainer.save_dir={run}", "trainer.total_steps=100000", "trainer.save_freq=3",
+                   f"rollout.env_path={slow}", "rollout.env_workers=16", *SMALL], nproc=1)
+    try:
+        wait_for_step(run, 1, live)
+        other = launch([f"trainer.save_dir={run}", "trainer.load_ckpt_from=latest", *SMALL], nproc=1)
+        out, _ = other.communicate(timeout=300)
+        assert other.returncode != 0 and "is in use by a live run" in out, out[-3000:]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # kill just after a step that is not a checkpoint's
+            steps = [m["step"] for m in read_jsonl(run / "metrics.jsonl")]
+            if steps and steps[-1] > 3 and steps[-1] % 3 == 1:
+                break
+            time.sleep(0.05)
+    finally:
+        live.kill()
+        live.wait()
+    time.sleep(1.0)  # the ranks die with their agent (SIGKILL from the kernel)
+    from train.utils.checkpoint import find_latest
+
+    saved = int(os.path.basename(find_latest(str(run)))[4:])
+    logged = max(m["step"] for m in read_jsonl(run / "metrics.jsonl"))
+    assert logged > saved  # steps after the checkpoint were logged before the kill
+    total = logged + 1
+    resumed = launch([f"trainer.save_dir={run}", "trainer.load_ckpt_from=latest", f"trainer.total_steps={total}",
+                      *SMALL], nproc=1)
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out[-3000:]
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, total + 1))
+    starts = json.loads((run / "run.json").read_text())["starts"]
+    assert [s["resumed_from"] for s in starts] == [None, "latest"]
+
+
+def test_the_export_is_replaced_in_one_atomic_step(tmp_path, monkeypatch):
+    """`latest/` is swapped with its new version in one renameat2(RENAME_EXCHANGE): no moment (and no
+    crash) leaves only `latest.old` and `latest.tmp` behind, as the two-rename version could."""
+    from train.utils import checkpoint
+
+    final, tmp = tmp_path / "latest", tmp_path / "latest.tmp"
+    final.mkdir()
+    (final / "model.safetensors").write_text("old")
+    tmp.mkdir()
+    (tmp / "model.safetensors").write_text("new")
+
+    def no_two_step_rename(*args):
+        raise AssertionError(f"os.rename{args}: a crash after it would leave no `latest`")
+
+    monkeypatch.setattr(checkpoint.os, "rename", no_two_step_rename)
+    checkpoint._replace_dir(str(tmp), str(final))
+    assert (final / "model.safetensors").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+
+
+def test_runs_that_cannot_learn_say_so(tmp_path):
+    """Greedy training samples identical responses: a start-up warning, a warning once
+    `trainer.warn_skipped_steps` steps in a row made no update, and a last line saying nothing was
+    learned (these runs used to exit 0 with only `actor/skipped` in the metrics)."""
+    run = tmp_path / "run"
+    proc = launch([f"trainer.save_dir={run}", "rollout.train_sampling_params.temperature=0", "trainer.total_steps=3",
+                   "trainer.warn_skipped_steps=2", "data.prompts_per_rollout=4", "data.responses_per_prompt=4",
+                   "trainer.test_freq=null", "trainer.progress_bar=false"], nproc=1)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "warning: rollout.train_sampling_params.temperature=0 samples greedily" in out
+    assert "warning: no update in the last 2 steps (up to step 2)" in out
+    assert "warning: this run made no update in its 3 steps" in out
+    warnings = [e for e in read_jsonl(run / "trajectories.jsonl") if e["type"] == "warning"]
+    assert len(warnings) == 2
+
+
+def test_a_group_of_one_with_a_group_baseline_is_flagged():
+    from conftest import stub_config
+    from train.trainer.config import useless_settings
+
+    assert useless_settings(stub_config()) == []
+    [warning] = useless_settings(stub_config(["data.responses_per_prompt=1"]))
+    assert "data.responses_per_prompt=1 with adv.estimator=reinforce" in warning
+    assert useless_settings(stub_config(["data.responses_per_prompt=1", "adv.global_norm=true"])) == []
