@@ -123,15 +123,20 @@ def synthetic_batch(prompts: int, responses: int, prompt_len: int, response_len:
 # ---------------------------------------------------------------------------------------------
 # worker (one rank under torchrun)
 # ---------------------------------------------------------------------------------------------
-def _vm_hwm_mib() -> float | None:
+def _proc_status_mib(field: str) -> float | None:
+    """A memory field of /proc/self/status (`VmHWM`, `RssAnon`, ...) in MiB; None where unreadable."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024.0
     except OSError:
         pass
     return None
+
+
+def _vm_hwm_mib() -> float | None:
+    return _proc_status_mib("VmHWM")
 
 
 class PrivatePeak:
@@ -148,14 +153,8 @@ class PrivatePeak:
 
     @staticmethod
     def current_mib() -> float:
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("RssAnon:"):
-                        return int(line.split()[1]) / 1024.0
-        except OSError:
-            pass
-        return float("nan")
+        value = _proc_status_mib("RssAnon")
+        return float("nan") if value is None else value
 
     def _run(self) -> None:
         while not self._stop.is_set():
