@@ -38,6 +38,7 @@ def worker(args) -> None:
     from omegaconf import OmegaConf
 
     from train.engines.hf import HFEngine
+    from train.parallel.collectives import all_gather_flat
     from train.parallel.distributed import cleanup, init_distributed
     from train.trainer.policy_sync import PolicySync
     from train.parallel.weight_sync import unique_state
@@ -65,7 +66,7 @@ def worker(args) -> None:
 
         def floor() -> None:
             if ctx.world_size > 1:
-                dist.all_gather_into_tensor(out, flat)
+                all_gather_flat(out, flat)
             else:
                 target.copy_(source)  # one copy of the weights into the engine's storage
 

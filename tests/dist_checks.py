@@ -306,7 +306,7 @@ def collectives(args, ctx) -> None:
 
     from train.trainer.grpo import Trainer
 
-    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single", "all_to_all", "broadcast",
+    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_to_all_single", "all_to_all", "broadcast",
              "gather", "gather_object", "all_gather_object", "broadcast_object_list", "reduce_scatter_tensor",
              "barrier", "scatter")
     counts: collections.Counter = collections.Counter()
@@ -331,7 +331,8 @@ def collectives(args, ctx) -> None:
         return counted
 
     for name in names:
-        setattr(dist, name, wrap(name, getattr(dist, name)))
+        if hasattr(dist, name):  # all_gather_single: torch >= 2.13
+            setattr(dist, name, wrap(name, getattr(dist, name)))
     with initialize_config_dir(config_dir=os.path.join(ROOT, "config"), version_base=None):
         cfg = compose(config_name="stub", overrides=[
             f"trainer.save_dir={os.path.dirname(args.out)}/run", "trainer.test_freq=null", "trainer.progress_bar=false",
@@ -414,14 +415,16 @@ def push(args, ctx) -> None:
     torch.manual_seed(0)
     actor = Actor(actor_cfg(**layout_overrides(args)), ctx, args.model, pad_token_id=0, train=True,
                   temperature=1.0, total_updates=1)
+    from train.parallel.collectives import ALL_GATHER_FLAT
+
     calls = [0]
-    real = dist.all_gather_into_tensor
+    real = getattr(dist, ALL_GATHER_FLAT)
 
     def counted(*a, **kw):
         calls[0] += 1
         return real(*a, **kw)
 
-    dist.all_gather_into_tensor = counted
+    setattr(dist, ALL_GATHER_FLAT, counted)
     state = list(unique_state(actor.model))
     expected = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone() for name, t in state}
     result = {}
@@ -432,7 +435,7 @@ def push(args, ctx) -> None:
                   for n in expected)
         result[str(dtype)] = {"names": list(got), "max_err": err, "gathers": calls[0],
                               "dtypes": sorted({str(t.dtype) for t in got.values()})}
-    dist.all_gather_into_tensor = real
+    setattr(dist, ALL_GATHER_FLAT, real)
     sharded = [t for _, t in state if hasattr(t, "placements")]
     if ctx.is_main:
         torch.save({"result": result, "expected_names": [n for n, _ in state],

@@ -53,6 +53,16 @@ def gather_to_main(obj, ctx: DistContext) -> list | None:
     return out
 
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name now warns on every
+# call); torch 2.11 has only the old name.
+ALL_GATHER_FLAT = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+    """`out` = every rank's `inp`, end to end in rank order (one collective)."""
+    getattr(dist, ALL_GATHER_FLAT)(out, inp, group=group)
+
+
 def broadcast_from_main(obj, ctx: DistContext):
     """A small object from rank 0 to every rank (a decision, an error message); never training data."""
     if ctx.world_size == 1:

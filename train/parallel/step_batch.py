@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from train.parallel.collectives import all_gather_flat
 from train.parallel.layout import Layout
 from train.parallel.packing import balance
 
@@ -56,14 +57,14 @@ def exchange_index(lengths: list[int], groups: list[int], rewards: list[float], 
                           [float(r) for r in rewards], n_groups)
     count = torch.tensor([len(lengths)], dtype=torch.int64, device=device)
     counts = torch.empty(world, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(counts, count)
+    all_gather_flat(counts, count)
     counts_l = counts.tolist()
     width = max(max(counts_l), 1)
     rows = torch.zeros(width, 3, dtype=torch.float64, device=device)
     if lengths:
         rows[: len(lengths)] = torch.tensor(list(zip(lengths, groups, rewards)), dtype=torch.float64)
     everything = torch.empty(world * width * 3, dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(everything, rows.reshape(-1))
+    all_gather_flat(everything, rows.reshape(-1))
     everything = everything.cpu().view(world, width, 3)
     owner, local, length, group, reward = [], [], [], [], []
     offset = 0

@@ -21,7 +21,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
+
+from train.parallel.collectives import all_gather_flat
 
 
 @dataclass
@@ -50,7 +51,7 @@ def _shard_group(tensor: torch.Tensor):
 def _flush(bucket: list[_Pending], group, size: int) -> Iterator[tuple[str, torch.Tensor]]:
     flat = torch.cat([p.local.reshape(-1) for p in bucket])
     out = flat.new_empty(size * flat.numel())
-    dist.all_gather_into_tensor(out, flat, group=group)
+    all_gather_flat(out, flat, group=group)
     per_rank = out.view(size, flat.numel())
     offset = 0
     for p in bucket:
