@@ -258,3 +258,40 @@ def test_a_group_of_one_with_a_group_baseline_is_flagged():
     [warning] = useless_settings(stub_config(["data.responses_per_prompt=1"]))
     assert "data.responses_per_prompt=1 with adv.estimator=reinforce" in warning
     assert useless_settings(stub_config(["data.responses_per_prompt=1", "adv.global_norm=true"])) == []
+
+
+BLOCKING_ENV = """
+import time
+
+async def reward_fn(messages, answer):
+    time.sleep(600)  # blocks the event loop: rollout.env_timeout_s cannot interrupt it
+    return 1.0
+"""
+
+
+def test_the_watchdog_names_a_hung_phase_and_the_blocking_env(tmp_path):
+    """An async reward_fn that blocks the event loop used to hang the run silently; the watchdog ends
+    the rank after trainer.watchdog_min_s with a line naming the phase and the env call, and every
+    thread's stack (the sleeping env frame among them), also written to the run folder."""
+    env = tmp_path / "blocking_env.py"
+    env.write_text(textwrap.dedent(BLOCKING_ENV))
+    run = tmp_path / "run"
+    start = time.monotonic()
+    proc = launch([f"trainer.save_dir={run}", f"rollout.env_path={env}", "trainer.total_steps=2",
+                   "trainer.watchdog_min_s=3", *SMALL], nproc=1)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - start < 90, out[-3000:]
+    assert "watchdog: rank 0: rollout has run for" in out, out[-3000:]
+    assert "env call in flight the longest: blocking_env.py:reward_fn for" in out
+    dump = (run / "watchdog_rank0.txt").read_text()
+    assert "blocking_env.py" in dump and "reward_fn" in dump  # the blocked frame is in the stacks
+
+
+def test_watchdog_limits_follow_each_phase_history():
+    from train.utils.watchdog import Watchdog
+
+    dog = Watchdog(None, 10.0, 0, ".")  # min_s None: no thread, only the bookkeeping
+    dog.min_s = 5.0
+    assert dog.limit("update") == 5.0
+    dog.longest["update"] = 2.0
+    assert dog.limit("update") == 20.0 and dog.limit("rollout") == 5.0

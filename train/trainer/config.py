@@ -171,6 +171,8 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
             example="trainer.model_fetch_timeout_s=7200")
     _positive_int(cfg, "trainer.keep_last_n", allow_none=True)
     _number(cfg, "trainer.export_shard_gb", 0.0, low_open=True, example="trainer.export_shard_gb=2")
+    _number(cfg, "trainer.watchdog_min_s", 0.0, low_open=True, allow_none=True, example="trainer.watchdog_min_s=1800")
+    _number(cfg, "trainer.watchdog_factor", 1.0, example="trainer.watchdog_factor=10")
     for key in ("trainer.async_save", "trainer.save_on_signal", "trainer.overwrite"):
         if not isinstance(_get(cfg, key), bool):
             _fail(key, f"expected true or false, got {_get(cfg, key)!r}", f"{key}=true")

@@ -54,6 +54,7 @@ from train.utils.export import GB, export_hf
 from train.utils.lifecycle import StopRequest
 from train.utils.logging import RunLogger
 from train.utils.run_folder import RunFolderError, claim
+from train.utils.watchdog import Watchdog
 from train.workers.actor import Actor
 from train.workers.critic import Critic
 from train.workers.environment import EnvLoadError, Environment
@@ -141,6 +142,8 @@ class Trainer:
             self.log.write(f"warning: {warning}")
             self.log.event("warning", self.start_step, {"warning": warning})
         self.skipped_in_a_row = self.updates = 0
+        self.watchdog = Watchdog(cfg.trainer.watchdog_min_s, cfg.trainer.watchdog_factor, ctx.rank,
+                                 cfg.trainer.save_dir, describe=self.env.longest_call)
         self.sync = PolicySync(self.actor.model, self.engine, cfg.rollout.bucket_size_mb, self.governor,
                                self.workers, self.log)
         if resumed or os.path.realpath(paths.rollout) != os.path.realpath(paths.actor):
@@ -263,7 +266,8 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         t0 = time.perf_counter()
         n = cfg.data.responses_per_prompt
-        samples, _, kept, kept_r, metrics = self.collect(step)
+        with self.watchdog.phase("rollout"):
+            samples, _, kept, kept_r, metrics = self.collect(step)
         self.engine.sleep()  # free the engine's accelerator memory for the update (no-op on CPU)
         metrics.update(self._engine_metrics())
         metrics.update(self._log_samples(step, samples))
@@ -280,8 +284,9 @@ class Trainer:
             self.updates += 1
             if frozen:
                 metrics["actor/frozen"] = 1.0
-            metrics.update(self._update(index, kept, update_actor=not frozen))
-            metrics.update(self.sync.after_update(step, metrics, push=not frozen))
+            with self.watchdog.phase("update"):
+                metrics.update(self._update(index, kept, update_actor=not frozen))
+                metrics.update(self.sync.after_update(step, metrics, push=not frozen))
         metrics["time/update_s"] = time.perf_counter() - t1 - metrics.get("time/weight_sync_s", 0.0)
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
@@ -399,12 +404,14 @@ class Trainer:
             metrics = self.train_step(step)
             if test_freq and (step % test_freq == 0 or step == self.total_steps):
                 t = time.perf_counter()
-                metrics["rewards/test"] = self.evaluate(step)
+                with self.watchdog.phase("evaluation"):
+                    metrics["rewards/test"] = self.evaluate(step)
                 metrics["time/eval_s"] = time.perf_counter() - t
                 self.log.write(f"step {step}: test reward {metrics['rewards/test']:.3f}")
             self.checkpointer.poll()  # an asynchronous save that has finished writing becomes `latest`
             if save_freq and step % save_freq == 0:
-                metrics["time/checkpoint_s"] = self.save(step)
+                with self.watchdog.phase("checkpoint"):
+                    metrics["time/checkpoint_s"] = self.save(step)
             self.log.log_metrics(step, metrics)
             self.log.progress(step, metrics)
             requested = stop.agreed(self.ctx.device) if stop is not None else None
@@ -440,6 +447,7 @@ class Trainer:
         self.log.write(f"stopped by {signal_name} after step {step}; {how}")
 
     def close(self) -> None:
+        self.watchdog.close()
         self.checkpointer.close()
         self.log.close()
         self.rollout.close()

@@ -13,6 +13,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from types import ModuleType
 from typing import Any
 
@@ -89,9 +90,26 @@ class Environment:
         self.timeout_s = timeout_s
         self.name = os.path.basename(path)
         self._pool = DaemonThreadPool(max_workers)
+        self._in_flight: dict[int, tuple[str, float]] = {}  # call id -> (function, start): for the watchdog
+
+    def longest_call(self) -> str:
+        """The env call in flight the longest, e.g. `env.py:reward_fn for 42 s` ('' when none)."""
+        calls = list(self._in_flight.values())
+        if not calls:
+            return ""
+        fn, start = min(calls, key=lambda c: c[1])
+        return f"env call in flight the longest: {self.name}:{fn} for {time.monotonic() - start:.0f} s"
 
     async def _call(self, name: str, fn, *args) -> Any:
         args = copy.deepcopy(args)  # env code must not mutate the rollout's conversation
+        key = id(args)
+        self._in_flight[key] = (name, time.monotonic())
+        try:
+            return await self._run(name, fn, args)
+        finally:
+            self._in_flight.pop(key, None)
+
+    async def _run(self, name: str, fn, args: tuple) -> Any:
         try:
             if inspect.iscoroutinefunction(fn):
                 return await asyncio.wait_for(_contained(fn(*args)), self.timeout_s)
