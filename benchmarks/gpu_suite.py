@@ -231,6 +231,11 @@ def section_demo(args, work: Path) -> dict:
     return out
 
 
+async def generate_all(engine, prompts: list[list[int]], sampling):
+    """Every prompt in flight at once: the engine batches them."""
+    return await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
+
+
 def section_decode(args, work: Path, shapes: Shapes, info: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -257,13 +262,9 @@ def section_decode(args, work: Path, shapes: Shapes, info: dict) -> dict:
                        for _ in range(batch)]
             new = 4 if i == 0 else shapes.decode_new  # the first pass warms up
             sp = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True)
-
-            async def generate():
-                return await asyncio.gather(*(engine.generate(p, sp) for p in prompts))
-
             sync()
             start = time.perf_counter()
-            out = asyncio.run(generate())
+            out = asyncio.run(generate_all(engine, prompts, sp))
             sync()
             seconds = time.perf_counter() - start
             if i == 0:

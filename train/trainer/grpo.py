@@ -139,8 +139,7 @@ class Trainer:
         if moved:
             self.log.write(f"trainer.overwrite: the run that was in {cfg.trainer.save_dir} is now in {moved}")
         for warning in useless_settings(cfg):
-            self.log.write(f"warning: {warning}")
-            self.log.event("warning", self.start_step, {"warning": warning})
+            self._warn(self.start_step, warning)
         self.skipped_in_a_row = self.updates = 0
         self.watchdog = Watchdog(cfg.trainer.watchdog_min_s, cfg.trainer.watchdog_factor, ctx.rank,
                                  cfg.trainer.save_dir, describe=self.env.longest_call)
@@ -296,11 +295,14 @@ class Trainer:
         self.skipped_in_a_row += 1
         limit = self.cfg.trainer.warn_skipped_steps
         if limit and self.skipped_in_a_row == limit:
-            warning = (f"no update in the last {limit} steps (up to step {step}): every group's rewards were "
-                       "identical, so dynamic filtering dropped them all; look at rewards/train and at the samples "
-                       "in trajectories.jsonl (too hard, too easy, or a broken reward_fn?)")
-            self.log.write(f"warning: {warning}")
-            self.log.event("warning", step, {"warning": warning})
+            self._warn(step, f"no update in the last {limit} steps (up to step {step}): every group's rewards were "
+                             "identical, so dynamic filtering dropped them all; look at rewards/train and at the "
+                             "samples in trajectories.jsonl (too hard, too easy, or a broken reward_fn?)")
+
+    def _warn(self, step: int, warning: str) -> None:
+        """A warning line on rank 0's output and a `warning` event in trajectories.jsonl."""
+        self.log.write(f"warning: {warning}")
+        self.log.event("warning", step, {"warning": warning})
 
     def _update(self, index: BatchIndex, kept: list[Sample], update_actor: bool = True) -> dict[str, float]:
         """Dispatch the kept samples once per data layout, then every pass in place on the step batch:
@@ -409,14 +411,15 @@ class Trainer:
                 metrics["time/eval_s"] = time.perf_counter() - t
                 self.log.write(f"step {step}: test reward {metrics['rewards/test']:.3f}")
             self.checkpointer.poll()  # an asynchronous save that has finished writing becomes `latest`
-            if save_freq and step % save_freq == 0:
+            save_due = bool(save_freq and step % save_freq == 0)
+            if save_due:
                 with self.watchdog.phase("checkpoint"):
                     metrics["time/checkpoint_s"] = self.save(step)
             self.log.log_metrics(step, metrics)
             self.log.progress(step, metrics)
             requested = stop.agreed(self.ctx.device) if stop is not None else None
             if requested:
-                self._stop(step, requested, saved=bool(save_freq and step % save_freq == 0))
+                self._stop(step, requested, saved=save_due)
                 return
         self.checkpointer.wait()
         export_hf(self.actor.model, self.tokenizer, os.path.join(cfg.trainer.save_dir, "latest"), self.ctx,
