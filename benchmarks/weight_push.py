@@ -7,8 +7,9 @@ For each rank count, one torchrun builds the actor exactly as the trainer does (
 a plain module on one rank) and an `hf` rollout engine per rank, then times, after a warm-up:
 
 * **push**: `PolicySync.push()`, what the trainer runs after every update: the flat-bucket gather of
-  the full weights (train/parallel/weight_sync.py) and the engine's copy of each bucket into its
-  own weights;
+  the full weights (train/parallel/weight_sync.py), the engine's copy of each bucket into its
+  own weights and the verification of every tensor's checksum (`trainer.verify_push`, the default);
+* **unverified**: the same push with `trainer.verify_push=false`;
 * **gather only**: the same gather without the engine (what the push costs in collectives);
 * **floor**: one `all_gather_into_tensor` of the same number of bytes on the same ranks (no
   bucketing, no unpacking, no engine copy): what moving the weights cannot beat. On one rank there is
@@ -52,6 +53,7 @@ def worker(args) -> None:
         actor = Actor(cfg, ctx, args.model, pad_token_id=0, train=True, temperature=1.0)
         engine = HFEngine.from_pretrained(args.model, device=ctx.device)
         sync = PolicySync(actor.model, engine, args.bucket_mb, None, {"actor": actor}, log=None)
+        unverified = PolicySync(actor.model, engine, args.bucket_mb, None, {"actor": actor}, log=None, verify=False)
         n_params = sum(t.numel() for _, t in unique_state(actor.model))
         nbytes = n_params * 4
 
@@ -71,7 +73,8 @@ def worker(args) -> None:
                 target.copy_(source)  # one copy of the weights into the engine's storage
 
         timings = {}
-        for name, fn in (("push", sync.push), ("gather_only", gather_only), ("floor", floor)):
+        for name, fn in (("push", sync.push), ("unverified", unverified.push), ("gather_only", gather_only),
+                         ("floor", floor)):
             fn()  # warm-up
             times = []
             for _ in range(args.repeats):
@@ -114,12 +117,12 @@ def main() -> None:
                 raise SystemExit(proc.stderr[-3000:])
             rows.append(json.load(open(out.name)))
     print(f"model {os.path.relpath(args.model, ROOT)}, bucket {args.bucket_mb:g} MB, median of {args.repeats}")
-    print("| ranks | params | push s | gather only s | floor s | push s per 1B params | push / floor |")
-    print("|---|---|---|---|---|---|---|")
+    print("| ranks | params | push s | unverified s | gather only s | floor s | push s per 1B params | push / floor |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         per_b = r["push"] / r["params"] * 1e9
-        print(f"| {r['ranks']} | {r['params'] / 1e6:.1f}M | {r['push']:.4f} | {r['gather_only']:.4f} | "
-              f"{r['floor']:.4f} | {per_b:.1f} | {r['push'] / max(r['floor'], 1e-9):.1f}x |")
+        print(f"| {r['ranks']} | {r['params'] / 1e6:.1f}M | {r['push']:.4f} | {r['unverified']:.4f} | "
+              f"{r['gather_only']:.4f} | {r['floor']:.4f} | {per_b:.1f} | {r['push'] / max(r['floor'], 1e-9):.1f}x |")
 
 
 if __name__ == "__main__":

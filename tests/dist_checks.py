@@ -262,10 +262,67 @@ def match(args, ctx) -> None:
                     "changed": any(a.token_ids != b.token_ids for a, b in zip(gens, changed))}, args.out)
 
 
+def sync(args, ctx) -> None:
+    """Verified weight sync through PolicySync (what the trainer calls): an honest push verifies and
+    the probe agrees; an engine that silently drops one tensor on the last rank, or whose weights
+    drift after the push on rank 0, stops every rank with a WeightSyncError."""
+    from train.trainer.policy_sync import PolicySync
+    from train.trainer.sync_check import WeightSyncError, actor_logprobs, check_probe
+
+    class Log:  # PolicySync logs only on governor events
+        def event(self, *a, **k): ...
+        def write(self, *a, **k): ...
+
+    torch.manual_seed(0)
+    actor = Actor(actor_cfg(**layout_overrides(args)), ctx, MODEL, pad_token_id=0, train=True, temperature=0.7,
+                  total_updates=1)
+    engine = HFEngine.from_pretrained(MODEL, device=ctx.device, seed=0)
+    with torch.no_grad():  # the engine starts from other weights: the push must bring the actor's
+        for p in engine.model.parameters():
+            p.add_(0.01)
+    policy = PolicySync(actor.model, engine, args.bucket_kb / 1024, None, {"actor": actor}, Log(),
+                        verify=True, device=ctx.device, rank=ctx.rank)
+    out: dict = {"push_s": policy.push(step=3), "weight_norm": actor.weight_norm(),
+                 "full_norm": sum(float((t.double() ** 2).sum())
+                                  for _, t in gather_full_tensors(unique_state(actor.model), 1 << 20)) ** 0.5}
+    probe = [1, 50, 60, 70, 80, 90, 100, 7, 8, 9]
+    out["probe_diff"] = check_probe(engine.score(probe, 0.7), actor_logprobs(actor, probe, ctx.device), 1e-3, 3,
+                                    ctx.rank, ctx.device)
+    # A silent engine failure: the last rank's engine drops one tensor of the push.
+    write, dropped = engine._write, "model.layers.1.mlp.down_proj.weight"
+    targets = engine._named_targets()
+
+    def lossy(target, tensor):
+        if ctx.rank == ctx.world_size - 1 and target is targets[dropped]:
+            return
+        write(target, tensor)
+
+    with torch.no_grad():
+        for p in actor.model.parameters():  # new weights, as after an update
+            p.to_local().add_(0.001)
+    engine._write = lossy
+    try:
+        policy.push(step=4)
+        out["lossy"] = None
+    except WeightSyncError as e:
+        out["lossy"] = str(e)
+    engine._write = write
+    policy.push(step=5)
+    with torch.no_grad():  # rank 0's engine drifts after an honest push
+        if ctx.rank == 0:
+            targets["model.layers.0.self_attn.q_proj.weight"].mul_(3.0)
+    try:
+        check_probe(engine.score(probe, 0.7), actor_logprobs(actor, probe, ctx.device), 1e-3, 6, ctx.rank, ctx.device)
+        out["drift"] = None
+    except WeightSyncError as e:
+        out["drift"] = str(e)
+    torch.save(out, args.out.replace(".pt", f".rank{ctx.rank}.pt"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["grads", "match", "critic_grads", "reference", "packing", "collectives",
-                                         "advantages", "push", "load", "reshard"])
+                                         "advantages", "push", "load", "reshard", "sync"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--agg", default="all_token_mean")
     parser.add_argument("--split", default="uneven")
@@ -287,7 +344,7 @@ def main() -> None:
     try:
         {"grads": grads, "match": match, "critic_grads": critic_grads, "reference": reference,
          "packing": packing, "collectives": collectives, "advantages": advantages,
-         "push": push, "load": load, "reshard": reshard}[args.mode](args, ctx)
+         "push": push, "load": load, "reshard": reshard, "sync": sync}[args.mode](args, ctx)
     finally:
         cleanup()
 

@@ -250,6 +250,29 @@ def test_runs_that_cannot_learn_say_so(tmp_path):
     assert len(warnings) == 2
 
 
+@pytest.mark.parametrize("governor", [False, True])
+def test_a_huge_learning_rate_is_reported_or_rolled_back(tmp_path, governor):
+    """actor.lr=1e3 blew the weights up to ~1000 at step 1 and the run went on with a reward of 0 while
+    every metric stayed finite. The update's relative weight-norm change is watched from the first
+    step: without the governor a warning names it, with it the update is rolled back and never pushed."""
+    run = tmp_path / "run"
+    proc = launch([f"trainer.save_dir={run}", "actor.lr=1e3", "trainer.total_steps=2",
+                   f"trainer.governor.enable={str(governor).lower()}", *SMALL], nproc=1)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    rows = {r["step"]: r for r in read_jsonl(run / "metrics.jsonl")}
+    assert rows[1]["actor/weight_change"] > 10  # the weight norm grew by over 1000%
+    if governor:
+        assert "step 1: governor rolled back (actor/weight_change" in out, out[-3000:]
+        assert rows[1]["governor/rollback"] == 1.0 and "time/weight_sync_s" not in rows[1]
+        rollback = next(e for e in read_jsonl(run / "trajectories.jsonl") if e["type"] == "governor.rollback")
+        assert rollback["bad_fingerprint"] > 10 * rollback["restored_fingerprint"]  # sum|w| before / after
+        assert rows[2]["governor/rollback"] == 1.0  # the same lr blows up again: rolled back again
+    else:
+        assert "warning: step 1's update changed the actor's weight norm by" in out
+        assert "trainer.governor.enable=true rolls such updates back" in out
+
+
 def test_a_group_of_one_with_a_group_baseline_is_flagged():
     from conftest import stub_config
     from train.trainer.config import useless_settings
@@ -290,8 +313,65 @@ def test_the_watchdog_names_a_hung_phase_and_the_blocking_env(tmp_path):
 def test_watchdog_limits_follow_each_phase_history():
     from train.utils.watchdog import Watchdog
 
-    dog = Watchdog(None, 10.0, 0, ".")  # min_s None: no thread, only the bookkeeping
+    dog = Watchdog(None, 10.0, 0, ".")  # min_s None: only phases with a fixed limit are judged
+    assert dog.limit("update") == float("inf") and dog.limit("weight push", 600.0) == 600.0
     dog.min_s = 5.0
     assert dog.limit("update") == 5.0
     dog.longest["update"] = 2.0
     assert dog.limit("update") == 20.0 and dog.limit("rollout") == 5.0
+    dog.close()
+
+
+COLLECTIVE_TIMEOUT = """
+import sys, time
+sys.path.insert(0, {root!r})
+import torch, torch.distributed as dist
+from train.parallel.distributed import init_distributed
+from train.parallel.layout import build_layout
+
+ctx = init_distributed(3)
+layout = build_layout(ctx.world_size, "cpu", prefix="actor", timeout_s=ctx.collective_timeout_s)
+for dim in ("ddp", "fsdp", "tp"):  # sub-groups too, not only the world group
+    timeout = layout.model_mesh.get_group(dim)._get_backend(torch.device("cpu")).options._timeout
+    assert timeout.total_seconds() == 3, (dim, timeout)
+if ctx.rank == 1:
+    time.sleep(8)  # never joins: rank 0 must give up after trainer.collective_timeout_s, not 30 minutes
+    sys.exit(0)
+start = time.monotonic()
+try:
+    dist.all_reduce(torch.ones(1))
+except Exception as e:
+    print(f"timed out after {{time.monotonic() - start:.1f}} s: {{type(e).__name__}}", flush=True)
+"""
+
+
+def test_collectives_time_out_after_the_configured_seconds(tmp_path):
+    script = tmp_path / "collective_timeout.py"
+    script.write_text(COLLECTIVE_TIMEOUT.format(root=str(ROOT)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=trainer_env())
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("timed out after")), None)
+    assert line is not None, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert 2.5 < float(line.split()[3]) < 15, line  # 3 s, not gloo's default 1800 s
+
+
+def _can_mount_in_a_namespace() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _can_mount_in_a_namespace(), reason="needs unshare -rm (user + mount namespaces) for a small tmpfs")
+def test_a_full_disk_is_said_in_words(tmp_path):
+    """A checkpoint that does not fit used to fail with `enforce fail at inline_container.cc` and a
+    traceback. Here the run folder is a 3 MiB tmpfs (the stub's first checkpoint needs ~10 MiB)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    cmd = " ".join(trainer_cmd(1, [f"trainer.save_dir={run}", "trainer.total_steps=2", "trainer.save_freq=1", *SMALL]))
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=3m tmpfs {run} && exec {cmd}"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=trainer_env())
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert f"no space left on the device holding {run}/step1.tmp while writing the checkpoint of step 1" in err, err[-3000:]
+    assert "MiB free" in err and "trainer.load_ckpt_from=latest" in err

@@ -32,6 +32,25 @@ def test_detect():
     assert "spike" in detect("actor/grad_norm", 4.1, flat, 4, 3, 0.25)
 
 
+def test_a_large_relative_weight_change_panics_from_the_first_step():
+    # No history needed: lr=1e3 moves the weight norm by ~1000x at step 1.
+    assert "max_weight_change=0.05" in detect("actor/weight_change", 12.0, [], 4, 3, 0.0, 0.05)
+    assert detect("actor/weight_change", 2e-5, [], 4, 3, 0.0, 0.05) is None
+    assert detect("actor/weight_change", 0.04, [1e-5] * 10, 4, 3, 0.0, 0.05) is None  # not a k-sigma judgement
+    g = gov(watch=["actor/weight_change"], max_weight_change=0.05)
+    assert g.observe({"actor/weight_change": 3.0}).action == "rollback"
+
+
+def test_weight_norm_counts_each_shard_once():
+    """Trainable.weight_norm (what the actor's update reports) on one rank against a float64 norm."""
+    from train.workers.trainable import Trainable
+
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+    holder = SimpleNamespace(model=model, device=torch.device("cpu"))
+    expected = math.sqrt(sum(float((p.detach().double() ** 2).sum()) for p in model.parameters()))
+    assert abs(Trainable.weight_norm(holder) - expected) < 1e-6 * expected
+
+
 def test_governor_window_and_rollback():
     g = gov()
     for v in [1.0, 1.1, 0.9, 1.0]:

@@ -47,6 +47,7 @@ import torch
 from transformers import DynamicCache
 
 from train.engines.base import Generation, SamplingParams
+from train.utils.checksum import tensor_checksum
 
 
 @dataclass
@@ -188,6 +189,27 @@ class HFEngine:
                             f"the engine's model has {tuple(target.shape)}"
                         )
                     self._write(target, tensor.detach())
+
+    def weight_checksums(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The exact checksum (train/utils/checksum.py) of what the engine holds under each name it
+        has: the trainer compares them with what it pushed (trainer.verify_push)."""
+        with self._lock, torch.no_grad():
+            targets = self._named_targets()
+            return {n: tensor_checksum(targets[n]) for n in names if n in targets}
+
+    def score(self, token_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+        """log p(token i | tokens < i) at `temperature` for i >= 1, as the sampler computes them
+        (float32 log-softmax of logits / temperature): the sync probe's engine side."""
+        if len(token_ids) < 2:
+            raise ValueError("score: need at least two tokens")
+        with self._lock, torch.inference_mode():
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            self._wake_locked()
+            ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+            logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+            return logp.gather(1, ids[0, 1:, None]).squeeze(1).cpu()
 
     def _write(self, target: torch.Tensor, tensor: torch.Tensor) -> None:
         if same_storage(target, tensor):

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from train.parallel.distributed import mesh_overrides
+
 
 class LayoutError(ValueError):
     """Sizes that cannot be laid out on this world or this model; the message names the key."""
@@ -111,15 +113,19 @@ class Layout:
 
 
 def build_layout(world: int, device_type: str, ddp: int = 1, tp: int = 1, sp: int = 1,
-                 prefix: str = "actor") -> Layout:
-    """Both meshes for one model; a collective (every rank calls it, in the same order)."""
+                 prefix: str = "actor", timeout_s: float | None = None) -> Layout:
+    """Both meshes for one model; a collective (every rank calls it, in the same order). Their
+    groups time out after `timeout_s` (None: torch's default)."""
     sizes = layout_sizes(world, ddp, tp, sp, prefix)
-    model_mesh = init_device_mesh(device_type, (sizes.ddp, sizes.fsdp, sizes.tp), mesh_dim_names=("ddp", "fsdp", "tp"))
-    data_mesh = init_device_mesh(device_type, (sizes.dp, sizes.sp, sizes.tp), mesh_dim_names=("dp", "sp", "tp"))
+    model_dims, data_dims = ("ddp", "fsdp", "tp"), ("dp", "sp", "tp")
+    model_mesh = init_device_mesh(device_type, (sizes.ddp, sizes.fsdp, sizes.tp), mesh_dim_names=model_dims,
+                                  backend_override=mesh_overrides(device_type, model_dims, timeout_s))
+    data_mesh = init_device_mesh(device_type, (sizes.dp, sizes.sp, sizes.tp), mesh_dim_names=data_dims,
+                                 backend_override=mesh_overrides(device_type, data_dims, timeout_s))
     return Layout(sizes, model_mesh, data_mesh)
 
 
-def layout_for(cfg, world: int, device_type: str, prefix: str) -> Layout:
+def layout_for(cfg, world: int, device_type: str, prefix: str, timeout_s: float | None = None) -> Layout:
     """A model's layout from its config section (`ddp_size`, `tp_size`, `sp_size`; absent = 1)."""
     return build_layout(world, device_type, ddp=cfg.get("ddp_size") or 1, tp=cfg.get("tp_size") or 1,
-                        sp=cfg.get("sp_size") or 1, prefix=prefix)
+                        sp=cfg.get("sp_size") or 1, prefix=prefix, timeout_s=timeout_s)

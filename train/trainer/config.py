@@ -144,6 +144,12 @@ def useless_settings(cfg: DictConfig) -> list[str]:
 Resolver = Callable[[Mapping[str, tuple[str, str]]], dict[str, str]]
 
 
+def collective_timeout_s(cfg: DictConfig) -> float:
+    """`trainer.collective_timeout_s`, checked: needed before the process group (and `validate`)."""
+    _number(cfg, "trainer.collective_timeout_s", 0.0, low_open=True, example="trainer.collective_timeout_s=600")
+    return float(cfg.trainer.collective_timeout_s)
+
+
 def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = None) -> ModelPaths:
     """Raise ConfigError for the first missing or inconsistent key; return the local folders of
     every model. `resolve` turns model names into folders (default: `hub.resolve_all` in this
@@ -173,7 +179,11 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     _number(cfg, "trainer.export_shard_gb", 0.0, low_open=True, example="trainer.export_shard_gb=2")
     _number(cfg, "trainer.watchdog_min_s", 0.0, low_open=True, allow_none=True, example="trainer.watchdog_min_s=1800")
     _number(cfg, "trainer.watchdog_factor", 1.0, example="trainer.watchdog_factor=10")
-    for key in ("trainer.async_save", "trainer.save_on_signal", "trainer.overwrite"):
+    collective_timeout_s(cfg)
+    _positive_int(cfg, "trainer.sync_probe_every", allow_none=True)
+    _number(cfg, "trainer.sync_probe_tol", 0.0, low_open=True, allow_none=True, example="trainer.sync_probe_tol=0.001")
+    _number(cfg, "rollout.push_timeout_s", 0.0, low_open=True, allow_none=True, example="rollout.push_timeout_s=600")
+    for key in ("trainer.async_save", "trainer.save_on_signal", "trainer.overwrite", "trainer.verify_push"):
         if not isinstance(_get(cfg, key), bool):
             _fail(key, f"expected true or false, got {_get(cfg, key)!r}", f"{key}=true")
 
@@ -335,6 +345,8 @@ def _validate_algorithms(cfg: DictConfig) -> None:
     _number(cfg, "rollout.overlong_penalty", 0.0, example="rollout.overlong_penalty=1.0")
 
     gov = cfg.trainer.governor
+    _number(cfg, "trainer.governor.max_weight_change", 0.0, low_open=True,
+            example="trainer.governor.max_weight_change=0.05")  # also the warning's threshold without the governor
     if gov.enable:
         _positive_int(cfg, "trainer.governor.window")
         _positive_int(cfg, "trainer.governor.min_history")

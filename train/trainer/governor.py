@@ -23,12 +23,19 @@ class Verdict:
 
 
 def detect(name: str, value: float, history: list[float], k_sigma: float, min_history: int,
-           rel_std_floor: float) -> str | None:
-    """Why `value` of metric `name` is a catastrophe, or None. Spikes need `min_history` accepted
-    values; the spread is max(std, rel_std_floor * |mean|) so a near-constant history does not make
-    ordinary noise look like a spike. Gradient norms only spike upwards; losses either way."""
+           rel_std_floor: float, max_weight_change: float = math.inf) -> str | None:
+    """Why `value` of metric `name` is a catastrophe, or None. A `*weight_change` (the update's
+    relative change of the weight norm) above `max_weight_change` is one from the first step on, no
+    history needed. Spikes need `min_history` accepted values; the spread is max(std, rel_std_floor *
+    |mean|) so a near-constant history does not make ordinary noise look like a spike. Gradient norms
+    only spike upwards; losses either way."""
     if not math.isfinite(value):
         return f"{name} is {value}"
+    if name.endswith("weight_change"):
+        if value > max_weight_change:
+            return (f"{name} {value:.3g}: the update changed the weight norm by {100 * value:.3g}% "
+                    f"(> trainer.governor.max_weight_change={max_weight_change:g})")
+        return None
     if len(history) < min_history:
         return None
     mean = sum(history) / len(history)
@@ -42,8 +49,9 @@ def detect(name: str, value: float, history: list[float], k_sigma: float, min_hi
 
 class Governor:
     def __init__(self, watch: list[str], window: int, k_sigma: float, min_history: int, min_panics: int,
-                 rel_std_floor: float):
+                 rel_std_floor: float, max_weight_change: float = math.inf):
         self.watch, self.window, self.k_sigma = list(watch), window, k_sigma
+        self.max_weight_change = max_weight_change
         self.min_history, self.min_panics, self.rel_std_floor = min_history, min_panics, rel_std_floor
         self.history: dict[str, list[float]] = {}
         self.panics = 0
@@ -51,7 +59,7 @@ class Governor:
     def check(self, metrics: dict[str, float]) -> str | None:
         reasons = [r for name in self.watch if name in metrics
                    if (r := detect(name, float(metrics[name]), self.history.get(name, []), self.k_sigma,
-                                   self.min_history, self.rel_std_floor))]
+                                   self.min_history, self.rel_std_floor, self.max_weight_change))]
         return "; ".join(reasons) or None
 
     def observe(self, metrics: dict[str, float]) -> Verdict:

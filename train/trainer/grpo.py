@@ -8,6 +8,7 @@ reference / old log-probs when needed -> advantages -> actor update -> push weig
 """
 from __future__ import annotations
 
+import errno
 import os
 import random
 import sys
@@ -35,21 +36,24 @@ from transformers import AutoTokenizer
 
 from train.datasets.dataloader import build_dataloader
 from train.datasets.loading import DataError, load_rows
-from train.datasets.tokenize import TokenizationError
+from train.datasets.tokenize import TokenizationError, encode
 from train.engines import build_engine
 from train.parallel.collectives import all_reduce_sum, gather_to_main
 from train.parallel.distributed import DistContext, cleanup, init_distributed
 from train.parallel.layout import Layout, layout_for
 from train.parallel.step_batch import BatchIndex, StepBatch, dispatch, exchange_index, transfer
 from train.trainer.advantages import compute_advantages
-from train.trainer.config import (ConfigError, resolve_aliases, role_config, sampling_params, useless_settings,
+from train.trainer.config import (ConfigError, collective_timeout_s, resolve_aliases, role_config, sampling_params,
+                                  useless_settings,
                                   validate)
 from train.trainer.governor import Governor
 from train.trainer.policy_sync import PolicySync
+from train.trainer.sync_check import WeightSyncError, actor_logprobs, check_probe, probe_tolerance
 from train.trainer.step import RunningMoments, mask_truncated, rollout_metrics, select_groups, shaped_rewards
 from train.utils import algorithms as alg
 from train.utils import api_stats, hub
 from train.utils import checkpoint as ckpt
+from train.utils.disk import DiskFullError
 from train.utils.export import GB, export_hf
 from train.utils.lifecycle import StopRequest
 from train.utils.logging import RunLogger
@@ -60,6 +64,10 @@ from train.workers.critic import Critic
 from train.workers.environment import EnvLoadError, Environment
 from train.workers.model_init import CheckpointError
 from train.workers.rollout import RolloutWorker, Sample, sample_seed
+
+
+# The sync probe's text: any fixed sequence works; the engine and the trainer score the same tokens.
+PROBE_TEXT = "The rollout engine samples from the weights the trainer has just pushed: 1 2 3 4 5 6 7 8 9 10."
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -123,7 +131,7 @@ class Trainer:
         self.reward_moments = RunningMoments()  # PPO reward scaling (critic.reward_norm)
         gov = cfg.trainer.governor
         self.governor = (Governor(gov.watch, gov.window, gov.k_sigma, gov.min_history, gov.min_panics,
-                                  gov.rel_std_floor) if gov.enable else None)
+                                  gov.rel_std_floor, gov.max_weight_change) if gov.enable else None)
         self.engine = build_engine(cfg.rollout, ctx, model_path=paths.rollout, tokenizer=self.rollout_tokenizer,
                                    seed=cfg.trainer.seed)
         max_len = cfg.rollout.max_total_length or getattr(self.actor.model.config, "max_position_embeddings", 4096)
@@ -144,9 +152,15 @@ class Trainer:
         self.watchdog = Watchdog(cfg.trainer.watchdog_min_s, cfg.trainer.watchdog_factor, ctx.rank,
                                  cfg.trainer.save_dir, describe=self.env.longest_call)
         self.sync = PolicySync(self.actor.model, self.engine, cfg.rollout.bucket_size_mb, self.governor,
-                               self.workers, self.log)
+                               self.workers, self.log, verify=cfg.trainer.verify_push, watchdog=self.watchdog,
+                               push_timeout_s=cfg.rollout.push_timeout_s, device=ctx.device, rank=ctx.rank)
+        # The sync probe: a fixed sequence both sides score (trainer.sync_probe_every).
+        self.probe_ids = encode(self.rollout_tokenizer, PROBE_TEXT)[:128]
+        self.probe_tol = probe_tolerance(cfg.trainer.sync_probe_tol, getattr(self.engine, "dtype", torch.float32),
+                                         cfg.actor.dtype)
+        self.temperature = temperature
         if resumed or os.path.realpath(paths.rollout) != os.path.realpath(paths.actor):
-            self.sync.push()  # the engine loaded rollout.model_name (or the run's start): sample from the actor
+            self.sync.push(self.start_step)  # the engine loaded rollout.model_name (or the run's start): sample from the actor
         self._log_layouts()
 
     def _layout(self, role: str) -> Layout:
@@ -154,7 +168,8 @@ class Trainer:
         section = role_config(self.cfg, role)
         key = tuple(section.get(k) or 1 for k in ("ddp_size", "tp_size", "sp_size"))
         if key not in self._layouts:
-            self._layouts[key] = layout_for(section, self.ctx.world_size, self.ctx.device.type, role)
+            self._layouts[key] = layout_for(section, self.ctx.world_size, self.ctx.device.type, role,
+                                            timeout_s=self.ctx.collective_timeout_s)
         return self._layouts[key]
 
     def _log_layouts(self) -> None:
@@ -285,10 +300,28 @@ class Trainer:
                 metrics["actor/frozen"] = 1.0
             with self.watchdog.phase("update"):
                 metrics.update(self._update(index, kept, update_actor=not frozen))
+                change, limit = metrics.get("actor/weight_change", 0.0), cfg.trainer.governor.max_weight_change
+                if self.governor is None and change > limit:
+                    self._warn(step, f"step {step}'s update changed the actor's weight norm by {100 * change:.3g}% "
+                                     f"(> trainer.governor.max_weight_change={limit:g}): actor.lr too high? "
+                                     "trainer.governor.enable=true rolls such updates back")
                 metrics.update(self.sync.after_update(step, metrics, push=not frozen))
+            every = cfg.trainer.sync_probe_every
+            if every and step % every == 0 and "time/weight_sync_s" in metrics:
+                metrics["engine/probe_abs_diff"] = self.probe_sync(step)
         metrics["time/update_s"] = time.perf_counter() - t1 - metrics.get("time/weight_sync_s", 0.0)
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
+
+    def probe_sync(self, step: int) -> float:
+        """The engine's and the actor's log-probs of the probe sequence must agree to rounding (they
+        hold the same weights after a push); the mean |difference|, or WeightSyncError. Collective."""
+        score = getattr(self.engine, "score", None)
+        if score is None or len(self.probe_ids) < 2:
+            return float("nan")  # an engine that cannot score a sequence: the checksums are the check
+        engine_logp = score(self.probe_ids, self.temperature)
+        trainer_logp = actor_logprobs(self.actor, self.probe_ids, self.ctx.device)
+        return check_probe(engine_logp, trainer_logp, self.probe_tol, step, self.ctx.rank, self.ctx.device)
 
     def _note_skipped(self, step: int) -> None:
         """Say so when `trainer.warn_skipped_steps` steps in a row learned nothing (once per streak)."""
@@ -462,7 +495,7 @@ def run(cfg: DictConfig) -> None:
     transformers.utils.logging.disable_progress_bar()  # our own bar is the one to watch
     stop = StopRequest()
     stop.install()
-    ctx = init_distributed()
+    ctx = init_distributed(collective_timeout_s(cfg))
     try:
         trainer = Trainer(cfg, ctx)
         try:
@@ -487,6 +520,16 @@ def main(cfg: DictConfig) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except (WeightSyncError, DiskFullError) as e:  # each rank says what its own engine / disk holds
+        print(f"error: rank {os.environ.get('RANK', '0')}: {e}", file=sys.stderr, flush=True)
+        sys.exit(4)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"error: rank {os.environ.get('RANK', '0')}: no space left on the device holding "
+              f"{e.filename or cfg.trainer.save_dir}: free some space or point trainer.save_dir at a larger disk; "
+              "trainer.load_ckpt_from=latest resumes from the newest complete checkpoint", file=sys.stderr, flush=True)
+        sys.exit(4)
 
 
 def quote_values_with_equals(argv: list[str]) -> list[str]:

@@ -1,6 +1,7 @@
 """The engine samples from exactly the weights the trainer accepted: weight pushes (gathered in flat
-buckets, train/parallel/weight_sync.py), a fingerprint of what was pushed, and the governor's
-accept / hold / rollback (train/trainer/governor.py) in one place.
+buckets, train/parallel/weight_sync.py), their verification (checksums and the probe,
+train/trainer/sync_check.py), a fingerprint of what was pushed, and the governor's accept / hold /
+rollback (train/trainer/governor.py) in one place.
 
 Without the governor every update is pushed. With it, an update is pushed only once accepted; a
 held (suspect) update stays out of the engine; a rollback restores the last accepted snapshot, which
@@ -8,6 +9,7 @@ the engine already holds, so nothing is pushed. Every method is collective: all 
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Iterator
 
@@ -16,7 +18,9 @@ import torch
 from train.engines.base import RolloutEngine
 from train.parallel.weight_sync import gather_full_tensors, unique_state
 from train.trainer.governor import Governor, Snapshot
+from train.trainer.sync_check import PushRecord, verify_push
 from train.utils.logging import RunLogger
+from train.utils.watchdog import Watchdog
 
 MB = 1 << 20
 
@@ -31,9 +35,13 @@ def fingerprinted(named: Iterable[tuple[str, torch.Tensor]], acc: list[float]) -
 
 class PolicySync:
     def __init__(self, model: torch.nn.Module, engine: RolloutEngine, bucket_mb: float,
-                 governor: Governor | None, workers: dict, log: RunLogger) -> None:
+                 governor: Governor | None, workers: dict, log: RunLogger, *, verify: bool = True,
+                 watchdog: Watchdog | None = None, push_timeout_s: float | None = None,
+                 device: torch.device = torch.device("cpu"), rank: int = 0) -> None:
         self.model, self.engine, self.governor, self.workers, self.log = model, engine, governor, workers, log
         self.bucket_bytes = max(1, int(bucket_mb * MB))
+        self.verify, self.watchdog, self.push_timeout_s = verify, watchdog, push_timeout_s
+        self.device, self.rank = device, rank
         self.pushed_fingerprint: float | None = None
         self.snapshot = Snapshot(workers) if governor is not None else None
 
@@ -41,15 +49,29 @@ class PolicySync:
         """The actor's full weights in the engine's dtype, bucket by bucket (collective)."""
         return gather_full_tensors(unique_state(self.model), self.bucket_bytes, getattr(self.engine, "dtype", None))
 
-    def push(self) -> float:
-        """Push the actor's weights into the engine; the seconds it took. With the governor, the
-        pushed weights' fingerprint is kept (its rollback events compare against it)."""
+    def push(self, step: int = 0) -> float:
+        """Push the actor's weights into the engine; the seconds it took. With `verify`, the engine's
+        checksums must match what was sent (else WeightSyncError naming the step and bucket); with the
+        governor, the pushed weights' fingerprint is kept (its rollback events compare against it). A
+        push running past `push_timeout_s` ends the rank through the watchdog, naming the bucket."""
         start = time.perf_counter()
-        if self.governor is None:
-            self.engine.update_weights(self.full_tensors())
-        else:
-            acc = [0.0]
-            self.engine.update_weights(fingerprinted(self.full_tensors(), acc))
+        record = PushRecord(self.bucket_bytes)
+        named = self.full_tensors()
+        acc = [0.0]
+        if self.governor is not None:
+            named = fingerprinted(named, acc)
+        if self.verify:
+            named = record.recording(named)
+
+        def where() -> str:
+            return f"weight push at step {step}, {record.current if self.verify else 'bucket unknown (verify_push off)'}"
+
+        with (self.watchdog.phase("weight push", self.push_timeout_s, "rollout.push_timeout_s", where)
+              if self.watchdog is not None else contextlib.nullcontext()):
+            self.engine.update_weights(named)
+            if self.verify:
+                verify_push(self.engine, record, step, self.rank, self.device)
+        if self.governor is not None:
             self.pushed_fingerprint = acc[0]
         return time.perf_counter() - start
 
@@ -63,13 +85,13 @@ class PolicySync:
     def after_update(self, step: int, metrics: dict[str, float], push: bool) -> dict[str, float]:
         """Push (and with the governor, judge) a finished update; metrics of what happened."""
         if self.governor is None:
-            return {"time/weight_sync_s": self.push()} if push else {}
+            return {"time/weight_sync_s": self.push(step)} if push else {}
         verdict = self.governor.observe(metrics)  # all-reduced metrics: every rank takes the same branch
         out = {"governor/panic": float(verdict.action != "accept"), "governor/rollback": 0.0}
         if verdict.action == "accept":
             self.snapshot = Snapshot(self.workers)
             if push:
-                out["time/weight_sync_s"] = self.push()
+                out["time/weight_sync_s"] = self.push(step)
                 out["engine/weights_fingerprint"] = self.pushed_fingerprint
         elif verdict.action == "hold":  # suspect weights stay out of the engine until judged
             self.log.event("governor.panic", step, {"reason": verdict.reason, "panics": self.governor.panics})

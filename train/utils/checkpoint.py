@@ -33,9 +33,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from train.parallel.collectives import barrier
 from train.parallel.distributed import DistContext
+from train.utils.disk import explain_disk_full
 
 STEP_DIR = re.compile(r"^step(\d+)$")
 COMPLETE = "COMPLETE"
+RESUME_ADVICE = "the complete checkpoints before it are untouched: trainer.load_ckpt_from=latest resumes from the newest"
 # For the kill-safety tests only: a pause between "every shard written" and the completion marker.
 TEST_DELAY_S = float(os.environ.get("INFINITE_RL_TEST_CHECKPOINT_DELAY_S", "0"))
 
@@ -131,9 +133,14 @@ class Checkpointer:
 
     def save(self, step: int, workers: dict, trainer_state: dict, rank_state: dict) -> str:
         """Write step{step}/ (see the module docstring); with async_save the shards are written in
-        the background and the folder is renamed once they are (`poll`, `wait`)."""
+        the background and the folder is renamed once they are (`poll`, `wait`). A full disk is a
+        DiskFullError naming the folder; the earlier checkpoints stay as they were."""
         self.wait()  # one save in flight at a time
         final = os.path.join(self.save_dir, f"step{step}")
+        with explain_disk_full(f"the checkpoint of step {step}", final + ".tmp", RESUME_ADVICE):
+            return self._save(step, workers, trainer_state, rank_state, final)
+
+    def _save(self, step: int, workers: dict, trainer_state: dict, rank_state: dict, final: str) -> str:
         tmp = final + ".tmp"
         if self.ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed save of the same step
@@ -175,7 +182,8 @@ class Checkpointer:
         """Finish an asynchronous save whose shards are written (rank 0; no collective): called
         between steps, it never waits. Every rank still calls `wait` before the next save."""
         if self._pending is not None and self.ctx.is_main and not self._finished and self._pending[0].done():
-            self._pending[0].result()  # raises what the background write raised
+            with explain_disk_full("a checkpoint (in the background)", self._pending[1], RESUME_ADVICE):
+                self._pending[0].result()  # raises what the background write raised
             self._finish(*self._pending[1:])
             self._finished = True
 
@@ -184,7 +192,8 @@ class Checkpointer:
         if self._pending is None:
             return
         future, tmp, final = self._pending
-        future.result()
+        with explain_disk_full("a checkpoint (in the background)", tmp, RESUME_ADVICE):
+            future.result()
         barrier()  # every rank's shards are on disk
         if self.ctx.is_main and not self._finished:
             self._finish(tmp, final)

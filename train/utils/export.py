@@ -21,6 +21,7 @@ from train.parallel.collectives import barrier
 from train.parallel.distributed import DistContext
 from train.parallel.weight_sync import gather_full_tensors, unique_state
 from train.utils.checkpoint import _replace_dir
+from train.utils.disk import explain_disk_full
 
 GB = 1 << 30
 
@@ -74,6 +75,13 @@ def export_hf(model: torch.nn.Module, tokenizer, out_dir: str, ctx: DistContext,
               bucket_bytes: int = 512 << 20, critic: torch.nn.Module | None = None) -> None:
     """`out_dir` as a Hugging Face folder that `from_pretrained` loads (model, config, generation
     config, tokenizer), plus `critic/` when given; atomic."""
+    with explain_disk_full("the Hugging Face export", out_dir + ".tmp",
+                           "the previous export and the checkpoints are untouched"):
+        _export(model, tokenizer, out_dir, ctx, shard_bytes, bucket_bytes, critic)
+
+
+def _export(model: torch.nn.Module, tokenizer, out_dir: str, ctx: DistContext, shard_bytes: int, bucket_bytes: int,
+            critic: torch.nn.Module | None) -> None:
     tmp = out_dir + ".tmp"
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -148,6 +148,22 @@ class Trainable:
         totals = all_reduce_sum(counts, self.device)
         return [Norms(max(totals[2 * m], 1.0), max(totals[2 * m + 1], 1.0)) for m in range(mini_batches)]
 
+    @torch.no_grad()
+    def weight_norm(self) -> float:
+        """The L2 norm of all the model's weights over every rank (one all-reduce of a scalar): each
+        rank reads only its own shards; a shard replicated over a mesh dim counts once."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in self.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            square = torch.linalg.vector_norm(local, dtype=torch.float32).double() ** 2
+            mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", ())
+            copies = 1
+            for dim, placement in enumerate(placements):
+                if placement.is_replicate():
+                    copies *= mesh.size(dim)
+            total += square / copies
+        return all_reduce_sum([float(total)], self.device)[0] ** 0.5
+
     def optimizer_step(self) -> float:
         """Global gradient clipping and the optimizer step; the pre-clip norm."""
         return base.clip_and_step(self.model, self.optimizer, self.scheduler, self.max_grad_norm,
