@@ -217,3 +217,42 @@ def test_env_isolation_is_complete(tmp_path):
         assert str(err).startswith(f"{name}:"), err
     assert r_ok == 1.0 and len(i_ok) == 3
     env.close()
+
+
+def test_hung_sync_calls_do_not_grow_threads_without_bound(tmp_path):
+    """A reward_fn that never returns used to leak one thread per timed-out call (35 -> 396 threads
+    per rank in 6 steps). Now at most max_workers stuck threads are replaced; calls queued behind
+    them time out without ever running; a stuck call that returns gives its thread back."""
+    import threading
+
+    path = write_env(tmp_path, """
+        import threading
+        release = threading.Event()
+        def reward_fn(messages, answer):
+            if answer == "hang":
+                release.wait()
+            return 1.0
+    """)
+    env = make(path, timeout=0.2)  # 4 workers
+
+    def threads() -> int:
+        return sum(t.name == env._pool.thread_name for t in threading.enumerate())
+
+    async def rounds():
+        for _ in range(5):
+            await asyncio.gather(*(env.reward([], "hang") for _ in range(8)), return_exceptions=True)
+
+    asyncio.run(rounds())
+    # The 4 workers got stuck and were replaced once; their replacements got stuck and were not:
+    # 40 timed-out calls hold 8 threads, not 40.
+    assert env.stuck_calls == 8
+    assert threads() == 4 + 4
+    env.module.release.set()  # the stuck calls return: their threads leave, capacity comes back
+    deadline = time.time() + 5
+    while env.stuck_calls and time.time() < deadline:
+        time.sleep(0.05)
+    assert env.stuck_calls == 0
+    assert asyncio.run(env.reward([], "ok")) == 1.0
+    time.sleep(0.2)
+    assert threads() == 4
+    env.close()

@@ -149,6 +149,7 @@ class Trainer:
         for warning in useless_settings(cfg):
             self._warn(self.start_step, warning)
         self.skipped_in_a_row = self.updates = 0
+        self._warned_stuck = False
         self.watchdog = Watchdog(cfg.trainer.watchdog_min_s, cfg.trainer.watchdog_factor, ctx.rank,
                                  cfg.trainer.save_dir, describe=self.env.longest_call)
         self.sync = PolicySync(self.actor.model, self.engine, cfg.rollout.bucket_size_mb, self.governor,
@@ -283,7 +284,7 @@ class Trainer:
         with self.watchdog.phase("rollout"):
             samples, _, kept, kept_r, metrics = self.collect(step)
         self.engine.sleep()  # free the engine's accelerator memory for the update (no-op on CPU)
-        metrics.update(self._engine_metrics())
+        metrics.update(self._engine_metrics(step))
         metrics.update(self._log_samples(step, samples))
         t1 = time.perf_counter()
         # Every rank learns every kept sample's length, group and reward (the step batch's index).
@@ -379,13 +380,20 @@ class Trainer:
         """The engine's running (generated tokens, generation seconds)."""
         return float(self.engine.stats["generated_tokens"]), float(self.engine.stats["generation_seconds"])
 
-    def _engine_metrics(self) -> dict[str, float]:
-        """Decode throughput of this step's rollout, summed over ranks (engines that count it)."""
+    def _engine_metrics(self, step: int) -> dict[str, float]:
+        """Decode throughput of this step's rollout, summed over ranks (engines that count it), and
+        the env calls stuck past their timeout (one collective for both)."""
         now = self._engine_counters()
         tokens, seconds = (a - b for a, b in zip(now, self._engine_seen))
         self._engine_seen = now
-        tokens, seconds = all_reduce_sum([tokens, seconds], self.ctx.device)
-        return {"rollout/tokens": tokens, "rollout/tokens_per_s": tokens / max(seconds / self.ctx.world_size, 1e-9)}
+        tokens, seconds, stuck = all_reduce_sum([tokens, seconds, float(self.env.stuck_calls)], self.ctx.device)
+        if stuck and not self._warned_stuck:
+            self._warned_stuck = True
+            self._warn(step, f"{stuck:.0f} sync env call(s) still running past rollout.env_timeout_s, each holding "
+                             f"a thread (at most rollout.env_workers per rank are replaced; see env/stuck_calls): "
+                             f"a reward_fn or interact in {self.env.name} that never returns?")
+        return {"rollout/tokens": tokens, "rollout/tokens_per_s": tokens / max(seconds / self.ctx.world_size, 1e-9),
+                "env/stuck_calls": stuck}
 
     def _log_samples(self, step: int, samples: list[Sample]) -> dict[str, float]:
         """Sampled conversations, env errors and external-call latencies to rank 0's logs;

@@ -14,6 +14,7 @@ import queue
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -92,6 +93,11 @@ class Environment:
         self._pool = DaemonThreadPool(max_workers)
         self._in_flight: dict[int, tuple[str, float]] = {}  # call id -> (function, start): for the watchdog
 
+    @property
+    def stuck_calls(self) -> int:
+        """Sync env calls still running past their timeout (each holds a thread)."""
+        return self._pool.stuck
+
     def longest_call(self) -> str:
         """The env call in flight the longest, e.g. `env.py:reward_fn for 42 s` ('' when none)."""
         calls = list(self._in_flight.values())
@@ -113,12 +119,11 @@ class Environment:
         try:
             if inspect.iscoroutinefunction(fn):
                 return await asyncio.wait_for(_contained(fn(*args)), self.timeout_s)
-            future = self._pool.submit(asyncio.get_running_loop(), fn, args)
+            call = self._pool.submit(asyncio.get_running_loop(), fn, args)
             try:
-                return await asyncio.wait_for(future, self.timeout_s)
+                return await asyncio.wait_for(call.future, self.timeout_s)
             except asyncio.TimeoutError:
-                # The hung call keeps its (daemon) worker thread; give the pool a new one.
-                self._pool.add_worker()
+                self._pool.abandon(call)  # a hung call keeps its thread; the pool replaces it (bounded)
                 raise
         except asyncio.TimeoutError:
             raise self.error(name, "timeout", f"no answer within rollout.env_timeout_s={self.timeout_s}") from None
@@ -175,43 +180,81 @@ async def _contained(coro) -> Any:
         raise EnvExit(f"{type(e).__name__}({e})") from None
 
 
+@dataclass
+class _Call:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    fn: Any
+    args: tuple
+    running: bool = False
+    abandoned: bool = False  # its caller timed out: never start it; if running, its thread is stuck
+
+
 class DaemonThreadPool:
-    """A fixed set of daemon worker threads for sync env functions. Unlike ThreadPoolExecutor,
-    whose workers are joined at interpreter exit, a call that hangs forever cannot keep the
-    trainer from exiting; `add_worker` replaces the capacity a hung call holds."""
+    """Daemon worker threads for sync env functions. Unlike ThreadPoolExecutor, whose workers are
+    joined at interpreter exit, a call that hangs forever cannot keep the trainer from exiting.
 
-    def __init__(self, n_workers: int):
+    A call whose caller timed out is `abandon`ed: if it had not started it never runs; if it is
+    running, its thread is stuck (Python cannot stop it) and a new worker replaces the capacity, up
+    to `max_stuck` stuck threads at once. Past that, capacity shrinks instead of threads growing
+    without bound (calls then wait and time out, scoring their samples as env errors), and `stuck`
+    says so. A stuck call that returns frees its thread, which exits if the pool is at capacity."""
+
+    def __init__(self, n_workers: int, max_stuck: int | None = None):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.n_workers = 0
+        self._lock = threading.Lock()
+        self.target, self.max_stuck = n_workers, n_workers if max_stuck is None else max_stuck
+        self.threads = self.stuck = 0
+        self.thread_name = f"env-call-{id(self):x}"  # this pool's threads, for tests and stack dumps
         for _ in range(n_workers):
-            self.add_worker()
+            self._start_worker()
 
-    def add_worker(self) -> None:
-        self.n_workers += 1
-        threading.Thread(target=self._work, name="env-call", daemon=True).start()
+    def _start_worker(self) -> None:
+        self.threads += 1
+        threading.Thread(target=self._work, name=self.thread_name, daemon=True).start()
 
-    def submit(self, loop: asyncio.AbstractEventLoop, fn, args) -> asyncio.Future:
-        future = loop.create_future()
-        self._queue.put((loop, future, fn, args))
-        return future
+    def submit(self, loop: asyncio.AbstractEventLoop, fn, args) -> _Call:
+        call = _Call(loop, loop.create_future(), fn, args)
+        self._queue.put(call)
+        return call
+
+    def abandon(self, call: _Call) -> None:
+        """The caller stopped waiting for `call` (a timeout)."""
+        with self._lock:
+            call.abandoned = True
+            if call.running:
+                self.stuck += 1
+                if self.stuck <= self.max_stuck:
+                    self._start_worker()
 
     def _work(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            call = self._queue.get()
+            if call is None:
                 return
-            loop, future, fn, args = item
+            with self._lock:
+                if call.abandoned:
+                    continue  # timed out while queued: nobody waits for it
+                call.running = True
             try:
-                outcome = (True, fn(*args))
+                outcome = (True, call.fn(*call.args))
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
                 outcome = (False, e)
+            with self._lock:
+                call.running = False
+                if call.abandoned:  # a stuck call came back
+                    self.stuck -= 1
+                    if self.threads - self.stuck > self.target:
+                        self.threads -= 1
+                        return  # its replacement already serves the queue
+                    continue
             try:
-                loop.call_soon_threadsafe(_deliver, future, outcome)
+                call.loop.call_soon_threadsafe(_deliver, call.future, outcome)
             except RuntimeError:  # the loop closed while this call ran: nobody is waiting
                 pass
 
     def shutdown(self) -> None:
-        for _ in range(self.n_workers):
+        for _ in range(self.threads):
             self._queue.put(None)
 
 
