@@ -103,10 +103,14 @@ def test_killing_the_agent_leaves_no_rank_behind(tmp_path, when):
     try:
         if when == "mid_step":
             wait_for_step(run, 1, proc)
-        else:
-            time.sleep(2.0)  # imports / rendezvous / model build
-        ranks = [p for p in processes_mentioning(str(run)) if p != proc.pid]
+        ranks: list[int] = []
+        deadline = time.monotonic() + 60  # start-up: kill as soon as the ranks exist (imports, rendezvous)
+        while not ranks and time.monotonic() < deadline and proc.poll() is None:
+            ranks = [p for p in processes_mentioning(str(run)) if p != proc.pid]
+            time.sleep(0.1)
         assert ranks, "no rank process found"
+        if when == "start_up":
+            assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text()  # before step 1
         proc.kill()
         proc.wait(timeout=30)
         deadline = time.monotonic() + 30
