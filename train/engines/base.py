@@ -124,6 +124,7 @@ class RolloutEngine(Protocol):
 
     stats: dict[str, float]
     dtype: torch.dtype
+    weight_version: int  # the trainer step whose weights the engine holds (set by the trainer after a push)
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation: ...
 

@@ -115,6 +115,9 @@ class HFEngine:
         self._state: _LoopState | None = None
         self._asleep = False
         self._offloaded = False
+        # Which weights the engine holds (the trainer's step that produced them; set after each push):
+        # every Generation carries the version it was sampled with.
+        self.weight_version = 0
         self.stats: dict[str, float] = {
             "generated_tokens": 0,
             "generation_seconds": 0.0,
@@ -405,7 +408,7 @@ class HFEngine:
                 if reason is None:
                     keep.append(b)
                 else:
-                    extra = {"prompt_tokens": len(prompts[j]), "batch_size": n}
+                    extra = {"prompt_tokens": len(prompts[j]), "batch_size": n, "weight_version": self.weight_version}
                     results[rows[j]] = Generation(tokens[j], logprobs[j], reason, extra)
             if not keep:
                 break

@@ -452,6 +452,7 @@ class SGLangEngine:
         self.device = torch.device(device)
         self.bucket_bytes = int(bucket_size_mb * MB)
         self.drain_timeout_s = drain_timeout_s
+        self.weight_version = 0  # set by the trainer after each push (train/trainer/policy_sync.py)
         self.stats: dict[str, float] = {"requests": 0, "generated_tokens": 0, "generation_seconds": 0.0,
                                         "pushes": 0, "buckets": 0, "pushed_bytes": 0, "push_seconds": 0.0}
         self._mine_inflight = 0  # this rank's requests in flight (its own event loop)

@@ -102,11 +102,17 @@ def _number(cfg: DictConfig, key: str, low: float | None = None, high: float | N
               example or f"{key}={high if high is not None else 1}")
 
 
+ASYNC_TIS_CAP = 2.0  # actor.tis_cap when rollout.max_staleness > 0 and none is given
+
+
 def resolve_aliases(cfg: DictConfig) -> None:
     """Accept `adv.lambda` for the seed's `adv.lamda` (the same GAE lambda); a run given only
     `rollout.model_name` starts the actor from it too."""
     if _get(cfg, "actor.model_name") is None and _get(cfg, "rollout.model_name") is not None:
         cfg.actor.model_name = cfg.rollout.model_name
+    staleness = _get(cfg, "rollout.max_staleness")
+    if isinstance(staleness, int) and staleness > 0 and _get(cfg, "actor.tis_cap") is None:
+        cfg.actor.tis_cap = ASYNC_TIS_CAP  # stale samples: truncated importance sampling on by default
     alias = _get(cfg, "adv.lambda")
     if alias is None:
         return
@@ -183,6 +189,14 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     _positive_int(cfg, "trainer.sync_probe_every", allow_none=True)
     _number(cfg, "trainer.sync_probe_tol", 0.0, low_open=True, allow_none=True, example="trainer.sync_probe_tol=0.001")
     _number(cfg, "rollout.push_timeout_s", 0.0, low_open=True, allow_none=True, example="rollout.push_timeout_s=600")
+    _number(cfg, "rollout.async_timeout_s", 0.0, low_open=True, example="rollout.async_timeout_s=1800")
+    staleness = _get(cfg, "rollout.max_staleness")
+    if isinstance(staleness, bool) or staleness not in (0, 1):
+        _fail("rollout.max_staleness", f"expected 0 (synchronous) or 1 (the next step's rollout overlaps this step's "
+              f"update), got {staleness!r}; more steps of staleness are not implemented", "rollout.max_staleness=1")
+    if staleness and _get(cfg, "rollout.dynamic_sampling"):
+        _fail("rollout.max_staleness", "1 cannot be combined with rollout.dynamic_sampling=true (its refill rounds "
+              "need all ranks between the rollout and the update)", "rollout.max_staleness=0")
     for key in ("trainer.async_save", "trainer.save_on_signal", "trainer.overwrite", "trainer.verify_push"):
         if not isinstance(_get(cfg, key), bool):
             _fail(key, f"expected true or false, got {_get(cfg, key)!r}", f"{key}=true")

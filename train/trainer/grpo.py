@@ -38,7 +38,7 @@ from train.datasets.dataloader import build_dataloader
 from train.datasets.loading import DataError, load_rows
 from train.datasets.tokenize import TokenizationError, encode
 from train.engines import build_engine
-from train.parallel.collectives import all_reduce_sum, gather_to_main
+from train.parallel.collectives import all_reduce_max_many, all_reduce_sum, gather_to_main
 from train.parallel.distributed import DistContext, cleanup, init_distributed
 from train.parallel.layout import Layout, layout_for
 from train.parallel.step_batch import BatchIndex, StepBatch, dispatch, exchange_index, transfer
@@ -48,6 +48,7 @@ from train.trainer.config import (ConfigError, collective_timeout_s, resolve_ali
                                   validate)
 from train.trainer.governor import Governor
 from train.trainer.policy_sync import PolicySync
+from train.trainer.prefetch import RolloutPrefetcher, RolloutTimeout, StepRollout, staleness
 from train.trainer.sync_check import WeightSyncError, actor_logprobs, check_probe, probe_tolerance
 from train.trainer.step import RunningMoments, mask_truncated, rollout_metrics, select_groups, shaped_rewards
 from train.utils import algorithms as alg
@@ -137,12 +138,16 @@ class Trainer:
         max_len = cfg.rollout.max_total_length or getattr(self.actor.model.config, "max_position_embeddings", 4096)
         self.rollout = RolloutWorker(self.engine, self.env, self.rollout_tokenizer, max_turns=cfg.rollout.max_turns,
                                      env_error_reward=cfg.rollout.env_error_reward, max_total_length=max_len)
-        self._engine_seen = (0.0, 0.0)  # engine token / time counters at the last step
         self.start_step = 0
         self.test_history: list[tuple[int, float]] = []
         self.checkpointer = ckpt.Checkpointer(cfg.trainer.save_dir, ctx, async_save=cfg.trainer.async_save,
                                               keep_last_n=cfg.trainer.keep_last_n)
+        # rollout.max_staleness=1: the next step's rollout runs while this one trains (train/trainer/prefetch.py).
+        self.prefetch = (RolloutPrefetcher(self._rollout, cfg.rollout.async_timeout_s)
+                         if cfg.rollout.max_staleness > 0 else None)
         resumed = self._maybe_resume()
+        self.trainer_version = self.start_step  # the step whose update made the actor's weights
+        self.engine.weight_version = self.start_step
         self.log = RunLogger(cfg, ctx.is_main, self.total_steps, self.start_step)
         if moved:
             self.log.write(f"trainer.overwrite: the run that was in {cfg.trainer.save_dir} is now in {moved}")
@@ -199,6 +204,13 @@ class Trainer:
         if self.governor is not None and "governor" in state:
             self.governor.load_state_dict(state["governor"])
         self.loader.load_state_dict(state["dataloader"])  # global: any world size resumes at the same prompts
+        pending = state.get("pending_rollout")  # an asynchronous run's finished, untrained next rollout
+        if pending is not None:
+            mine = rank_state.get("pending_rollout") if rank_state is not None else None
+            if self.prefetch is not None and pending["world_size"] == self.ctx.world_size and mine is not None:
+                self.prefetch.restore(mine)  # trained as it was generated: bit-exact
+            else:  # another world size or a synchronous resume: its prompts are drawn and rolled out again
+                self.loader.load_state_dict(pending["loader_before"])
         if rank_state is not None:
             ckpt.set_rng_state(rank_state["rng"])
         else:  # a rank the saving run did not have: a seed of its own, the same on every resume
@@ -212,24 +224,36 @@ class Trainer:
                  "dataloader": self.loader.state_dict()}
         if self.governor is not None:
             state["governor"] = self.governor.state_dict()
-        path = self.checkpointer.save(step, self.workers, state, {"rng": ckpt.rng_state()})
+        rank_state = {"rng": ckpt.rng_state()}
+        pending = self.prefetch.pending() if self.prefetch is not None else None
+        if pending is not None:  # generated with the weights before this step's: kept, not regenerated
+            state["pending_rollout"] = {"step": pending.step, "world_size": self.ctx.world_size,
+                                        "loader_before": pending.loader_before}
+            rank_state["pending_rollout"] = pending
+        path = self.checkpointer.save(step, self.workers, state, rank_state)
         self.log.event("checkpoint", step, {"path": path, "async": self.checkpointer.async_save})
         return time.perf_counter() - start
 
     # -- one step --------------------------------------------------------------------------
-    def _generate(self, step: int, round_: int) -> tuple[list[Sample], list[float], list[float], float]:
-        """One rollout of this rank's next prompts: samples, shaped rewards, overlong penalties, wall time."""
+    def _rollout(self, step: int, round_: int = 0) -> StepRollout:
+        """One rollout of this rank's next prompts. No collective: with rollout.max_staleness=1 it runs
+        on the prefetch thread while the main thread trains."""
         cfg, ctx = self.cfg, self.ctx
+        loader_before = self.loader.state_dict()
         rows = self.loader.next_batch()
         n = cfg.data.responses_per_prompt
         # round 0 keeps the seeds of a plain step; refills draw fresh ones
         seed = sample_seed(self.train_seed, step, (round_ * ctx.world_size + ctx.rank) * len(rows) * n)
+        before = self._engine_counters()
         samples, rollout_s = self.rollout.rollout(rows, n, self.train_sampling, seed)
+        counters = tuple(a - b for a, b in zip(self._engine_counters(), before))
         rewards, penalties = shaped_rewards(samples, cfg)
-        return samples, rewards, penalties, rollout_s
+        return StepRollout(step, samples, rewards, penalties, rollout_s, counters, loader_before)
 
-    def collect(self, step: int) -> tuple[list[Sample], list[float], list[Sample], list[float], dict[str, float]]:
-        """Rollouts for one step: (all samples, their shaped rewards, kept samples, kept rewards, metrics).
+    def collect(self, step: int, first: StepRollout
+                ) -> tuple[list[Sample], list[float], list[Sample], list[float], dict[str, float]]:
+        """Rollouts for one step, starting from `first` (this step's rollout, made now or prefetched):
+        (all samples, their shaped rewards, kept samples, kept rewards, metrics).
 
         With `rollout.dynamic_sampling` (DAPO), new prompts are drawn and rolled out until the kept
         (informative) groups of all ranks reach `prompts_per_rollout`, at most
@@ -240,13 +264,14 @@ class Trainer:
         dynamic = cfg.rollout.dynamic_sampling
         target = cfg.data.prompts_per_rollout
         all_samples, all_rewards, penalties, kept, kept_r = [], [], [], [], []
-        rollout_s, rounds = 0.0, 0
-        self.engine.wake()  # a no-op on CPU; SGLang takes its GPU memory back for the rollout
+        rollout_s, rounds, counters = 0.0, 0, [0.0, 0.0]
         max_rounds = cfg.rollout.dynamic_sampling_max_rounds if dynamic else 1
         while rounds < max_rounds:
-            samples, rewards, pen, secs = self._generate(step, rounds)
+            got = first if rounds == 0 else self._rollout(step, rounds)
+            samples, rewards, pen = got.samples, got.rewards, got.penalties
             rounds += 1
-            rollout_s += secs
+            rollout_s += got.rollout_s
+            counters = [a + b for a, b in zip(counters, got.engine_counters)]
             all_samples += samples
             all_rewards += rewards
             penalties += pen
@@ -262,6 +287,8 @@ class Trainer:
                 break
         metrics = rollout_metrics(all_samples, len(all_samples) // n, n, cfg, ctx, rewards=all_rewards)
         metrics["time/rollout_s"] = rollout_s
+        metrics.update(self._engine_metrics(step, counters))
+        metrics.update(self._staleness_metrics(all_samples))
         if cfg.rollout.overlong_buffer:
             total, count = all_reduce_sum([sum(penalties), float(len(penalties))], ctx.device)
             metrics["rewards/overlong_penalty"] = total / max(count, 1.0)
@@ -282,15 +309,20 @@ class Trainer:
         t0 = time.perf_counter()
         n = cfg.data.responses_per_prompt
         with self.watchdog.phase("rollout"):
-            samples, _, kept, kept_r, metrics = self.collect(step)
-        self.engine.sleep()  # free the engine's accelerator memory for the update (no-op on CPU)
-        metrics.update(self._engine_metrics(step))
+            self.engine.wake()  # a no-op on CPU; SGLang takes its GPU memory back for the rollout
+            first = self.prefetch.take(step) if self.prefetch is not None else None
+            samples, _, kept, kept_r, metrics = self.collect(step, first or self._rollout(step))
+        if self.prefetch is not None and step < self.total_steps:
+            self.prefetch.start(step + 1)  # with the weights of step - 1, while this step trains
+        else:
+            self.engine.sleep()  # free the engine's accelerator memory for the update (no-op on CPU)
         metrics.update(self._log_samples(step, samples))
         t1 = time.perf_counter()
         # Every rank learns every kept sample's length, group and reward (the step batch's index).
         index = exchange_index([len(s.ids) for s in kept], [i // n for i in range(len(kept))], kept_r, ctx.device)
         metrics["batch/groups"] = index.size / n
         frozen = step <= cfg.actor.freeze_steps
+        wait = 0.0
         if index.size == 0:  # nothing to learn from on any rank: skip together, no collective left hanging
             metrics["actor/skipped"] = 1.0
             self._note_skipped(step)
@@ -306,13 +338,42 @@ class Trainer:
                     self._warn(step, f"step {step}'s update changed the actor's weight norm by {100 * change:.3g}% "
                                      f"(> trainer.governor.max_weight_change={limit:g}): actor.lr too high? "
                                      "trainer.governor.enable=true rolls such updates back")
+                if self.prefetch is not None:  # the next step's samples all come from the weights before this update
+                    wait = self._drain(metrics)
                 metrics.update(self.sync.after_update(step, metrics, push=not frozen))
+            if not frozen and not metrics.get("governor/rollback"):
+                self.trainer_version = step
             every = cfg.trainer.sync_probe_every
             if every and step % every == 0 and "time/weight_sync_s" in metrics:
                 metrics["engine/probe_abs_diff"] = self.probe_sync(step)
-        metrics["time/update_s"] = time.perf_counter() - t1 - metrics.get("time/weight_sync_s", 0.0)
+        if self.prefetch is not None and self.prefetch.in_flight:  # the step boundary has nothing in flight
+            wait += self._drain(metrics)
+        metrics["time/update_s"] = time.perf_counter() - t1 - metrics.get("time/weight_sync_s", 0.0) - wait
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
+
+    def _drain(self, metrics: dict[str, float]) -> float:
+        """Wait for the prefetched rollout; log how long each side waited for the other."""
+        with self.watchdog.phase("rollout drain"):
+            start = time.monotonic()
+            wait = self.prefetch.drain()
+            done = self.prefetch.pending()
+        metrics["async/trainer_wait_s"] = metrics.get("async/trainer_wait_s", 0.0) + wait
+        if done is not None:  # the rollout side sat idle from its end until now
+            metrics["async/rollout_idle_s"] = max(0.0, start - done.finished_at)
+        return wait
+
+    def _staleness_metrics(self, samples: list[Sample]) -> dict[str, float]:
+        """How many weight versions behind the trainer's each sample's oldest turn was (all ranks)."""
+        if self.prefetch is None:
+            return {}
+        lags = staleness([s.turn_versions for s in samples], self.trainer_version)
+        worst, = all_reduce_max_many([float(max(lags, default=0))], self.ctx.device)
+        total, count = all_reduce_sum([float(sum(lags)), float(len(lags))], self.ctx.device)
+        if worst > self.cfg.rollout.max_staleness:
+            raise RuntimeError(f"a sample is {worst:.0f} weight versions old, past rollout.max_staleness="
+                               f"{self.cfg.rollout.max_staleness} (a bug in the rollout pipeline)")
+        return {"async/staleness_mean": total / max(count, 1.0), "async/staleness_max": worst}
 
     def probe_sync(self, step: int) -> float:
         """The engine's and the actor's log-probs of the probe sequence must agree to rounding (they
@@ -380,13 +441,10 @@ class Trainer:
         """The engine's running (generated tokens, generation seconds)."""
         return float(self.engine.stats["generated_tokens"]), float(self.engine.stats["generation_seconds"])
 
-    def _engine_metrics(self, step: int) -> dict[str, float]:
-        """Decode throughput of this step's rollout, summed over ranks (engines that count it), and
-        the env calls stuck past their timeout (one collective for both)."""
-        now = self._engine_counters()
-        tokens, seconds = (a - b for a, b in zip(now, self._engine_seen))
-        self._engine_seen = now
-        tokens, seconds, stuck = all_reduce_sum([tokens, seconds, float(self.env.stuck_calls)], self.ctx.device)
+    def _engine_metrics(self, step: int, counters: list[float]) -> dict[str, float]:
+        """Decode throughput of this step's rollout (`counters`: its engine tokens and seconds), summed
+        over ranks (engines that count it), and the env calls stuck past their timeout."""
+        tokens, seconds, stuck = all_reduce_sum([*counters, float(self.env.stuck_calls)], self.ctx.device)
         if stuck and not self._warned_stuck:
             self._warned_stuck = True
             self._warn(step, f"{stuck:.0f} sync env call(s) still running past rollout.env_timeout_s, each holding "
@@ -401,7 +459,7 @@ class Trainer:
         k = self.cfg.trainer.log_samples
         errors = [{"error": s.env_error, "messages": s.messages} for s in samples if s.env_error]
         shown = [{"messages": s.messages, "answer": s.answer, "reward": s.reward, "finish_reason": s.finish_reason,
-                  "n_turns": s.n_turns, "events": s.events} for s in samples[:k]]
+                  "n_turns": s.n_turns, "turn_versions": s.turn_versions, "events": s.events} for s in samples[:k]]
         calls = self.env.pop_api_calls()
         gathered = gather_to_main({"errors": errors, "samples": shown, "calls": calls}, self.ctx)
         if gathered is None:
@@ -428,7 +486,6 @@ class Trainer:
             [sum(s.reward for s in samples), float(len(samples)), float(sum(bool(s.env_error) for s in samples))],
             ctx.device)
         score = total / max(count, 1.0)
-        self._engine_seen = self._engine_counters()  # eval tokens stay out of the next rate
         self.test_history.append((step, score))
         self.log.event("eval", step, {"rewards/test": score, "n": count, "env_errors": errors})
         return score
@@ -491,6 +548,8 @@ class Trainer:
         self.log.write(f"stopped by {signal_name} after step {step}; {how}")
 
     def close(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.close()
         self.watchdog.close()
         self.checkpointer.close()
         self.log.close()
@@ -528,7 +587,7 @@ def main(cfg: DictConfig) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    except (WeightSyncError, DiskFullError) as e:  # each rank says what its own engine / disk holds
+    except (WeightSyncError, DiskFullError, RolloutTimeout) as e:  # each rank says what its own engine / disk holds
         print(f"error: rank {os.environ.get('RANK', '0')}: {e}", file=sys.stderr, flush=True)
         sys.exit(4)
     except OSError as e:

@@ -71,6 +71,7 @@ class PolicySync:
             self.engine.update_weights(named)
             if self.verify:
                 verify_push(self.engine, record, step, self.rank, self.device)
+        self.engine.weight_version = step  # generations from now on are tagged with it
         if self.governor is not None:
             self.pushed_fingerprint = acc[0]
         return time.perf_counter() - start

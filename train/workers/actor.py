@@ -132,7 +132,9 @@ class Actor(Trainable):
                 token_loss, st = alg.ppo_clip_loss(logp, old, adv, mask, clip_low, clip_high, dual_clip=cfg.dual_clip)
             sampler = mb.gather(batch.sampler_logp, "sampler_logp")
             if cfg.tis_cap is not None:
-                token_loss = token_loss * alg.tis_weights(old, sampler, mask, cfg.tis_cap, level=cfg.tis_level)
+                weights = alg.tis_weights(old, sampler, mask, cfg.tis_cap, level=cfg.tis_level)
+                token_loss = token_loss * weights
+                stats.add("tis_clipped", ((weights >= cfg.tis_cap * (1 - 1e-6)) * mask).sum())
             if coef:
                 token_loss = token_loss - coef * entropy * mask
             if kl_in_loss:
@@ -182,6 +184,8 @@ class Actor(Trainable):
         stats = self.run_update(batch, cfg.update_per_rollout, cfg.mini_batches, self.policy_loss(batch, max_new_tokens),
                                 after_backward=check_kl if checked else None)
         sum_keys = ("loss", "entropy", "clip_fraction", "approx_kl", "sampler_kl", "sampler_abs_diff", "tokens")
+        if cfg.tis_cap is not None:
+            sum_keys += ("tis_clipped",)  # the fraction of action tokens whose IS weight hit the cap
         if cfg.kl.coef > 0 and cfg.kl.reward_estimator is None:
             sum_keys += ("kl",)
         metrics = self.reduce(stats, "actor", sum_keys, ("ratio_max", "neg_ratio_min", "sampler_ratio_max"))

@@ -31,6 +31,7 @@ class Sample:
     events: list[dict] = field(default_factory=list)
     prompt_length: int = 0  # templated prompt tokens
     turn_lengths: list[int] = field(default_factory=list)  # tokens sampled in each assistant turn
+    turn_versions: list[int] = field(default_factory=list)  # the engine's weight version of each assistant turn
 
     @property
     def n_action_tokens(self) -> int:
@@ -66,7 +67,9 @@ class RolloutWorker:
                     sample.finish_reason = "length"
                     break
                 params = replace(sampling, seed=seed + turn, max_new_tokens=min(sampling.max_new_tokens, room))
+                version = getattr(self.engine, "weight_version", 0)  # engines that cannot tag their outputs
                 gen = await self.engine.generate(sample.ids, params)
+                sample.turn_versions.append(int(gen.extra.get("weight_version", version)))
                 sample.ids += gen.token_ids
                 sample.action_mask += [1] * len(gen.token_ids)
                 sample.sampler_logprobs += list(gen.logprobs)

@@ -1,0 +1,126 @@
+"""One-step-off rollouts (rollout.max_staleness=1, issue 17): the staleness bound, version tags,
+importance sampling against the sampler's log-probs, exact resume (also across an epoch boundary and
+onto another world size without losing or repeating prompts), and waits that time out with a message."""
+import json
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from conftest import STUB_MATH, read_jsonl, run_trainer
+from test_trainer import _flatten, assert_same, prompts_by_step
+from train.trainer.prefetch import RolloutPrefetcher, RolloutTimeout, StepRollout, staleness
+from train.utils.checkpoint import consolidate
+
+ASYNC = ["rollout.max_staleness=1", "data.prompts_per_rollout=4", "data.responses_per_prompt=4",
+         "rollout.dynamic_filtering=false", "trainer.test_freq=null", "trainer.log_samples=100"]
+
+
+def fake_rollout(step: int) -> StepRollout:
+    return StepRollout(step, [], [], [], 0.0, (0.0, 0.0), {"epoch": 0, "cursor": 0})
+
+
+def test_a_stuck_rollout_side_times_out_naming_the_step():
+    release = threading.Event()
+
+    def stuck(step: int) -> StepRollout:
+        release.wait(30)
+        return fake_rollout(step)
+
+    prefetch = RolloutPrefetcher(stuck, timeout_s=0.3)
+    prefetch.start(7)
+    start = time.monotonic()
+    with pytest.raises(RolloutTimeout, match="rollout side to finish step 7's rollout") as e:
+        prefetch.drain()
+    assert time.monotonic() - start < 5 and "rollout.async_timeout_s" in str(e.value)
+    release.set()
+    prefetch.close()
+
+
+def test_the_prefetcher_hands_over_each_step_once():
+    prefetch = RolloutPrefetcher(fake_rollout, timeout_s=10)
+    assert prefetch.take(1) is None  # nothing prepared: the trainer rolls out itself
+    prefetch.start(2)
+    with pytest.raises(RuntimeError, match="while step 2's is not taken"):
+        prefetch.start(3)
+    assert prefetch.pending().step == 2  # what a checkpoint keeps (drained)
+    with pytest.raises(RuntimeError, match="step 2's, step 3 asked"):
+        prefetch.take(3)
+    prefetch.restore(fake_rollout(4))
+    assert prefetch.take(4).step == 4 and prefetch.take(5) is None
+    assert staleness([[3, 4], [4], []], 4) == [1, 0, 0]
+    prefetch.close()
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    """10 prompts: with 4 per step an epoch ends inside step 3 and again inside step 5."""
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    rows = [json.loads(line) for line in open(STUB_MATH / "train.jsonl")][:10]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory, small_data):
+    """6 one-step-off steps on 2 ranks over 2.4 epochs, checkpoints at 3 and 6."""
+    run = tmp_path_factory.mktemp("async")
+    run_trainer([f"trainer.save_dir={run}", f"data.train_data_path={small_data}", "trainer.total_steps=6",
+                 "trainer.save_freq=3", *ASYNC], nproc=2)
+    return run
+
+
+def test_samples_are_one_version_old_and_importance_weighted(async_run):
+    metrics = {m["step"]: m for m in read_jsonl(async_run / "metrics.jsonl")}
+    assert sorted(metrics) == [1, 2, 3, 4, 5, 6]
+    # Step 1 is rolled out with the start weights; every later step's rollout ran during the step
+    # before and used that step's starting weights: exactly one version old, never more.
+    assert metrics[1]["async/staleness_max"] == 0.0
+    for step in range(2, 7):
+        assert metrics[step]["async/staleness_max"] == metrics[step]["async/staleness_mean"] == 1.0
+        # The trainer's log-probs (current weights) against the sampler's (stale): a real mismatch,
+        # which the truncated IS weights (actor.tis_cap defaults to 2.0 here) correct.
+        assert metrics[step]["actor/sampler_kl"] > 1e-5
+        assert "actor/tis_clipped" in metrics[step]
+    samples = [e for e in read_jsonl(async_run / "trajectories.jsonl") if e["type"] == "sample"]
+    assert samples and all(s["turn_versions"] == [max(s["step"] - 2, 0)] * s["n_turns"] for s in samples)
+    assert "tis_cap: 2.0" in (async_run / "config.yaml").read_text()
+
+
+def test_async_resume_is_exact_across_an_epoch_boundary(async_run, small_data, tmp_path):
+    """3 steps + resume + 3 steps == 6 steps straight (weights and Adam moments bit for bit): the
+    checkpoint holds step 4's finished rollout; no prompt is repeated or lost across epochs 1-2."""
+    resumed = tmp_path / "resumed"
+    run_trainer([f"trainer.save_dir={resumed}", f"data.train_data_path={small_data}", "trainer.total_steps=6",
+                 "trainer.save_freq=3", f"trainer.load_ckpt_from={async_run / 'step3'}", *ASYNC], nproc=2)
+    a, b = consolidate(str(async_run / "step6")), consolidate(str(resumed / "step6"))
+    assert_same(a, b)
+    assert any("exp_avg_sq" in k for k in _flatten(a["actor"]["optimizer"]))
+    straight, again = prompts_by_step(async_run), prompts_by_step(resumed)
+    assert sorted(again) == [4, 5, 6] and all(again[s] == straight[s] for s in (4, 5, 6))
+    # 10 prompts, 4 per step: steps 1-5 draw exactly 2 epochs, so each prompt twice (x 4 responses)
+    counts = Counter(p for step in range(1, 6) for p in straight[step])
+    assert len(counts) == 10 and set(counts.values()) == {8}
+
+
+def test_async_resume_on_another_world_size_rolls_the_pending_prompts_out_again(async_run, small_data, tmp_path):
+    """The pending rollout belongs to the saving ranks; on 1 rank its prompts are drawn again (no
+    prompt lost or repeated), with the resumed weights."""
+    resumed = tmp_path / "one_rank"
+    run_trainer([f"trainer.save_dir={resumed}", f"data.train_data_path={small_data}", "trainer.total_steps=5",
+                 f"trainer.load_ckpt_from={async_run / 'step3'}", *ASYNC], nproc=1)
+    straight, again = prompts_by_step(async_run), prompts_by_step(resumed)
+    assert sorted(again) == [4, 5] and again[4] == straight[4] and again[5] == straight[5]
+    metrics = {m["step"]: m for m in read_jsonl(resumed / "metrics.jsonl")}
+    assert metrics[4]["async/staleness_max"] == 0.0  # rolled out again with the resumed weights
+
+
+def test_staleness_beyond_one_is_refused():
+    from conftest import stub_config
+    from train.trainer.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="rollout.max_staleness"):
+        validate(stub_config(["rollout.max_staleness=2"]))
+    with pytest.raises(ConfigError, match="dynamic_sampling"):
+        validate(stub_config(["rollout.max_staleness=1", "rollout.dynamic_sampling=true"]))
