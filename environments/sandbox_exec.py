@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import posixpath
 import shutil
@@ -62,6 +63,10 @@ class SandboxRequestError(ValueError):
     """The request itself is invalid (bad file path, too many files, ...)."""
 
 
+class SandboxRequestTooLarge(SandboxRequestError):
+    """The request is over a size limit (stdin, files); the service answers 413."""
+
+
 @dataclass(frozen=True)
 class Limits:
     cpu_s: int = 10  # RLIMIT_CPU per process (the wall-clock timeout bounds the tree)
@@ -73,7 +78,8 @@ class Limits:
     max_output_bytes: int = 1 << 20  # stdout and stderr, each; more kills the program
     max_timeout_s: float = 60.0  # the largest run_timeout a request may ask for
     max_files: int = 64  # files a request may place in /tmp
-    max_file_request_bytes: int = 16 << 20  # their total decoded size
+    max_file_request_bytes: int = 16 << 20  # their total decoded size (with the program's)
+    max_stdin_bytes: int = 8 << 20  # standard input, UTF-8 encoded
     uid: int = 65534  # the uid a root caller drops to before starting bwrap
 
     def launcher_args(self, run_timeout: float) -> dict:
@@ -203,11 +209,18 @@ class SandboxExecutor:
     async def run(self, code: str, stdin: str | None = None, files: dict[str, bytes] | None = None,
                   run_timeout: float = 10.0) -> ExecResult:
         """Run `code` as /tmp/main.py with `stdin` and `files` (name -> bytes) in /tmp."""
+        if not math.isfinite(run_timeout) or run_timeout <= 0:
+            raise SandboxRequestError(f"run_timeout must be a positive number of seconds, got {run_timeout!r}")
         files = dict(files or {})
         if len(files) > self.limits.max_files:
             raise SandboxRequestError(f"{len(files)} files; at most {self.limits.max_files}")
         if sum(len(v) for v in files.values()) + len(code) > self.limits.max_file_request_bytes:
-            raise SandboxRequestError(f"files larger than {self.limits.max_file_request_bytes} bytes in all")
+            raise SandboxRequestTooLarge(f"the program and its files are larger than "
+                                         f"{self.limits.max_file_request_bytes} bytes in all")
+        stdin_bytes = (stdin or "").encode("utf-8", errors="replace")
+        if len(stdin_bytes) > self.limits.max_stdin_bytes:
+            raise SandboxRequestTooLarge(f"stdin has {len(stdin_bytes)} bytes; the sandbox accepts at most "
+                                         f"{self.limits.max_stdin_bytes} (--max-stdin-bytes): send less input")
         placed = {_check_path(name): data for name, data in files.items()}
         code_path = posixpath.join(SANDBOX_DIR, "main.py")
         if code_path in placed:
@@ -221,12 +234,12 @@ class SandboxExecutor:
             self.waiting -= 1
         self.running += 1
         try:
-            return await self._run_locked(code_path, placed, stdin, run_timeout)
+            return await self._run_locked(code_path, placed, stdin_bytes, run_timeout)
         finally:
             self.running -= 1
             self._slots.release()
 
-    async def _run_locked(self, code_path: str, placed: dict[str, bytes], stdin: str | None,
+    async def _run_locked(self, code_path: str, placed: dict[str, bytes], stdin: bytes,
                           run_timeout: float) -> ExecResult:
         dirs = sorted({d for p in placed for d in _parents(posixpath.dirname(p))})
         fds = [(_memfd(data), dest) for dest, data in placed.items()]
@@ -264,7 +277,7 @@ class SandboxExecutor:
         async def feed() -> None:
             try:
                 if stdin:
-                    proc.stdin.write(stdin.encode())
+                    proc.stdin.write(stdin)
                     await proc.stdin.drain()
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the program exited without reading all of its input

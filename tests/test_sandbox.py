@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import socket
 import subprocess
@@ -98,6 +99,45 @@ def test_bad_requests(service):
     assert bad.status_code == 400 and "inside /tmp" in bad.text
     bad = httpx.post(service + "/run_code", json={"code": "1", "language": "python", "files": {"a": "!!"}})
     assert bad.status_code == 400
+    # A timeout must be a finite, positive number of seconds (NaN used to become 0.1 s).
+    for field in ("run_timeout", "compile_timeout"):
+        for value in (float("nan"), float("inf"), 0, -1):
+            body = json.dumps({"code": "print(1)", "language": "python", field: value})  # NaN as JSON writes it
+            bad = httpx.post(service + "/run_code", content=body, headers={"content-type": "application/json"})
+            assert bad.status_code == 422 and field in bad.text, (field, value, bad.text)
+
+
+def test_request_size_and_time_limits():
+    """stdin over --max-stdin-bytes and bodies over --max-request-bytes are 413 (the latter before the
+    body is read, with or without a Content-Length); a body still incomplete --body-timeout-s after
+    the headers is a 408; the service stays healthy."""
+    proc, url = start_service(args=("--max-stdin-bytes", "1000", "--max-request-bytes", "100000",
+                                    "--body-timeout-s", "1"))
+    try:
+        echo = "import sys; print(len(sys.stdin.buffer.read()))"
+        assert run(url, echo, stdin="x" * 1000)["run_result"]["stdout"] == "1000\n"
+        r = httpx.post(url + "/run_code", json={"code": echo, "language": "python", "stdin": "é" * 501})  # 1002 bytes
+        assert r.status_code == 413 and "--max-stdin-bytes" in r.text and "1002" in r.text
+        big = {"code": "#" * 150_000, "language": "python"}
+        r = httpx.post(url + "/run_code", json=big)
+        assert r.status_code == 413 and "--max-request-bytes" in r.text
+        chunks = (json.dumps(big)[i:i + 10_000].encode() for i in range(0, 160_000, 10_000))
+        r = httpx.post(url + "/run_code", content=chunks, headers={"content-type": "application/json"})  # chunked
+        assert r.status_code == 413 and "--max-request-bytes" in r.text
+        # A client that sends 10 of the 100 bytes it announced, then stalls.
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
+            start = time.monotonic()
+            sock.sendall(b"POST /run_code HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"code\": \"")
+            reply = b""
+            while b"--body-timeout-s" not in reply and (chunk := sock.recv(4096)):  # head and body may come apart
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 408") and b"--body-timeout-s" in reply
+            assert time.monotonic() - start < 10
+        assert_healthy(url)
+    finally:
+        stop_service(proc)
 
 
 # Each attack: (code, run_timeout, check(response) -> None). They run against the live service;
@@ -301,7 +341,7 @@ def test_refuses_to_start_without_bwrap():
 
 def test_executor_in_process_limits_and_files():
     sys.path.insert(0, str(ROOT / "environments"))
-    from sandbox_exec import Limits, SandboxExecutor, SandboxRequestError
+    from sandbox_exec import Limits, SandboxExecutor, SandboxRequestError, SandboxRequestTooLarge
 
     async def main() -> None:
         ex = SandboxExecutor(Limits(max_output_bytes=1000), max_concurrency=2)
@@ -312,6 +352,11 @@ def test_executor_in_process_limits_and_files():
         assert r.reason == "output_limit" and len(r.stdout) == 1000
         with pytest.raises(SandboxRequestError):
             await ex.run("1", files={"/etc/passwd": b""})
+        with pytest.raises(SandboxRequestTooLarge, match="max-stdin-bytes"):
+            await ex.run("1", stdin="x" * ((8 << 20) + 1))
+        for timeout in (float("nan"), float("inf"), 0.0, -1.0):
+            with pytest.raises(SandboxRequestError, match="run_timeout"):
+                await ex.run("1", run_timeout=timeout)
         # Bounded concurrency: 6 sleeps of 0.5 s with 2 slots take >= 1.5 s.
         start = time.perf_counter()
         await asyncio.gather(*(ex.run("import time; time.sleep(0.5)") for _ in range(6)))

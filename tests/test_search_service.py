@@ -136,6 +136,41 @@ def test_bad_requests_are_422(service):
     assert r.status_code == 422 and "max_top_k" in r.text
 
 
+def test_request_size_limits(service):
+    r = httpx.post(service + "/search", json={"query": "x" * 4097})
+    assert r.status_code == 422 and "--max_query_chars" in r.text
+    r = httpx.post(service + "/batch_search", json=[{"query": "ok"}, {"query": "x" * 4097}])
+    assert r.status_code == 422 and "query 1" in r.text and "--max_query_chars" in r.text
+    r = httpx.post(service + "/search", json=[{"query": "x"}] * 8193)
+    assert r.status_code == 413 and "--max_queries" in r.text
+
+
+def test_a_big_batch_does_not_stall_a_single_query(service):
+    """A single query sent while a 3000-query batch is being searched (seconds on a CPU) is answered
+    after at most a chunk or two of it, not after the whole batch."""
+    rows = qa_rows()
+    big = [{"query": f"{rows[i % len(rows)]['messages'][-1]['content']} #{i}"} for i in range(3000)]
+
+    async def race():
+        async with httpx.AsyncClient(base_url=service, timeout=600) as client:
+            before = (await client.get("/health")).json()["queries"]
+            start = time.perf_counter()
+            batch = asyncio.create_task(client.post("/batch_search", json=big))
+            while (await client.get("/health")).json()["queries"] == before:  # the batch's first chunk is done
+                await asyncio.sleep(0.05)
+            sent = time.perf_counter()
+            single = await client.post("/search", json={"query": "What is the capital of Quutark?"})
+            single_done = time.perf_counter()
+            batch_reply = await batch
+            return single, batch_reply, single_done - sent, time.perf_counter() - start
+
+    single, batch_reply, single_s, batch_s = asyncio.run(race())
+    assert single.status_code == 200 and single.json()["results"][0]["id"] == "d000"
+    assert batch_reply.status_code == 200 and len(batch_reply.json()) == 3000
+    print(f"\nsingle query {single_s:.2f}s while a 3000-query batch took {batch_s:.2f}s")
+    assert single_s < batch_s / 3
+
+
 def test_200_concurrent_queries_are_answered_correctly(service):
     rows = qa_rows()
     queries = [(rows[i % len(rows)]["messages"][-1]["content"], rows[i % len(rows)]["answer"]["gold_ids"])

@@ -3,8 +3,11 @@ the served tokens checked against the hf engine directly."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
+import time
 
+import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
@@ -106,6 +109,69 @@ def test_concurrent_requests_with_the_async_client(base_url):
 
     replies = asyncio.run(many())
     assert len(replies) == 16 and all(r.choices[0].message.content for r in replies)
+
+
+def test_a_bad_request_is_refused_alone(base_url):
+    """A value the engine's tensors cannot hold (seed or top_k = 2**70) is a 400 naming the parameter
+    for that request only; the requests batched around it are answered."""
+    bodies = [{"model": "stub", "messages": [{"role": "user", "content": f"{10 + i} + 11"}], "temperature": 1.0,
+               "max_tokens": 8, "seed": i} for i in range(10)]
+    bodies[3]["seed"] = 2**70
+    bodies[6]["top_k"] = 2**70
+    bodies[8]["temperature"] = float("nan")  # json.dumps writes NaN and Python's json.loads accepts it
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as c:
+            return await asyncio.gather(*(c.post("/chat/completions", content=json.dumps(b),
+                                                 headers={"content-type": "application/json"}) for b in bodies))
+
+    replies = asyncio.run(burst())
+    bad = {3: "seed", 6: "top_k", 8: "temperature"}
+    for i, r in enumerate(replies):
+        if i in bad:
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == bad[i] and error["type"] == "invalid_request_error"
+        else:
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"]
+
+
+def test_prompt_size_limits(base_url):
+    big = {"model": "stub", "messages": [{"role": "user", "content": "1 + 1 " * 200_001}]}  # > 1M characters
+    r = httpx.post(base_url + "/chat/completions", json=big, timeout=120)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "string_above_max_length"
+    assert "--max-prompt-chars" in error["message"]
+    # prompt + max_tokens past the 512-token context: refused, not silently cut short
+    r = httpx.post(base_url + "/chat/completions", json={"model": "stub", "messages": PROMPT, "max_tokens": 600})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+    assert "512" in error["message"]
+
+
+def test_health_answers_while_a_long_prompt_is_tokenized(base_url):
+    """A 900k-character prompt (under --max-prompt-chars, tokenized for seconds, then too long for the
+    context) must not stall the event loop: /health answers within a fraction of that time."""
+    root = base_url.rsplit("/v1", 1)[0]
+    body = {"model": "stub", "messages": [{"role": "user", "content": "1 + 1 " * 150_000}], "max_tokens": 4}
+
+    async def probe():
+        async with httpx.AsyncClient(base_url=root, timeout=120) as c:
+            start = time.perf_counter()
+            big = asyncio.create_task(c.post("/v1/chat/completions", json=body))
+            await asyncio.sleep(0.3)
+            worst = 0.0
+            while not big.done():
+                t = time.perf_counter()
+                assert (await c.get("/health")).status_code == 200
+                worst = max(worst, time.perf_counter() - t)
+                await asyncio.sleep(0.05)
+            return await big, worst, time.perf_counter() - start
+
+    r, worst, elapsed = asyncio.run(probe())
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    print(f"\nlong prompt answered in {elapsed:.2f}s; slowest /health meanwhile {worst:.3f}s")
+    assert worst < elapsed / 3
 
 
 def test_api_key_and_text_parts_in_process(engine):

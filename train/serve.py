@@ -16,6 +16,11 @@ n, stop, seed, logprobs (of the sampled tokens), stream, stream_options.include_
 requests are batched by the engine. What the engine cannot do is refused with a 400 in OpenAI's
 error format rather than ignored: `response_format` json_object/json_schema (no constrained
 decoding), `tools`, `top_logprobs`, non-zero penalties and `logit_bias`.
+
+Each request is checked on its own before it joins an engine batch (numbers in range and finite,
+the prompt within `--max-prompt-chars` characters and, once tokenized, within the model's context
+together with `max_tokens`), so a bad request gets its own 400 and never fails the others. The chat
+template and the tokenizer run in a worker thread, so a long prompt does not stall the event loop.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import os
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Header, Request
@@ -36,20 +42,27 @@ from pydantic import BaseModel, ConfigDict, Field
 from train.datasets.tokenize import prompt_ids
 from train.engines.base import Generation, SamplingParams
 
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # --max-prompt-chars
+
 
 class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are ignored, like most servers do
+    # Unknown OpenAI fields are ignored, like most servers do; NaN/Infinity (Python's json accepts
+    # them) are refused. The bounds keep every value within what the engine's tensors hold, so a
+    # request is refused alone here instead of failing the engine batch it would have joined.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     messages: list[dict[str, Any]]
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = -1
+    top_k: int = Field(default=-1, ge=-1, le=INT32_MAX)  # -1 or 0: off
     n: int = Field(default=1, ge=1, le=64)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)  # torch generators take 64 bits
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     logprobs: bool = False
@@ -111,13 +124,18 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
 
 class ModelServer:
     def __init__(self, engine: Any, tokenizer: Any, served_name: str, model_path: str,
-                 max_new_tokens: int = 512, api_key: str | None = None):
+                 max_new_tokens: int = 512, api_key: str | None = None,
+                 max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS):
         self.engine, self.tokenizer = engine, tokenizer
         self.served_name, self.model_path = served_name, model_path
         self.max_new_tokens, self.api_key = max_new_tokens, api_key
+        self.max_prompt_chars = max_prompt_chars
         self.max_positions: int | None = getattr(engine, "max_positions", None)
         self.created = int(time.time())
         self.eos_ids = set(getattr(engine, "eos_token_ids", ()) or ())
+        # Chat template + tokenizer off the event loop; one thread, so the tokenizer is never used
+        # by two threads at once (and a long prompt holds one core, not all of them).
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     def model_card(self) -> dict:
         return {"id": self.served_name, "object": "model", "created": self.created, "owned_by": "infinite-rl",
@@ -140,6 +158,25 @@ class ModelServer:
             content.append({"token": token, "logprob": float(lp), "bytes": list(token.encode()), "top_logprobs": []})
         return {"content": content}
 
+    def completion_budget(self, prompt_tokens: int, req: ChatRequest) -> int:
+        """max_tokens for the engine; a prompt, or prompt + asked-for max_tokens, past the model's
+        context is a 400 (OpenAI's context_length_exceeded). Without max_tokens the reply may use
+        what is left of the context, up to --max-new-tokens."""
+        asked = req.max_completion_tokens or req.max_tokens
+        if self.max_positions is None:
+            return asked or self.max_new_tokens
+        room = self.max_positions - prompt_tokens
+        if room < 1:
+            raise ApiError(400, f"this model's maximum context length is {self.max_positions} tokens; the "
+                                f"messages have {prompt_tokens}: shorten them", "messages", "context_length_exceeded")
+        if asked is not None and asked > room:
+            param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+            raise ApiError(400, f"this model's maximum context length is {self.max_positions} tokens; the request "
+                                f"asks for {prompt_tokens + asked} ({prompt_tokens} in the messages, {asked} in the "
+                                f"completion): lower {param} to at most {room} or shorten the messages",
+                           param, "context_length_exceeded")
+        return min(asked or self.max_new_tokens, room)
+
     async def complete(self, req: ChatRequest) -> dict:
         check_supported(req)
         if req.model not in (self.served_name, self.model_path):
@@ -147,15 +184,19 @@ class ModelServer:
                            "model", "model_not_found")
         messages = [{"role": str(m.get("role", "user")), "content": message_text(m.get("content"))}
                     for m in req.messages]
-        ids = prompt_ids(self.tokenizer, messages)
-        if self.max_positions is not None and len(ids) >= self.max_positions:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context is {self.max_positions}",
-                           "messages", "context_length_exceeded")
+        chars = sum(len(m["role"]) + len(m["content"]) for m in messages)
+        if chars > self.max_prompt_chars:  # before tokenizing: costs nothing
+            raise ApiError(400, f"the messages hold {chars} characters; this server accepts at most "
+                                f"{self.max_prompt_chars} (--max-prompt-chars): shorten the prompt",
+                           "messages", "string_above_max_length")
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self._tokenize_pool, prompt_ids, self.tokenizer, messages)
+        max_new = self.completion_budget(len(ids), req)
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        max_new = req.max_completion_tokens or req.max_tokens or self.max_new_tokens
+        # Choice i samples with seed + i, wrapped into the 64 bits a torch generator takes.
         params = [SamplingParams(max_new_tokens=max_new, temperature=req.temperature, top_p=req.top_p,
                                  top_k=req.top_k, stop=tuple(stops),
-                                 seed=None if req.seed is None else req.seed + i) for i in range(req.n)]
+                                 seed=None if req.seed is None else (req.seed + i) % 2**64) for i in range(req.n)]
         gens = await asyncio.gather(*(self.engine.generate(ids, p) for p in params))
         choices = []
         for i, gen in enumerate(gens):
@@ -254,7 +295,8 @@ def build_server(args: argparse.Namespace) -> ModelServer:
                                       max_batch_size=args.max_batch_size, seed=args.seed)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return ModelServer(engine, tokenizer, name, args.model, max_new_tokens=args.max_new_tokens,
-                       api_key=args.api_key or os.environ.get("SERVE_API_KEY"))
+                       api_key=args.api_key or os.environ.get("SERVE_API_KEY"),
+                       max_prompt_chars=args.max_prompt_chars)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -269,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-batch-size", type=int, default=64, help="sequences per engine forward")
     p.add_argument("--max-new-tokens", type=int, default=512, help="when a request gives no max_tokens")
+    p.add_argument("--max-prompt-chars", type=int, default=DEFAULT_MAX_PROMPT_CHARS,
+                   help="longest prompt (characters of all messages), checked before tokenizing; longer is a 400")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0, help="for requests without a seed")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or set SERVE_API_KEY)")
