@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/vs_trl.py                      # stub model, 1 process each
     .venv/bin/python benchmarks/vs_trl.py --nproc 2            # both under torchrun --nproc_per_node=2 (gloo)
     .venv/bin/python benchmarks/vs_trl.py --model path/to/smollm2-135m --steps 6 --warmup 1
+    .venv/bin/python benchmarks/vs_trl.py --learning-curve --steps 300 --png curve.png   # seconds to a test reward
 
 Both trainers get the same model, data, batch shape (prompts x responses per optimizer step), max new
 tokens, sampling (temperature 1, no top-p/top-k), learning rate (constant, AdamW), gradient clip,
@@ -192,9 +193,46 @@ def trl_worker(cfg_path: str) -> None:
             self.generate_s.append(time.perf_counter() - start)
             return out
 
-    timer = Timer()
+    class Evaluator(TrainerCallback):
+        """--learning-curve: greedy test reward every `test_freq` steps (and before the first), outside
+        the timed step: on_step_end runs after Timer's (callbacks run in order)."""
+
+        def __init__(self):
+            self.evals: list[tuple[int, float]] = []
+            self.rows = load_rows(cfg["test_data"]) if cfg.get("test_freq") else []
+            self.reward_fn = load_env_module(cfg["env"]).reward_fn
+
+        @torch.no_grad()
+        def score(self, model) -> float:
+            was_training = model.training
+            model.eval()
+            tokenizer.padding_side = "left"
+            total = 0.0
+            for i in range(0, len(self.rows), 64):
+                rows = self.rows[i:i + 64]
+                texts = [tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
+                         for r in rows]
+                enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+                out = model.generate(**enc, max_new_tokens=cfg["max_new_tokens"], do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+                for r, ids in zip(rows, out[:, enc["input_ids"].shape[1]:]):
+                    reply = tokenizer.decode(ids, skip_special_tokens=True)
+                    total += float(self.reward_fn(r["messages"] + [{"role": "assistant", "content": reply}],
+                                                  r["answer"]))
+            model.train(was_training)
+            return total / max(len(self.rows), 1)
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            if self.rows and int(os.environ.get("RANK", "0")) == 0:
+                self.evals.append((0, self.score(model)))
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if self.rows and state.global_step % cfg["test_freq"] == 0 and int(os.environ.get("RANK", "0")) == 0:
+                self.evals.append((state.global_step, self.score(model)))
+
+    timer, evaluator = Timer(), Evaluator()
     trainer = TimedGRPOTrainer(model=model, reward_funcs=make_trl_reward(cfg["env"]), args=args,
-                               train_dataset=dataset, processing_class=tokenizer, callbacks=[timer])
+                               train_dataset=dataset, processing_class=tokenizer, callbacks=[timer, evaluator])
     start = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - start
@@ -210,6 +248,7 @@ def trl_worker(cfg_path: str) -> None:
             "generation_batch_size": args.generation_batch_size,
             "world_size": world,
             "torch_threads": torch.get_num_threads(),
+            "evals": evaluator.evals,
         }))
 
 
@@ -266,13 +305,15 @@ def run_ours(a, work: Path, threads_per_proc: int) -> dict:
         "actor.warmup_ratio=0.0", "actor.weight_decay=0.0", "actor.kl.coef=0.0", "actor.clip=0.2",
         "actor.agg_mode=all_token_mean", "adv.norm_var=true", "actor.dtype=float32",
         "rollout.dynamic_filtering=false",
-        f"trainer.total_steps={a.steps}", "trainer.test_freq=null", "trainer.save_freq=null",
+        f"trainer.total_steps={a.steps}", f"trainer.test_freq={a.test_freq if a.learning_curve else 'null'}",
+        f"data.test_data_path={a.test_data}", f"rollout.test_sampling_params.max_new_tokens={a.max_new_tokens}",
+        f"rollout.max_staleness={a.max_staleness}", "trainer.save_freq=null",
         "trainer.progress_bar=false", f"trainer.save_dir={save_dir}", f"trainer.num_threads={threads_per_proc}",
         f"trainer.seed={a.seed}",
     ]
     wall, others = launch(cmd, offline_env(threads_per_proc), work / "ours.log", a.timeout)
-    rows = [json.loads(l) for l in (save_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    rows = [r for r in rows if "time/step_s" in r]
+    all_rows = [json.loads(l) for l in (save_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    rows = [r for r in all_rows if "time/step_s" in r]
     if len(rows) != a.steps:
         raise SystemExit(f"ours logged {len(rows)} steps, expected {a.steps} (see {work / 'ours.log'})")
     return {
@@ -283,6 +324,8 @@ def run_ours(a, work: Path, threads_per_proc: int) -> dict:
         "rewards": [r.get("rewards/train") for r in rows],
         "response_length": [r.get("response_length/train") for r in rows],
         "trajectory_length": [r.get("trajectory_length/train") for r in rows],
+        "evals": [(0, r0["rewards/test"]) for r0 in all_rows if r0["step"] == 0 and "rewards/test" in r0]
+                 + [(r["step"], r["rewards/test"]) for r in rows if "rewards/test" in r],
         "wall_s": wall,
         "other_processes_cores": others,
     }
@@ -294,6 +337,7 @@ def run_trl(a, work: Path, threads_per_proc: int) -> dict:
         "model": a.model, "data": a.data, "env": a.env, "prompts": a.prompts, "responses": a.responses,
         "max_new_tokens": a.max_new_tokens, "lr": a.lr, "max_grad_norm": a.max_grad_norm, "steps": a.steps,
         "seed": a.seed, "threads_per_proc": threads_per_proc, "work_dir": str(work / "trl"), "result": str(result),
+        "test_data": a.test_data, "test_freq": a.test_freq if a.learning_curve else 0,
     }))
     script = [str(Path(__file__).resolve()), "--trl-worker", str(cfg_path)]
     cmd = (torchrun(a.nproc) if a.nproc > 1 else [sys.executable]) + script
@@ -416,10 +460,18 @@ def main() -> None:
     p.add_argument("--wait-idle", type=int, default=0,
                    help="before each trainer, wait up to this many seconds for other processes to leave the CPU")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--learning-curve", action="store_true",
+                   help="also evaluate greedily on --test-data every --test-freq steps (outside the timed steps) and "
+                        "report the training seconds each trainer needs to reach --target")
+    p.add_argument("--test-data", default="stub/data/math/test.jsonl")
+    p.add_argument("--test-freq", type=int, default=25)
+    p.add_argument("--target", type=float, default=0.6)
+    p.add_argument("--max-staleness", type=int, default=0, help="ours: rollout.max_staleness")
+    p.add_argument("--png", default=None, help="--learning-curve: test reward against training seconds, both trainers")
     p.add_argument("--keep", action="store_true", help="keep the run folders and logs")
     a = p.parse_args()
 
-    for name in ("model", "data", "env"):
+    for name in ("model", "data", "env", "test_data"):
         path = Path(getattr(a, name))
         path = path if path.is_absolute() else REPO / path
         if not path.exists():
@@ -503,9 +555,53 @@ def main() -> None:
                                      "matmul_peak_gflops": peak,
                                      "fraction_of_peak": gflop / ours["update_s_mean"] / peak}
     print_table(results, a.rounds)
+    if a.learning_curve:
+        results["learning_curve"] = learning_curves(rounds, a)
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=2) + "\n")
         print(f"results written to {a.out}")
+
+
+def learning_curves(rounds: dict[str, list[dict]], a) -> dict:
+    """Per trainer (first round): (step, training seconds so far, greedy test reward) at each
+    evaluation, and the training seconds to the first evaluation at or above `a.target`."""
+    out = {}
+    for name, runs in rounds.items():
+        raw = runs[0]["raw"]
+        elapsed = [0.0]
+        for t in raw["step_s"]:
+            elapsed.append(elapsed[-1] + t)
+        points = [(step, elapsed[step], reward) for step, reward in raw.get("evals", [])]
+        hit = next(((step, sec) for step, sec, r in points if r >= a.target), None)
+        out[name] = {"points": points, "target_step": hit[0] if hit else None, "target_s": hit[1] if hit else None}
+    print(f"\nlearning curve: greedy test reward on {os.path.relpath(a.test_data, REPO)} every {a.test_freq} steps, "
+          f"training seconds = the sum of the timed steps (evaluation excluded), target {a.target}")
+    print("| trainer | step s | first evaluation >= target | training s to target | last test reward |")
+    print("|---|---|---|---|---|")
+    for name, c in out.items():
+        points = c["points"]
+        mean_step = points[-1][1] / max(points[-1][0], 1) if points else float("nan")
+        print(f"| {name} | {mean_step:.3f} | {c['target_step'] if c['target_step'] is not None else 'not reached'} | "
+              f"{fmt(c['target_s'], '.1f')} | {fmt(points[-1][2] if points else None)} |")
+    if out.get("ours", {}).get("target_s") and out.get("trl", {}).get("target_s"):
+        print(f"training seconds to {a.target}: ours / TRL = {out['ours']['target_s'] / out['trl']['target_s']:.2f}")
+    if a.png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, c in out.items():
+            ax.plot([p[1] for p in c["points"]], [p[2] for p in c["points"]], marker="o", label=name)
+        ax.axhline(a.target, color="grey", linestyle=":")
+        ax.set_xlabel("training seconds (evaluation excluded)")
+        ax.set_ylabel("greedy test reward")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(a.png, dpi=120)
+        print(f"wrote {a.png}")
+    return out
 
 
 def print_table(results: dict, n_rounds: int = 1) -> None:
