@@ -173,9 +173,12 @@ def test_one_step_issues_a_bounded_number_of_collectives(tmp_path):
         by_kind[kind] = by_kind.get(kind, 0) + n
     assert by_kind.get("all_to_all_single", 0) == 2  # ids + masks, log-probs: each sample to its dp group
     flat_gathers = by_kind.get("all_gather_into_tensor", 0) + by_kind.get("all_gather_single", 0)  # 2.11 / 2.13 name
-    assert flat_gathers <= 2 + 2  # the index (2) and the weight push (1 per bucket)
+    assert flat_gathers <= 2 + 2 + 1  # the index (2), the weight push (1 per bucket), the pass rates (1)
     assert "all_gather" not in by_kind and "all_gather_object" not in by_kind  # no all-rank batch copies
-    assert out["total"] <= 22, counts
+    # 22 before issue 18/19's per-step checks: the weight-push verification flag (1 all-reduce), the
+    # actor's weight norm before/after the update (1) and the curriculum's pass rates (1 all-gather of
+    # two floats per group). None of them grows with the model, the batch or the ranks.
+    assert out["total"] <= 25, counts
     assert out["metrics"]["critic/value_loss"] > 0 and out["metrics"]["actor/optimizer_steps"] == 4
 
 

@@ -42,13 +42,13 @@ def test_a_large_relative_weight_change_panics_from_the_first_step():
 
 
 def test_weight_norm_counts_each_shard_once():
-    """Trainable.weight_norm (what the actor's update reports) on one rank against a float64 norm."""
+    """Trainable.local_weight_square (what the actor's update reduces) on one rank against a float64 norm."""
     from train.workers.trainable import Trainable
 
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
     holder = SimpleNamespace(model=model, device=torch.device("cpu"))
     expected = math.sqrt(sum(float((p.detach().double() ** 2).sum()) for p in model.parameters()))
-    assert abs(Trainable.weight_norm(holder) - expected) < 1e-6 * expected
+    assert abs(Trainable.local_weight_square(holder) ** 0.5 - expected) < 1e-6 * expected
 
 
 def test_governor_window_and_rollback():

@@ -180,7 +180,7 @@ class Actor(Trainable):
             return False
 
         checked = cfg.target_kl is not None and "old_logp" in batch.fields
-        norm_before = self.weight_norm()
+        square_before = self.local_weight_square()
         stats = self.run_update(batch, cfg.update_per_rollout, cfg.mini_batches, self.policy_loss(batch, max_new_tokens),
                                 after_backward=check_kl if checked else None)
         sum_keys = ("loss", "entropy", "clip_fraction", "approx_kl", "sampler_kl", "sampler_abs_diff", "tokens")
@@ -191,8 +191,9 @@ class Actor(Trainable):
         metrics = self.reduce(stats, "actor", sum_keys, ("ratio_max", "neg_ratio_min", "sampler_ratio_max"))
         metrics["actor/entropy_coef"] = self.last_entropy_coef
         # How far the update moved the weights: lr=1e3 shows as a change of ~1000x, a healthy step as ~1e-4.
-        metrics["actor/weight_norm"] = norm_after = self.weight_norm()
-        metrics["actor/weight_change"] = abs(norm_after - norm_before) / max(norm_before, 1e-12)
+        before, after = (x ** 0.5 for x in all_reduce_sum([square_before, self.local_weight_square()], self.device))
+        metrics["actor/weight_norm"] = after
+        metrics["actor/weight_change"] = abs(after - before) / max(before, 1e-12)
         if cfg.target_kl is not None:
             metrics["actor/early_stopped"] = float(bool(stopped))
             metrics["actor/epochs"] = float(stopped[0] if stopped else cfg.update_per_rollout)

@@ -149,9 +149,9 @@ class Trainable:
         return [Norms(max(totals[2 * m], 1.0), max(totals[2 * m + 1], 1.0)) for m in range(mini_batches)]
 
     @torch.no_grad()
-    def weight_norm(self) -> float:
-        """The L2 norm of all the model's weights over every rank (one all-reduce of a scalar): each
-        rank reads only its own shards; a shard replicated over a mesh dim counts once."""
+    def local_weight_square(self) -> float:
+        """This rank's share of the squared L2 norm of the model's weights (no collective): each rank
+        reads only its own shards; a shard replicated over a mesh dim counts 1/copies."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.model.parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
@@ -162,7 +162,11 @@ class Trainable:
                 if placement.is_replicate():
                     copies *= mesh.size(dim)
             total += square / copies
-        return all_reduce_sum([float(total)], self.device)[0] ** 0.5
+        return float(total)
+
+    def weight_norm(self) -> float:
+        """The L2 norm of all the model's weights over every rank (one all-reduce of a scalar)."""
+        return all_reduce_sum([self.local_weight_square()], self.device)[0] ** 0.5
 
     def optimizer_step(self) -> float:
         """Global gradient clipping and the optimizer step; the pre-clip norm."""
