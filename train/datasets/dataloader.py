@@ -14,6 +14,7 @@ skipped: only which rank handles which prompt changes).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -22,7 +23,7 @@ class RLDataLoader:
     """Yields this rank's batch of rows for every step, forever."""
 
     def __init__(self, rows: list[dict], *, batch_size: int, rank: int, world_size: int, seed: int,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, accept: Callable[[int, int, int], bool] | None = None) -> None:
         if not rows:
             raise ValueError("build_dataloader: no rows")
         if batch_size < 1:
@@ -31,6 +32,9 @@ class RLDataLoader:
             raise ValueError(f"build_dataloader: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         self.rows, self.batch_size, self.rank, self.world_size = rows, batch_size, rank, world_size
         self.seed, self.shuffle = seed, shuffle
+        # A curriculum's accept(row index, epoch, position) (train/datasets/curriculum.py); None: every row.
+        self.accept = accept
+        self.last_indices: list[int] = []
         self.global_batch = batch_size * world_size
         self.batches_per_epoch: int = math.ceil(len(rows) / self.global_batch)
         self.epoch = 0
@@ -48,16 +52,28 @@ class RLDataLoader:
         return self._order[1]
 
     def next_batch(self) -> list[dict]:
-        """This rank's rows of the next global batch."""
+        """This rank's rows of the next global batch. With `accept`, candidates it refuses are passed
+        over (their position is used up); after a whole epoch's worth of refusals in one batch the
+        rest are taken as they come, so a batch always fills."""
         picked: list[int] = []
+        refused = 0
         while len(picked) < self.global_batch:
             order = self._permutation(self.epoch)
-            take = min(self.global_batch - len(picked), len(order) - self.cursor)
-            picked += order[self.cursor:self.cursor + take]
-            self.cursor += take
+            if self.accept is None:
+                take = min(self.global_batch - len(picked), len(order) - self.cursor)
+                picked += order[self.cursor:self.cursor + take]
+                self.cursor += take
+            else:
+                index, epoch, position = order[self.cursor], self.epoch, self.cursor
+                self.cursor += 1
+                if refused >= len(order) or self.accept(index, epoch, position):
+                    picked.append(index)
+                else:
+                    refused += 1
             if self.cursor == len(order):
                 self.epoch, self.cursor = self.epoch + 1, 0
-        return [self.rows[i] for i in picked[self.rank::self.world_size]]
+        self.last_indices = picked[self.rank::self.world_size]  # this rank's rows, as indices into `rows`
+        return [self.rows[i] for i in self.last_indices]
 
     def state_dict(self) -> dict:
         """The global position: the same on every rank."""

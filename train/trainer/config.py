@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
+from train.datasets.curriculum import POLICIES
 from train.engines import ENGINE_NAMES, engine_sampling_keys
 from train.engines.base import SamplingError, SamplingParams, sampling_from_mapping
 from train.trainer.advantages import ESTIMATORS
@@ -190,6 +191,7 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     _number(cfg, "trainer.sync_probe_tol", 0.0, low_open=True, allow_none=True, example="trainer.sync_probe_tol=0.001")
     _number(cfg, "rollout.push_timeout_s", 0.0, low_open=True, allow_none=True, example="rollout.push_timeout_s=600")
     _number(cfg, "rollout.async_timeout_s", 0.0, low_open=True, example="rollout.async_timeout_s=1800")
+    _validate_curriculum(cfg)
     staleness = _get(cfg, "rollout.max_staleness")
     if isinstance(staleness, bool) or staleness not in (0, 1):
         _fail("rollout.max_staleness", f"expected 0 (synchronous) or 1 (the next step's rollout overlaps this step's "
@@ -251,6 +253,31 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     _validate_parallel(cfg, world_size, paths)
     _validate_rollout_model(paths)
     return paths
+
+
+def _validate_curriculum(cfg: DictConfig) -> None:
+    key = "data.curriculum"
+    _choice(cfg, f"{key}.policy", POLICIES)
+    _number(cfg, f"{key}.ema_decay", 0.0, 1.0, example=f"{key}.ema_decay=0.7")
+    if _get(cfg, f"{key}.ema_decay") == 1.0:
+        _fail(f"{key}.ema_decay", "1.0 would never move the average", f"{key}.ema_decay=0.7")
+    _number(cfg, f"{key}.pass_threshold", example=f"{key}.pass_threshold=1.0")
+    _positive_int(cfg, f"{key}.min_visits")
+    _number(cfg, f"{key}.low", 0.0, 1.0, example=f"{key}.low=0.0")
+    _number(cfg, f"{key}.high", 0.0, 1.0, example=f"{key}.high=1.0")
+    if cfg.data.curriculum.low >= cfg.data.curriculum.high:
+        _fail(f"{key}.low", f"{cfg.data.curriculum.low} is not below {key}.high={cfg.data.curriculum.high}",
+              f"{key}.low=0.0")
+    # Both keep every prompt reachable: a skipped prompt can come back, a solved one keeps a weight.
+    _number(cfg, f"{key}.recheck", 0.0, 1.0, low_open=True, example=f"{key}.recheck=0.1")
+    _number(cfg, f"{key}.floor", 0.0, low_open=True, example=f"{key}.floor=0.02")
+    _positive_int(cfg, "data.contamination_ngram")
+    if not isinstance(_get(cfg, "data.fail_on_contamination"), bool):
+        _fail("data.fail_on_contamination", f"expected true or false, got {_get(cfg, 'data.fail_on_contamination')!r}",
+              "data.fail_on_contamination=true")
+    if cfg.data.curriculum.policy != "uniform" and _get(cfg, "rollout.max_staleness"):
+        _fail(f"{key}.policy", f"{cfg.data.curriculum.policy} needs rollout.max_staleness=0 (the next batch is drawn "
+              "before this step's pass rates are known)", f"{key}.policy=uniform")
 
 
 def sampling_params(cfg: DictConfig, section: str) -> SamplingParams:

@@ -34,11 +34,13 @@ import transformers
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
+from train.datasets.contamination import check_contamination
+from train.datasets.curriculum import Curriculum, CurriculumConfig
 from train.datasets.dataloader import build_dataloader
 from train.datasets.loading import DataError, load_rows
 from train.datasets.tokenize import TokenizationError, encode
 from train.engines import build_engine
-from train.parallel.collectives import all_reduce_max_many, all_reduce_sum, gather_to_main
+from train.parallel.collectives import all_gather_flat, all_reduce_max_many, all_reduce_sum, gather_to_main
 from train.parallel.distributed import DistContext, cleanup, init_distributed
 from train.parallel.layout import Layout, layout_for
 from train.parallel.step_batch import BatchIndex, StepBatch, dispatch, exchange_index, transfer
@@ -102,9 +104,16 @@ class Trainer:
                                max_workers=cfg.rollout.env_workers, max_turns=cfg.rollout.max_turns)
         self.train_rows = load_rows(cfg.data.train_data_path)
         self.test_rows = load_rows(cfg.data.test_data_path) if cfg.trainer.test_freq else []
+        self.contamination = (check_contamination(self.train_rows, self.test_rows, cfg.data.contamination_ngram)
+                              if self.test_rows else None)
+        if self.contamination is not None and self.contamination.found and cfg.data.fail_on_contamination:
+            raise DataError(f"data.fail_on_contamination: {self.contamination.summary(cfg.data.contamination_ngram)}")
+        # Per-prompt pass rates, kept in every run; a policy other than uniform also decides what is drawn.
+        self.curriculum = Curriculum(CurriculumConfig(**cfg.data.curriculum), self.train_rows, cfg.trainer.seed)
+        accept = self.curriculum.accept if cfg.data.curriculum.policy != "uniform" else None
         self.loader = build_dataloader(self.train_rows, batch_size=cfg.data.prompts_per_rollout // ctx.world_size,
                                        rank=ctx.rank, world_size=ctx.world_size, seed=cfg.trainer.seed,
-                                       shuffle=cfg.data.shuffle)
+                                       shuffle=cfg.data.shuffle, accept=accept)
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.n_epochs * self.loader.batches_per_epoch
         self.train_sampling = sampling_params(cfg, "rollout.train_sampling_params")
         self.test_sampling = sampling_params(cfg, "rollout.test_sampling_params")
@@ -153,6 +162,9 @@ class Trainer:
             self.log.write(f"trainer.overwrite: the run that was in {cfg.trainer.save_dir} is now in {moved}")
         for warning in useless_settings(cfg):
             self._warn(self.start_step, warning)
+        if self.contamination is not None and self.contamination.found:
+            self._warn(self.start_step, f"{self.contamination.summary(cfg.data.contamination_ngram)}; test rewards "
+                                        "overstate generalisation (data.fail_on_contamination=true stops such runs)")
         self.skipped_in_a_row = self.updates = 0
         self._warned_stuck = False
         self.watchdog = Watchdog(cfg.trainer.watchdog_min_s, cfg.trainer.watchdog_factor, ctx.rank,
@@ -203,6 +215,8 @@ class Trainer:
             self.reward_moments.load_state_dict(state["reward_moments"])
         if self.governor is not None and "governor" in state:
             self.governor.load_state_dict(state["governor"])
+        if "prompt_stats" in state:
+            self.curriculum.stats.load_state_dict(state["prompt_stats"])
         self.loader.load_state_dict(state["dataloader"])  # global: any world size resumes at the same prompts
         pending = state.get("pending_rollout")  # an asynchronous run's finished, untrained next rollout
         if pending is not None:
@@ -224,6 +238,9 @@ class Trainer:
                  "dataloader": self.loader.state_dict()}
         if self.governor is not None:
             state["governor"] = self.governor.state_dict()
+        state["prompt_stats"] = self.curriculum.stats.state_dict()
+        if self.ctx.is_main:
+            self.curriculum.stats.dump(os.path.join(self.cfg.trainer.save_dir, "prompt_stats.jsonl"))
         rank_state = {"rng": ckpt.rng_state()}
         pending = self.prefetch.pending() if self.prefetch is not None else None
         if pending is not None:  # generated with the weights before this step's: kept, not regenerated
@@ -248,7 +265,8 @@ class Trainer:
         samples, rollout_s = self.rollout.rollout(rows, n, self.train_sampling, seed)
         counters = tuple(a - b for a, b in zip(self._engine_counters(), before))
         rewards, penalties = shaped_rewards(samples, cfg)
-        return StepRollout(step, samples, rewards, penalties, rollout_s, counters, loader_before)
+        return StepRollout(step, samples, rewards, penalties, rollout_s, counters, loader_before,
+                           list(self.loader.last_indices))
 
     def collect(self, step: int, first: StepRollout
                 ) -> tuple[list[Sample], list[float], list[Sample], list[float], dict[str, float]]:
@@ -266,9 +284,13 @@ class Trainer:
         all_samples, all_rewards, penalties, kept, kept_r = [], [], [], [], []
         rollout_s, rounds, counters = 0.0, 0, [0.0, 0.0]
         max_rounds = cfg.rollout.dynamic_sampling_max_rounds if dynamic else 1
+        pass_rates: list[tuple[int, float]] = []  # (row index, share of its group that passed)
+        threshold = cfg.data.curriculum.pass_threshold
         while rounds < max_rounds:
             got = first if rounds == 0 else self._rollout(step, rounds)
             samples, rewards, pen = got.samples, got.rewards, got.penalties
+            pass_rates += [(pid, sum(s.reward >= threshold for s in samples[g * n:(g + 1) * n]) / n)
+                           for g, pid in enumerate(got.row_indices)]
             rounds += 1
             rollout_s += got.rollout_s
             counters = [a + b for a, b in zip(counters, got.engine_counters)]
@@ -289,6 +311,7 @@ class Trainer:
         metrics["time/rollout_s"] = rollout_s
         metrics.update(self._engine_metrics(step, counters))
         metrics.update(self._staleness_metrics(all_samples))
+        metrics.update(self._record_pass_rates(step, pass_rates))
         if cfg.rollout.overlong_buffer:
             total, count = all_reduce_sum([sum(penalties), float(len(penalties))], ctx.device)
             metrics["rewards/overlong_penalty"] = total / max(count, 1.0)
@@ -362,6 +385,19 @@ class Trainer:
         if done is not None:  # the rollout side sat idle from its end until now
             metrics["async/rollout_idle_s"] = max(0.0, start - done.finished_at)
         return wait
+
+    def _record_pass_rates(self, step: int, pass_rates: list[tuple[int, float]]) -> dict[str, float]:
+        """Every rank's group pass rates into the (global) prompt statistics: one all-gather of two
+        floats per group (every rank has as many groups: equal batches, equal rounds)."""
+        mine = torch.tensor([v for pair in pass_rates for v in pair], dtype=torch.float64, device=self.ctx.device)
+        every = torch.empty(mine.numel() * self.ctx.world_size, dtype=torch.float64, device=self.ctx.device)
+        if self.ctx.world_size > 1:
+            all_gather_flat(every, mine)
+        else:
+            every = mine
+        values = every.view(-1, 2).tolist()
+        self.curriculum.stats.update(step, [(self.curriculum.id_of(int(i)), rate) for i, rate in values])
+        return self.curriculum.take_counters()
 
     def _staleness_metrics(self, samples: list[Sample]) -> dict[str, float]:
         """How many weight versions behind the trainer's each sample's oldest turn was (all ranks)."""

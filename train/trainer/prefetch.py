@@ -33,6 +33,7 @@ class StepRollout:
     rollout_s: float  # wall time of the generation
     engine_counters: tuple[float, float]  # the engine's (generated tokens, generation seconds) when it ended
     loader_before: dict  # the data loader's state before this rollout drew its prompts
+    row_indices: list[int] = field(default_factory=list)  # each group's row in the training data
     finished_at: float = field(default=0.0, repr=False)  # time.monotonic() at the end (idle accounting)
 
 

@@ -1,0 +1,145 @@
+"""What to roll out next: per-prompt pass-rate statistics and the sampling policies that use them
+(`data.curriculum.*`).
+
+Every prompt has a stable id (its row's `id`, else a hash of its messages and answer). After each
+step the trainer records, for every group of every rank, the share of its responses whose reward
+reached `pass_threshold`, and keeps per prompt the number of visits, an exponential moving average
+of that pass rate and the last step it was seen. The statistics are global (every rank holds the
+same, from one small all-gather per step), so every rank takes the same sampling decisions.
+
+Policies decide, as the data loader walks its epoch permutation, whether a candidate prompt is rolled
+out (`accept`); the epoch structure, the loader's resumable position and the order are unchanged:
+
+- `uniform`: every prompt (the default; nothing is recorded unless asked for);
+- `skip_saturated`: a prompt seen at least `min_visits` times whose EMA pass rate is <= `low` (never
+  solved) or >= `high` (always solved) is skipped, except with probability `recheck` per epoch, so it
+  can come back once the policy changes;
+- `prioritized`: a prompt is taken with probability w / w_max, w = p (1 - p) + `floor` (learning
+  progress is largest at p = 1/2); an unseen prompt has the largest weight.
+
+Random draws come from a hash of (seed, epoch, position), not from a generator: the same on every
+rank and after a resume. No prompt becomes unreachable: `recheck` and `floor` must be > 0, and a
+batch that would skip a whole epoch's worth of candidates takes the rest as they come.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+
+POLICIES = ("uniform", "skip_saturated", "prioritized")
+
+
+def prompt_id(row: dict) -> str:
+    """The row's `id` if it has one, else a hash of its messages and answer (stable across runs)."""
+    if row.get("id") is not None:
+        return str(row["id"])
+    text = json.dumps({"messages": row.get("messages"), "answer": row.get("answer")}, sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def unit_draw(seed: int, epoch: int, position: int) -> float:
+    """A uniform number in [0, 1) from (seed, epoch, position), identical on every rank."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64
+
+
+@dataclass
+class PromptStat:
+    visits: int = 0
+    ema: float = 0.0  # EMA of the group pass rate (the first visit sets it)
+    last_step: int = 0
+
+
+@dataclass(frozen=True)
+class CurriculumConfig:
+    policy: str = "uniform"
+    ema_decay: float = 0.7  # ema <- decay * ema + (1 - decay) * pass rate
+    pass_threshold: float = 1.0  # a response passes when its reward >= this
+    min_visits: int = 2  # skip_saturated: visits before a prompt may be skipped
+    low: float = 0.0  # skip_saturated: EMA pass rate at or below: never solved
+    high: float = 1.0  # skip_saturated: at or above: always solved
+    recheck: float = 0.1  # skip_saturated: probability per epoch that a saturated prompt is rolled out anyway
+    floor: float = 0.02  # prioritized: weight p (1 - p) + floor
+
+
+class PromptStats:
+    """Per-prompt visits, EMA pass rate and last step; the same on every rank."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.stats: dict[str, PromptStat] = {}
+
+    def update(self, step: int, pass_rates: list[tuple[str, float]]) -> None:
+        """Record one step's groups (every rank's, in rank order): (prompt id, pass rate)."""
+        for pid, rate in pass_rates:
+            s = self.stats.setdefault(pid, PromptStat())
+            s.ema = rate if s.visits == 0 else self.decay * s.ema + (1 - self.decay) * rate
+            s.visits += 1
+            s.last_step = step
+
+    def get(self, pid: str) -> PromptStat | None:
+        return self.stats.get(pid)
+
+    def state_dict(self) -> dict:
+        return {pid: asdict(s) for pid, s in self.stats.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stats = {pid: PromptStat(**s) for pid, s in state.items()}
+
+    def dump(self, path: str) -> None:
+        """prompt_stats.jsonl: one line per prompt seen, for inspection (atomic)."""
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            for pid, s in sorted(self.stats.items()):
+                f.write(json.dumps({"id": pid, **asdict(s)}) + "\n")
+        os.replace(tmp, path)
+
+
+class Curriculum:
+    """A policy's `accept(row index, epoch, position)` for the data loader, and its counters."""
+
+    def __init__(self, cfg: CurriculumConfig, rows: list[dict], seed: int) -> None:
+        if cfg.policy not in POLICIES:
+            raise ValueError(f"unknown curriculum policy {cfg.policy!r}; choose one of {', '.join(POLICIES)}")
+        self.cfg, self.seed, self.rows = cfg, seed, rows
+        self._ids: dict[int, str] = {}  # row index -> prompt id, computed when first needed
+        self.stats = PromptStats(cfg.ema_decay)
+        self.skipped = 0  # candidates passed over since the last `take_counters`
+
+    def id_of(self, index: int) -> str:
+        if index not in self._ids:
+            self._ids[index] = prompt_id(self.rows[index])
+        return self._ids[index]
+
+    def saturated(self, s: PromptStat | None) -> bool:
+        c = self.cfg
+        return s is not None and s.visits >= c.min_visits and (s.ema <= c.low or s.ema >= c.high)
+
+    def weight(self, s: PromptStat | None) -> float:
+        p = 0.5 if s is None else s.ema  # unseen: the largest weight
+        return p * (1 - p) + self.cfg.floor
+
+    def accept(self, index: int, epoch: int, position: int) -> bool:
+        c = self.cfg
+        if c.policy == "uniform":
+            return True
+        s = self.stats.get(self.id_of(index))
+        if c.policy == "skip_saturated":
+            ok = not self.saturated(s) or unit_draw(self.seed, epoch, position) < c.recheck
+        else:
+            ok = unit_draw(self.seed, epoch, position) < self.weight(s) / (0.25 + c.floor)
+        self.skipped += not ok
+        return ok
+
+    def take_counters(self) -> dict[str, float]:
+        """Metrics since the last call: candidates skipped, and the pass-rate picture of the prompts seen."""
+        seen = list(self.stats.stats.values())
+        out = {"curriculum/skipped": float(self.skipped), "curriculum/prompts_seen": float(len(seen))}
+        self.skipped = 0
+        if seen:
+            out["curriculum/pass_rate_mean"] = sum(s.ema for s in seen) / len(seen)
+            out["curriculum/never_solved"] = sum(s.ema <= self.cfg.low for s in seen) / len(seen)
+            out["curriculum/always_solved"] = sum(s.ema >= self.cfg.high for s in seen) / len(seen)
+        return out
