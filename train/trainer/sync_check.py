@@ -70,7 +70,8 @@ def mismatches(record: PushRecord, held: dict[str, torch.Tensor]) -> list[tuple[
     if not record.names:
         return []
     sent = torch.stack(record.checksums).cpu()  # one device-to-host copy, not one per tensor
-    got = torch.stack([held[n] if n in held else record.checksums[i] for i, n in enumerate(record.names)]).cpu()
+    # The engine's may sit on different devices (a sleeping engine keeps unpushed weights on the host).
+    got = torch.stack([(held[n] if n in held else record.checksums[i]).cpu() for i, n in enumerate(record.names)])
     missing = torch.tensor([n not in held for n in record.names])
     bad = ((sent != got) | missing).nonzero().flatten().tolist()
     return [(record.buckets[i], record.names[i]) for i in bad]
