@@ -127,3 +127,18 @@ def test_curriculum_config_errors():
                            (["data.curriculum.policy=prioritized", "rollout.max_staleness=1"], "data.curriculum.policy")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             validate(stub_config(overrides))
+
+
+def test_a_contaminated_test_set_warns_or_stops_the_run(tiny_data, tmp_path):
+    """The test file is a slice of the training file: a warning naming the counts (rank 0 checks,
+    every rank learns the result), or with data.fail_on_contamination a stop before any model loads."""
+    test = tmp_path / "test.jsonl"
+    test.write_text("".join(tiny_data.read_text().splitlines(keepends=True)[:3]))
+    common = [f"data.train_data_path={tiny_data}", f"data.test_data_path={test}", "trainer.test_freq=1",
+              "trainer.total_steps=1", "data.prompts_per_rollout=4", "data.responses_per_prompt=4"]
+    proc = run_trainer([f"trainer.save_dir={tmp_path / 'warn'}", *common], nproc=2)
+    assert "warning: 3 of 3 test prompts also appear in the training data" in proc.stdout + proc.stderr
+    proc = run_trainer([f"trainer.save_dir={tmp_path / 'stop'}", "data.fail_on_contamination=true", *common],
+                       nproc=2, check=False)
+    assert proc.returncode != 0
+    assert "error: data.fail_on_contamination: 3 of 3 test prompts" in proc.stderr

@@ -40,7 +40,8 @@ from train.datasets.dataloader import build_dataloader
 from train.datasets.loading import DataError, load_rows
 from train.datasets.tokenize import TokenizationError, encode
 from train.engines import build_engine
-from train.parallel.collectives import all_gather_flat, all_reduce_max_many, all_reduce_sum, gather_to_main
+from train.parallel.collectives import (all_gather_flat, all_reduce_max_many, all_reduce_sum, broadcast_from_main,
+                                        gather_to_main)
 from train.parallel.distributed import DistContext, cleanup, init_distributed
 from train.parallel.layout import Layout, layout_for
 from train.parallel.step_batch import BatchIndex, StepBatch, dispatch, exchange_index, transfer
@@ -104,8 +105,11 @@ class Trainer:
                                max_workers=cfg.rollout.env_workers, max_turns=cfg.rollout.max_turns)
         self.train_rows = load_rows(cfg.data.train_data_path)
         self.test_rows = load_rows(cfg.data.test_data_path) if cfg.trainer.test_freq else []
-        self.contamination = (check_contamination(self.train_rows, self.test_rows, cfg.data.contamination_ngram)
-                              if self.test_rows else None)
+        # Rank 0 hashes the training n-grams (memory ~ the training set's distinct n-grams); the others
+        # get its report.
+        self.contamination = broadcast_from_main(
+            check_contamination(self.train_rows, self.test_rows, cfg.data.contamination_ngram)
+            if self.test_rows and ctx.is_main else None, ctx)
         if self.contamination is not None and self.contamination.found and cfg.data.fail_on_contamination:
             raise DataError(f"data.fail_on_contamination: {self.contamination.summary(cfg.data.contamination_ngram)}")
         # Per-prompt pass rates, kept in every run; a policy other than uniform also decides what is drawn.
