@@ -31,6 +31,26 @@ def test_the_ema_follows_a_hand_computation():
     assert prompt_id(rows(2)[0]) == prompt_id(json.loads(json.dumps(rows(2)[0]))) != prompt_id(rows(2)[1])
 
 
+def test_the_pass_rate_summary_kept_step_by_step_equals_a_recount():
+    """Curriculum.record touches only the step's prompts; its summary must equal a recount over every
+    prompt seen, and a resume continues it exactly."""
+    import random
+
+    data = rows(50)
+    cur = Curriculum(CurriculumConfig(policy="skip_saturated", low=0.1, high=0.9), data, 0)
+    draw = random.Random(0)
+    for step in range(1, 120):
+        cur.record(step, [(cur.id_of(draw.randrange(50)), draw.choice([0.0, 0.25, 0.5, 1.0])) for _ in range(8)])
+        got, seen = cur.take_counters(), list(cur.stats.stats.values())
+        assert got["curriculum/prompts_seen"] == len(seen)
+        assert abs(got["curriculum/pass_rate_mean"] - sum(s.ema for s in seen) / len(seen)) < 1e-12
+        assert got["curriculum/never_solved"] == sum(s.ema <= 0.1 for s in seen) / len(seen)
+        assert got["curriculum/always_solved"] == sum(s.ema >= 0.9 for s in seen) / len(seen)
+    again = Curriculum(cur.cfg, data, 0)
+    again.load_state_dict(cur.state_dict())
+    assert again.take_counters() == {**cur.take_counters(), "curriculum/skipped": 0.0}
+
+
 def test_skip_saturated_skips_and_rechecks_by_the_rule():
     data = rows(4)
     cur = Curriculum(CurriculumConfig(policy="skip_saturated", min_visits=2, low=0.0, high=1.0, recheck=0.25), data, 3)

@@ -107,6 +107,7 @@ class Curriculum:
         self._ids: dict[int, str] = {}  # row index -> prompt id, computed when first needed
         self.stats = PromptStats(cfg.ema_decay)
         self.skipped = 0  # candidates passed over since the last `take_counters`
+        self._summary: list = [0, 0.0, 0, 0]  # prompts seen, EMA sum, never solved, always solved
 
     def id_of(self, index: int) -> str:
         if index not in self._ids:
@@ -133,13 +134,41 @@ class Curriculum:
         self.skipped += not ok
         return ok
 
+    def record(self, step: int, pass_rates: list[tuple[str, float]]) -> None:
+        """One step's groups into the statistics, keeping the pass-rate summary current: only the
+        prompts of this step are touched (not every prompt seen, which a large dataset makes slow)."""
+        touched = dict.fromkeys(pid for pid, _ in pass_rates)  # a prompt may come twice in one step
+        for pid in touched:
+            self._count(self.stats.get(pid), -1)
+        self.stats.update(step, pass_rates)
+        for pid in touched:
+            self._count(self.stats.get(pid), +1)
+
+    def state_dict(self) -> dict:
+        # The running summary travels too: recounting it would round differently from the straight run.
+        return {"stats": self.stats.state_dict(), "summary": list(self._summary)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stats.load_state_dict(state["stats"])
+        self._summary = list(state["summary"])
+
+    def _count(self, s: PromptStat | None, sign: int) -> None:
+        """Add (or remove) one prompt's share of the summary: [prompts, EMA sum, never, always]."""
+        if s is None:
+            return
+        summary = self._summary
+        summary[0] += sign
+        summary[1] += sign * s.ema
+        summary[2] += sign * (s.ema <= self.cfg.low)
+        summary[3] += sign * (s.ema >= self.cfg.high)
+
     def take_counters(self) -> dict[str, float]:
         """Metrics since the last call: candidates skipped, and the pass-rate picture of the prompts seen."""
-        seen = list(self.stats.stats.values())
-        out = {"curriculum/skipped": float(self.skipped), "curriculum/prompts_seen": float(len(seen))}
+        seen, ema_sum, never, always = self._summary
+        out = {"curriculum/skipped": float(self.skipped), "curriculum/prompts_seen": float(seen)}
         self.skipped = 0
         if seen:
-            out["curriculum/pass_rate_mean"] = sum(s.ema for s in seen) / len(seen)
-            out["curriculum/never_solved"] = sum(s.ema <= self.cfg.low for s in seen) / len(seen)
-            out["curriculum/always_solved"] = sum(s.ema >= self.cfg.high for s in seen) / len(seen)
+            out["curriculum/pass_rate_mean"] = ema_sum / seen
+            out["curriculum/never_solved"] = never / seen
+            out["curriculum/always_solved"] = always / seen
         return out

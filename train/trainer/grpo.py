@@ -219,8 +219,8 @@ class Trainer:
             self.reward_moments.load_state_dict(state["reward_moments"])
         if self.governor is not None and "governor" in state:
             self.governor.load_state_dict(state["governor"])
-        if "prompt_stats" in state:
-            self.curriculum.stats.load_state_dict(state["prompt_stats"])
+        if "curriculum" in state:
+            self.curriculum.load_state_dict(state["curriculum"])
         self.loader.load_state_dict(state["dataloader"])  # global: any world size resumes at the same prompts
         pending = state.get("pending_rollout")  # an asynchronous run's finished, untrained next rollout
         if pending is not None:
@@ -242,7 +242,7 @@ class Trainer:
                  "dataloader": self.loader.state_dict()}
         if self.governor is not None:
             state["governor"] = self.governor.state_dict()
-        state["prompt_stats"] = self.curriculum.stats.state_dict()
+        state["curriculum"] = self.curriculum.state_dict()
         if self.ctx.is_main:
             self.curriculum.stats.dump(os.path.join(self.cfg.trainer.save_dir, "prompt_stats.jsonl"))
         rank_state = {"rng": ckpt.rng_state()}
@@ -400,7 +400,7 @@ class Trainer:
         else:
             every = mine
         values = every.view(-1, 2).tolist()
-        self.curriculum.stats.update(step, [(self.curriculum.id_of(int(i)), rate) for i, rate in values])
+        self.curriculum.record(step, [(self.curriculum.id_of(int(i)), rate) for i, rate in values])
         return self.curriculum.take_counters()
 
     def _staleness_metrics(self, samples: list[Sample]) -> dict[str, float]:
