@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from stub_runs import REPO, run_stub
 
 SLOW_ENV = '''
 import asyncio, importlib.util
@@ -37,16 +34,9 @@ async def reward_fn(messages, answer):
 
 
 def run(args, work: Path, name: str, env_path: str, staleness: int) -> dict:
-    save = work / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "train.trainer.grpo", "--config-name", "stub", f"trainer.save_dir={save}",
-           f"trainer.total_steps={args.steps}", "trainer.test_freq=null", "trainer.progress_bar=false",
-           f"rollout.env_path={env_path}", f"rollout.max_staleness={staleness}"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in open(save / "metrics.jsonl")][args.warmup:]
+    rows = run_stub(work / name, [f"trainer.total_steps={args.steps}", "trainer.test_freq=null",
+                                  f"rollout.env_path={env_path}", f"rollout.max_staleness={staleness}"],
+                    args.nproc, args.timeout, name)[args.warmup:]
     med = lambda key: statistics.median(r.get(key, 0.0) for r in rows)  # noqa: E731
     return {"step_s": med("time/step_s"), "rollout_s": med("time/rollout_s"), "update_s": med("time/update_s"),
             "trainer_wait_s": med("async/trainer_wait_s"), "reward": statistics.mean(r["rewards/train"] for r in rows)}

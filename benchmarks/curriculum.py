@@ -15,27 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from stub_runs import REPO, first_at, run_stub, test_curve
+
 POLICIES = ("uniform", "skip_saturated", "prioritized")
 
 
 def run(args, work: Path, policy: str, data: Path) -> list[dict]:
-    save = work / policy
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "train.trainer.grpo", "--config-name", "stub", f"trainer.save_dir={save}",
-           f"data.train_data_path={data}", f"trainer.total_steps={args.steps}", f"trainer.test_freq={args.test_freq}",
-           "trainer.progress_bar=false", f"data.curriculum.policy={policy}", f"trainer.seed={args.seed}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True,
-                          timeout=args.timeout)
-    if proc.returncode != 0:
-        raise SystemExit(f"{policy} failed:\n{proc.stderr[-3000:]}")
-    return [json.loads(line) for line in open(save / "metrics.jsonl")]
+    return run_stub(work / policy, [f"data.train_data_path={data}", f"trainer.total_steps={args.steps}",
+                                    f"trainer.test_freq={args.test_freq}", f"data.curriculum.policy={policy}",
+                                    f"trainer.seed={args.seed}"], args.nproc, args.timeout, policy)
 
 
 def main() -> None:
@@ -57,13 +48,10 @@ def main() -> None:
         data.write_text("\n".join(lines) + "\n")
         for policy in args.policies:
             rows = run(args, work, policy, data)
-            seconds, curve = 0.0, []
-            for r in rows:
-                seconds += r.get("time/step_s", 0.0)
-                if "rewards/test" in r:
-                    curve.append((r["step"], round(seconds, 1), r["rewards/test"]))
+            curve = [(step, round(seconds, 1), reward) for step, seconds, reward in test_curve(rows)]
             trained = [r for r in rows if "time/step_s" in r]
-            hit = next(((s, sec) for s, sec, reward in curve if reward >= args.target), None)
+            seconds = sum(r["time/step_s"] for r in trained)
+            hit = first_at(curve, args.target)
             results[policy] = {
                 "curve": curve, "target_step": hit[0] if hit else None, "target_s": hit[1] if hit else None,
                 "final": curve[-1][2], "step_s": seconds / max(len(trained), 1),

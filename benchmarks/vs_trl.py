@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from stub_runs import first_at, plot_curves
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -572,7 +574,7 @@ def learning_curves(rounds: dict[str, list[dict]], a) -> dict:
         for t in raw["step_s"]:
             elapsed.append(elapsed[-1] + t)
         points = [(step, elapsed[step], reward) for step, reward in raw.get("evals", [])]
-        hit = next(((step, sec) for step, sec, r in points if r >= a.target), None)
+        hit = first_at(points, a.target)
         out[name] = {"points": points, "target_step": hit[0] if hit else None, "target_s": hit[1] if hit else None}
     print(f"\nlearning curve: greedy test reward on {os.path.relpath(a.test_data, REPO)} every {a.test_freq} steps, "
           f"training seconds = the sum of the timed steps (evaluation excluded), target {a.target}")
@@ -586,21 +588,7 @@ def learning_curves(rounds: dict[str, list[dict]], a) -> dict:
     if out.get("ours", {}).get("target_s") and out.get("trl", {}).get("target_s"):
         print(f"training seconds to {a.target}: ours / TRL = {out['ours']['target_s'] / out['trl']['target_s']:.2f}")
     if a.png:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name, c in out.items():
-            ax.plot([p[1] for p in c["points"]], [p[2] for p in c["points"]], marker="o", label=name)
-        ax.axhline(a.target, color="grey", linestyle=":")
-        ax.set_xlabel("training seconds (evaluation excluded)")
-        ax.set_ylabel("greedy test reward")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(a.png, dpi=120)
-        print(f"wrote {a.png}")
+        plot_curves({name: c["points"] for name, c in out.items()}, a.target, a.png)
     return out
 
 

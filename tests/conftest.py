@@ -45,6 +45,12 @@ def run_trainer(overrides: list[str], nproc: int = 1, config: str = "stub", time
     return proc
 
 
+def stub_train_slice(path: Path, n: int) -> Path:
+    """The first `n` rows of the stub math training set written to `path` (short epochs, revisits)."""
+    path.write_text("".join((STUB_MATH / "train.jsonl").read_text().splitlines(keepends=True)[:n]))
+    return path
+
+
 def read_jsonl(path: Path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -1,14 +1,13 @@
 """One-step-off rollouts (rollout.max_staleness=1, issue 17): the staleness bound, version tags,
 importance sampling against the sampler's log-probs, exact resume (also across an epoch boundary and
 onto another world size without losing or repeating prompts), and waits that time out with a message."""
-import json
 import threading
 import time
 from collections import Counter
 
 import pytest
 
-from conftest import STUB_MATH, read_jsonl, run_trainer
+from conftest import read_jsonl, run_trainer, stub_train_slice
 from test_trainer import _flatten, assert_same, prompts_by_step
 from train.trainer.prefetch import RolloutPrefetcher, RolloutTimeout, StepRollout, staleness
 from train.utils.checkpoint import consolidate
@@ -56,10 +55,7 @@ def test_the_prefetcher_hands_over_each_step_once():
 @pytest.fixture(scope="module")
 def small_data(tmp_path_factory):
     """10 prompts: with 4 per step an epoch ends inside step 3 and again inside step 5."""
-    path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    rows = [json.loads(line) for line in open(STUB_MATH / "train.jsonl")][:10]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return stub_train_slice(tmp_path_factory.mktemp("data") / "train.jsonl", 10)
 
 
 @pytest.fixture(scope="module")

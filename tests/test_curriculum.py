@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import STUB_MATH, read_jsonl, run_trainer
+from conftest import STUB_MATH, read_jsonl, run_trainer, stub_train_slice
 from test_trainer import assert_same, prompts_by_step
 from train.datasets.contamination import check_contamination
 from train.datasets.curriculum import Curriculum, CurriculumConfig, PromptStats, prompt_id, unit_draw
@@ -108,10 +108,7 @@ def test_contamination_finds_planted_duplicates_and_none_on_the_stub_split():
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    picked = [json.loads(line) for line in open(STUB_MATH / "train.jsonl")][:12]
-    path.write_text("".join(json.dumps(r) + "\n" for r in picked))
-    return path
+    return stub_train_slice(tmp_path_factory.mktemp("data") / "train.jsonl", 12)
 
 
 CURRICULUM = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",

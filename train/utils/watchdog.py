@@ -66,8 +66,7 @@ class Watchdog:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self._thread.join(timeout=5)
 
     def _watch(self, poll_s: float) -> None:
         while not self._stop.wait(poll_s):
