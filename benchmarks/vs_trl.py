@@ -309,7 +309,7 @@ def run_ours(a, work: Path, threads_per_proc: int) -> dict:
         "rollout.dynamic_filtering=false",
         f"trainer.total_steps={a.steps}", f"trainer.test_freq={a.test_freq if a.learning_curve else 'null'}",
         f"data.test_data_path={a.test_data}", f"rollout.test_sampling_params.max_new_tokens={a.max_new_tokens}",
-        f"rollout.max_staleness={a.max_staleness}", "trainer.save_freq=null",
+        f"rollout.max_staleness={a.max_staleness}", f"actor.share_prompt={a.share_prompt}", "trainer.save_freq=null",
         "trainer.progress_bar=false", f"trainer.save_dir={save_dir}", f"trainer.num_threads={threads_per_proc}",
         f"trainer.seed={a.seed}",
     ]
@@ -469,6 +469,8 @@ def main() -> None:
     p.add_argument("--test-freq", type=int, default=25)
     p.add_argument("--target", type=float, default=0.6)
     p.add_argument("--max-staleness", type=int, default=0, help="ours: rollout.max_staleness")
+    p.add_argument("--share-prompt", choices=["true", "false"], default="true",
+                   help="ours: actor.share_prompt (each group's prompt laid out once in the training passes)")
     p.add_argument("--png", default=None, help="--learning-curve: test reward against training seconds, both trainers")
     p.add_argument("--keep", action="store_true", help="keep the run folders and logs")
     a = p.parse_args()

@@ -65,14 +65,44 @@ def fixed_batch(n: int = 10, vocab: int = 300) -> FixedBatch:
     return FixedBatch(ids, masks, adv)
 
 
-def step_batch(worker, batch: FixedBatch, own: list[int], ctx) -> tuple[StepBatch, list[int]]:
+def grouped_batch(n: int = 10, vocab: int = 300, group: int = 4) -> FixedBatch:
+    """Like fixed_batch, but the samples come in groups of `group` that share a prompt (as a GRPO
+    group does); in group 0 two responses also share their first tokens (a shared prefix that holds
+    action tokens) and one sample is an exact copy of another."""
+    g = torch.Generator().manual_seed(4321)
+    ids, masks, adv = [], [], []
+    for i in range(n):
+        if i % group == 0:
+            prompt = torch.randint(3, vocab, (int(torch.randint(6, 16, (1,), generator=g)),), generator=g).tolist()
+        reply = torch.randint(3, vocab, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
+        if i == 1:
+            reply = ids[0][len(prompt):len(prompt) + 2] + reply
+        if i == 2:
+            reply = ids[0][len(prompt):]
+        mask = [0] * len(prompt) + [1] * len(reply)
+        if i % 3 == 1 and len(reply) > 8:  # a tool reply in the middle of the response
+            mask[len(prompt) + 4:len(prompt) + 6] = [0, 0]
+        ids.append(prompt + reply)
+        masks.append(mask)
+        adv.append(float(torch.randn(1, generator=g)))
+    return FixedBatch(ids, masks, adv)
+
+
+def step_batch(worker, batch: FixedBatch, own: list[int], ctx, share: bool = False,
+               group: int = 0) -> tuple[StepBatch, list[int]]:
     """The StepBatch this rank's dp group holds when this rank rolled out samples `own` of `batch`
     (the trainer's path: exchange the index, dispatch once), and the fixed-batch number of each of
-    its samples."""
+    its samples. `group` > 0: samples i // group form the groups (numbered per rank, as the trainer
+    does); `share`: dispatched with actor.share_prompt."""
     ids = [batch.ids[i] for i in own]
     masks = [batch.action_mask[i] for i in own]
-    index = exchange_index([len(x) for x in ids], list(range(len(ids))), [0.0] * len(ids), ctx.device)
-    sb = dispatch(index, ids, masks, [[0.0] * len(x) for x in ids], worker.layout, 1, ctx.device)
+    if group:
+        firsts = sorted({i // group for i in own})
+        groups = [firsts.index(i // group) for i in own]
+    else:
+        groups = list(range(len(ids)))
+    index = exchange_index([len(x) for x in ids], groups, [0.0] * len(ids), ctx.device)
+    sb = dispatch(index, ids, masks, [[0.0] * len(x) for x in ids], worker.layout, 1, ctx.device, share_prompt=share)
     owners = {}
     for r in range(ctx.world_size):
         for j, i in enumerate(OWN[r]):
@@ -115,14 +145,21 @@ def grads(args, ctx) -> None:
     cfg = actor_cfg(agg_mode=args.agg, max_length_per_device=args.max_tokens, max_grad_norm=args.clip,
                     loss=args.loss, **{"entropy.coef": args.entropy}, **layout_overrides(args))
     actor = Actor(cfg, ctx, args.model, pad_token_id=0, train=True, temperature=1.0, total_updates=1)
-    batch = fixed_batch()
+    batch = grouped_batch() if args.grouped else fixed_batch()
     set_ownership(len(batch.ids), args.split, ctx.world_size)
-    sb, source = step_batch(actor, batch, OWN[ctx.rank], ctx)
+    sb, source = step_batch(actor, batch, OWN[ctx.rank], ctx, args.share, 4 if args.grouped else 0)
     sb.fields["advantages"] = per_token(batch.advantages, sb, source)
     norms, [packs] = actor.prepare(sb, 1)
+    shared_packs(packs, args)
     actor.model.train()
     actor.accumulate(packs, norms[0], actor.policy_loss(sb, 32), UpdateStats())  # gradients, no step
     step_and_save(actor, ctx, args.out)
+
+
+def shared_packs(packs, args) -> None:
+    """With --share, the packs really lay prompts out once (else the check would prove nothing)."""
+    if args.share:
+        assert sum(mb.laid_out for mb in packs) < sum(mb.represented for mb in packs), "nothing was shared"
 
 
 def step_and_save(worker, ctx, out) -> None:
@@ -189,15 +226,16 @@ def critic_grads(args, ctx) -> None:
         if hasattr(weight, "device_mesh"):
             w = torch.distributed.tensor.distribute_tensor(w, weight.device_mesh, weight.placements)
         weight.copy_(w)
-    batch = fixed_batch()
+    batch = grouped_batch() if args.grouped else fixed_batch()
     g = torch.Generator().manual_seed(99)
     returns = [torch.randn(len(s) - 1, generator=g) for s in batch.ids]
     old = [torch.randn(len(s) - 1, generator=g) * 0.1 for s in batch.ids]
     set_ownership(len(batch.ids), args.split, ctx.world_size)
-    sb, source = step_batch(critic, batch, OWN[ctx.rank], ctx)
+    sb, source = step_batch(critic, batch, OWN[ctx.rank], ctx, args.share, 4 if args.grouped else 0)
     sb.fields["returns"] = [returns[i] for i in source]
     sb.fields["values"] = [old[i] for i in source]
     norms, [packs] = critic.prepare(sb, 1)
+    shared_packs(packs, args)
     critic.model.train()
     critic.accumulate(packs, norms[0], critic.value_loss(sb), UpdateStats())
     step_and_save(critic, ctx, args.out)
@@ -338,6 +376,8 @@ def main() -> None:
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--bucket_kb", type=int, default=256)
     parser.add_argument("--ckpt", default=None)
+    parser.add_argument("--grouped", action="store_true", help="samples in groups that share a prompt")
+    parser.add_argument("--share", action="store_true", help="dispatch with share_prompt (lay each prompt out once)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = init_distributed()

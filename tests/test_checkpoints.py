@@ -132,7 +132,7 @@ def test_sigkill_while_a_checkpoint_is_written_leaves_the_previous_one(fsdp2_run
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m",
            "train.trainer.grpo", "--config-name", "stub", "trainer.progress_bar=false", f"trainer.save_dir={run}",
            "trainer.total_steps=4", "trainer.save_freq=2", f"trainer.async_save={str(async_save).lower()}", *SMALL]
-    env = {**trainer_env(), "INFINITE_RL_TEST_CHECKPOINT_DELAY_S": "10"}
+    env = {**trainer_env(), "INFINITE_RL_TEST_CHECKPOINT_DELAY_S": "3"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     marker = run / "step4.tmp" / "dcp" / ".metadata"

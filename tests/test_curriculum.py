@@ -54,7 +54,7 @@ def test_the_pass_rate_summary_kept_step_by_step_equals_a_recount():
 def test_skip_saturated_skips_and_rechecks_by_the_rule():
     data = rows(4)
     cur = Curriculum(CurriculumConfig(policy="skip_saturated", min_visits=2, low=0.0, high=1.0, recheck=0.25), data, 3)
-    solved, unseen = cur.id_of(0), cur.id_of(1)
+    solved = cur.id_of(0)
     cur.stats.update(1, [(solved, 1.0)])
     assert cur.accept(0, 0, 0)  # one visit: not judged yet
     cur.stats.update(2, [(solved, 1.0), (cur.id_of(2), 0.5)])

@@ -1,5 +1,6 @@
 """1 rank vs 2 and 4 ranks in every parallel layout (torchrun, gloo): the same gradients, global clip
-norm and updated weights for the same rollout data, whatever the split, packing and layout."""
+norm and updated weights for the same rollout data, whatever the split, packing (prompts shared or
+not) and layout."""
 import sys
 
 import pytest
@@ -16,8 +17,8 @@ def launch(nproc: int, out, *args: str) -> dict:
     return torch.load(out)
 
 
-@pytest.mark.parametrize("agg,split", [("all_token_mean", "uneven"), ("seq_mean_token_mean", "uneven"),
-                                       ("seq_mean_token_sum_norm", "all_on_rank0")])
+# all_token_mean with the uneven split is test_actor_layouts_match_one_process[fsdp2]
+@pytest.mark.parametrize("agg,split", [("seq_mean_token_mean", "uneven"), ("seq_mean_token_sum_norm", "all_on_rank0")])
 def test_one_and_two_ranks_give_the_same_gradients(tmp_path, single_process, agg, split):
     # A small clip norm makes clipping active, so the *global* norm is checked too.
     one = single_process("grads", "--agg", agg)
@@ -45,8 +46,9 @@ def test_critic_one_and_two_ranks_give_the_same_gradients(tmp_path, single_proce
     """The clipped value loss is normalised by the global action-token count, x world size; all
     samples on rank 0 (the uneven split is covered by test_critic_layouts_match_one_process)."""
     split = "all_on_rank0"
-    one = single_process("critic_grads")
-    two = launch(2, tmp_path / "two.pt", "critic_grads", "--split", split, "--max_tokens", "64", "--clip", "0.05")
+    one = single_process("critic_grads", "--grouped")
+    two = launch(2, tmp_path / "two.pt", "critic_grads", "--split", split, "--max_tokens", "64", "--clip", "0.05",
+                 "--grouped", "--share")
     assert one["grads"].keys() == two["grads"].keys()
     assert float(one["grads"]["model.layers.0.mlp.up_proj.weight"].abs().max()) > 0  # the backbone learns too
     for name, g in one["grads"].items():
@@ -107,39 +109,48 @@ def single_process(tmp_path_factory):
     return get
 
 
+# The layout runs take samples in GRPO groups that share a prompt and pack them with
+# actor.share_prompt (each group's prompt laid out once, split where a pack's budget ends; lone
+# samples packed as they are); the reference is one process, unshared, on the same samples.
+SHARED = ("--grouped", "--share")
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_actor_layouts_match_one_process(tmp_path, single_process, layout):
     nproc, flags = LAYOUTS[layout]
-    other = launch(nproc, tmp_path / "x.pt", "grads", "--max_tokens", "64", "--clip", "0.05", *flags)
-    assert_same_update(single_process("grads"), other)
+    other = launch(nproc, tmp_path / "x.pt", "grads", "--max_tokens", "64", "--clip", "0.05", *SHARED, *flags)
+    assert_same_update(single_process("grads", "--grouped"), other)
 
 
 @pytest.mark.parametrize("layout", ["sp2", "tp2"])
 def test_sequence_level_loss_and_entropy_bonus_across_shards(tmp_path, single_process, layout):
     """GSPO's sequence ratio and per-sequence means need every token of a sequence: under sp the
     tokens live on different ranks, under tp the entropy comes from vocabulary slices."""
-    extra = ("--loss", "gspo", "--agg", "seq_mean_token_mean", "--entropy", "0.01")
+    extra = ("--loss", "gspo", "--agg", "seq_mean_token_mean", "--entropy", "0.01", "--grouped")
     nproc, flags = LAYOUTS[layout]
-    other = launch(nproc, tmp_path / "x.pt", "grads", "--max_tokens", "64", "--clip", "0.05", *flags, *extra)
+    other = launch(nproc, tmp_path / "x.pt", "grads", "--max_tokens", "64", "--clip", "0.05", "--share", *flags,
+                   *extra)
     assert_same_update(single_process("grads", *extra), other, weight_atol=3e-5)
 
 
 @pytest.mark.parametrize("layout", ["dp2", "fsdp2", "tp2", "sp2", "fsdp2_tp2"])
 def test_critic_layouts_match_one_process(tmp_path, single_process, layout):
     nproc, flags = LAYOUTS[layout]
-    other = launch(nproc, tmp_path / "x.pt", "critic_grads", "--max_tokens", "64", "--clip", "0.05", *flags)
-    assert_same_update(single_process("critic_grads"), other)
+    other = launch(nproc, tmp_path / "x.pt", "critic_grads", "--max_tokens", "64", "--clip", "0.05", *SHARED,
+                   *flags)
+    assert_same_update(single_process("critic_grads", "--grouped"), other)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_qwen_families_under_tensor_and_sequence_parallel(tmp_path_factory, tmp_path, family):
     """The TP plan's module names and the Ulysses attention hold for Qwen2 (biases) and Qwen3
-    (q/k norms over local heads): tp=2 and sp=2 give the 1-process gradients and weights."""
+    (q/k norms over local heads): tp=2 x sp=2 (one 4-rank run covers both) gives the 1-process
+    gradients and weights."""
     model = tiny_model(tmp_path_factory, family)
     one = launch(1, tmp_path / "one.pt", "grads", "--max_tokens", "200", "--clip", "0.05", "--model", model)
-    for flags in (["--tp", "2"], ["--sp", "2"]):
-        other = launch(2, tmp_path / "x.pt", "grads", "--max_tokens", "64", "--clip", "0.05", "--model", model, *flags)
-        assert_same_update(one, other)
+    other = launch(4, tmp_path / "x.pt", "grads", "--max_tokens", "64", "--clip", "0.05", "--model", model,
+                   "--tp", "2", "--sp", "2")
+    assert_same_update(one, other)
 
 
 def test_advantages_are_the_same_on_one_and_two_ranks(tmp_path):
@@ -204,3 +215,4 @@ def test_weight_push_gathers_full_tensors_in_flat_buckets(tmp_path, name, nproc,
         elif bucketed is False:
             assert r["gathers"] == 0
     assert "lm_head.weight" not in out["expected_names"]  # tied to the embeddings: pushed once
+

@@ -417,3 +417,21 @@ def test_the_hf_engine_refuses_engine_specific_keys() -> None:
     engine = HFEngine(tiny_model(), eos_token_ids=[0])
     with pytest.raises(ValueError, match="does not take regex"):
         run_all(engine, [([1, 2], SamplingParams(extra=(("regex", "[0-9]"),)))])
+
+
+def test_a_groups_shared_prompt_is_prefilled_once_with_the_same_samples() -> None:
+    """G requests with one prompt (a GRPO group) and others in the same batch: one prefill row per
+    distinct prompt, and the same tokens and log-probs per seed as prefilling every request."""
+    group, other = prompts((9, 5), seed=3)
+    requests = [(group, SamplingParams(max_new_tokens=12, temperature=1.0, seed=100 + k)) for k in range(6)]
+    requests.insert(3, (other, SamplingParams(max_new_tokens=7, temperature=1.0, seed=7)))
+    requests.append((other, SamplingParams(max_new_tokens=9, temperature=0.0)))
+    shared = HFEngine(tiny_model(), eos_token_ids=[])
+    alone = HFEngine(tiny_model(), eos_token_ids=[], share_prefill=False)
+    got, want = run_all(shared, requests), run_all(alone, requests)
+    assert shared.stats["prefill_rows_shared"] == 6 and alone.stats["prefill_rows_shared"] == 0
+    assert shared.stats["forward_rows"] < alone.stats["forward_rows"]
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    assert len({tuple(g.token_ids) for g in got[:3] + got[4:7]}) > 1  # the group's samples differ

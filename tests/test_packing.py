@@ -147,3 +147,63 @@ def test_actor_packed_update_matches_an_unpacked_reference(tmp_path):
         scale = float(ref.abs().max())
         assert scale > 0
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-5 * scale, msg=name)
+
+
+def grouped(seed: int = 3):
+    """Three groups sharing a prompt each; in group 0 one reply repeats another's first tokens and
+    one sample is an exact copy; multi-turn style masks (a tool reply inside a response)."""
+    g = torch.Generator().manual_seed(seed)
+    ids, masks, groups = [], [], []
+    for grp in range(3):
+        prompt = torch.randint(3, 500, (int(torch.randint(5, 20, (1,), generator=g)),), generator=g)
+        for k in range(4):
+            reply = torch.randint(3, 500, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g)
+            if grp == 0 and k == 1:
+                reply = torch.cat([ids[0][len(prompt):len(prompt) + 2], reply])
+            mask = torch.cat([torch.zeros(len(prompt) - 1), torch.ones(len(reply))])
+            if len(reply) > 6:
+                mask[len(prompt) + 2:len(prompt) + 4] = 0
+            ids.append(torch.cat([prompt, reply]))
+            masks.append(mask)
+            groups.append(grp)
+    ids.append(ids[0].clone())
+    masks.append(masks[0].clone())
+    groups.append(0)
+    return ids, masks, groups
+
+
+@pytest.mark.parametrize("budget", [10_000, 40])
+def test_a_shared_prompt_gives_the_unshared_logprobs_and_gradients(model, budget):
+    """actor.share_prompt's packing: each group's common prefix once, every response attending to it
+    with positions continuing from it; the same log-probs (every entry) and gradients as unshared."""
+    from train.parallel.packing import prompt_units, unit_length
+
+    ids, masks, groups = grouped()
+    units = prompt_units(list(range(len(ids))), ids, groups, budget)
+    assert sorted(i for u in units for i in u.members) == list(range(len(ids)))
+    for u in units:
+        assert unit_length([len(ids[i]) for i in u.members], u.shared) <= budget or len(u.members) == 1
+    order = [i for u in units for i in u.members]
+    shared = build_packed_tensors(order, ids, masks, 0, torch.device("cpu"), multiple=8, units=units)
+    plain = build_packed_tensors(order, ids, masks, 0, torch.device("cpu"), multiple=8)
+    assert shared.index == plain.index and shared.represented == plain.laid_out == sum(len(s) for s in ids)
+    assert shared.laid_out < 0.75 * shared.represented  # prompts really laid out once
+    if budget > 1000:  # one unit per group: the prompt of group 1 appears once, its responses' positions follow it
+        first = next(u for u in units if 4 in u.members)
+        start = sum(unit_length([len(ids[i]) for i in u.members], u.shared) for u in units[:units.index(first)])
+        row = shared.input_ids[0].tolist()
+        assert row[start:start + first.shared] == ids[4][:first.shared].tolist()
+        assert shared.position_ids[0, start + first.shared].item() == first.shared  # continues the prompt
+    weights = torch.randn(plain.action_mask.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def run(mb):
+        model.zero_grad()
+        logp = _packed_logprobs(model, mb)
+        (logp * mb.action_mask * weights).sum().backward()
+        return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    (a, grads_a), (b, grads_b) = run(shared), run(plain)
+    model.zero_grad()
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    for name, g in grads_b.items():
+        torch.testing.assert_close(grads_a[name], g, rtol=0, atol=1e-5 * float(g.abs().max()), msg=name)

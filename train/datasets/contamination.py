@@ -3,7 +3,10 @@
 A prompt's text is its messages' contents joined, lower-cased, with whitespace collapsed. A test
 row is an exact duplicate when that text is a training prompt's; a near duplicate when it shares a
 run of `n` words (13 by default, as in the GPT-3 / PaLM decontamination studies) with one. Prompts
-shorter than `n` words are only checked exactly. Memory: one hash per distinct training n-gram.
+shorter than `n` words are only checked exactly. Lines found in many training prompts (more than 1%
+of them, and more than 5) are shared boilerplate, a system prompt or a task's instructions, and are
+left out of the n-grams. Memory: one hash per distinct training line and n-gram. A
+mixture's test rows are also counted by their source (against the training prompts of every source).
 """
 from __future__ import annotations
 
@@ -12,14 +15,7 @@ from dataclasses import dataclass, field
 
 
 def prompt_text(row: dict) -> str:
-    parts = []
-    for m in row.get("messages") or []:
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):  # content parts
-            parts += [p.get("text", "") for p in content if isinstance(p, dict)]
-    return re.sub(r"\s+", " ", " ".join(parts).lower()).strip()
+    return re.sub(r"\s+", " ", " ".join(_contents(row)).lower()).strip()
 
 
 def ngrams(words: list[str], n: int) -> set[int]:
@@ -32,6 +28,7 @@ class ContaminationReport:
     exact: list[int] = field(default_factory=list)  # test row numbers (0-based) with an identical train prompt
     near: list[int] = field(default_factory=list)  # test rows sharing an n-gram with a train prompt (not exact)
     examples: list[str] = field(default_factory=list)
+    by_source: dict[str, list[int]] = field(default_factory=dict)  # test source -> [exact, near, test rows]
 
     @property
     def found(self) -> bool:
@@ -39,24 +36,67 @@ class ContaminationReport:
 
     def summary(self, n: int) -> str:
         shown = "; ".join(repr(e[:80]) for e in self.examples[:3])
+        per_source = "; ".join(f"{name}: {exact} exact, {near} near of {rows}"
+                               for name, (exact, near, rows) in sorted(self.by_source.items()))
         return (f"{len(self.exact)} of {self.test_rows} test prompts also appear in the training data and "
-                f"{len(self.near)} more share a run of {n} words with a training prompt (e.g. {shown})")
+                f"{len(self.near)} more share a run of {n} words with a training prompt (e.g. {shown})"
+                + (f"; by test source: {per_source}" if per_source else ""))
+
+
+def boilerplate_limit(n_train: int) -> int:
+    """A line in more training prompts than this is shared boilerplate (a system prompt, a task's
+    instructions: "Put your complete program in a ```python code block."), not a leaked item."""
+    return max(5, n_train // 100)
+
+
+def prompt_lines(row: dict) -> list[str]:
+    """The prompt's non-empty lines, normalised as in `prompt_text`."""
+    return [line for line in (re.sub(r"\s+", " ", raw.lower()).strip()
+                              for raw in "\n".join(_contents(row)).splitlines()) if line]
+
+
+def _contents(row: dict) -> list[str]:
+    parts = []
+    for m in row.get("messages") or []:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):  # content parts
+            parts += [p.get("text", "") for p in content if isinstance(p, dict)]
+    return parts
 
 
 def check_contamination(train_rows: list[dict], test_rows: list[dict], n: int = 13) -> ContaminationReport:
+    # Lines most training prompts share are left out of the n-grams: a test prompt sharing only its
+    # instructions (and a few words around them) with a training prompt is not a leak.
+    line_counts: dict[int, int] = {}
+    for row in train_rows:
+        for h in {hash(line) for line in prompt_lines(row)}:
+            line_counts[h] = line_counts.get(h, 0) + 1
+    limit = boilerplate_limit(len(train_rows))
+    shared = {h for h, count in line_counts.items() if count > limit}
+    del line_counts
+
+    def content_words(row: dict) -> list[str]:
+        return " ".join(line for line in prompt_lines(row) if hash(line) not in shared).split()
+
     exact_texts: set[str] = set()
     grams: set[int] = set()
     for row in train_rows:
-        text = prompt_text(row)
-        exact_texts.add(text)
-        grams |= ngrams(text.split(), n)
+        exact_texts.add(prompt_text(row))
+        grams |= ngrams(content_words(row), n)
     report = ContaminationReport(len(test_rows))
     for i, row in enumerate(test_rows):
         text = prompt_text(row)
+        counts = (report.by_source.setdefault(str(row["source"]), [0, 0, 0]) if row.get("source") is not None
+                  else [0, 0, 0])
+        counts[2] += 1
         if text in exact_texts:
             report.exact.append(i)
-        elif grams and not grams.isdisjoint(ngrams(text.split(), n)):
+            counts[0] += 1
+        elif grams and not grams.isdisjoint(ngrams(content_words(row), n)):
             report.near.append(i)
+            counts[1] += 1
         else:
             continue
         report.examples.append(text)

@@ -32,10 +32,14 @@ POLICIES = ("uniform", "skip_saturated", "prioritized")
 
 
 def prompt_id(row: dict) -> str:
-    """The row's `id` if it has one, else a hash of its messages and answer (stable across runs)."""
+    """The row's `id` if it has one, else a hash of its messages and answer (and source, in a mixture:
+    the same prompt in two sources is two prompts), stable across runs."""
     if row.get("id") is not None:
-        return str(row["id"])
-    text = json.dumps({"messages": row.get("messages"), "answer": row.get("answer")}, sort_keys=True, default=str)
+        return str(row["id"]) if row.get("source") is None else f"{row['source']}/{row['id']}"
+    key = {"messages": row.get("messages"), "answer": row.get("answer")}
+    if row.get("source") is not None:
+        key["source"] = str(row["source"])
+    text = json.dumps(key, sort_keys=True, default=str)
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 

@@ -6,6 +6,10 @@ gap, and step k takes the next ``batch_size * world_size`` rows of that stream; 
 world_size-th of them, starting at r. Every batch is full (the stream runs into the next epoch),
 every rank has the same number of rows, and fewer rows than ranks simply repeat.
 
+A weighted mixture (`shares`, train/datasets/mixture.py) changes only what an epoch is: source s fills
+shares[s] of its positions (the sources' slots shuffled together by ``seed + e``) with the next rows
+of its own endless stream of permutations, so every row of every source keeps coming back.
+
 The state is global: the epoch and the position in its permutation. A checkpoint therefore resumes
 at the same global position whatever the new world size is (same prompts, none repeated or
 skipped: only which rank handles which prompt changes).
@@ -23,7 +27,8 @@ class RLDataLoader:
     """Yields this rank's batch of rows for every step, forever."""
 
     def __init__(self, rows: list[dict], *, batch_size: int, rank: int, world_size: int, seed: int,
-                 shuffle: bool = True, accept: Callable[[int, int, int], bool] | None = None) -> None:
+                 shuffle: bool = True, accept: Callable[[int, int, int], bool] | None = None,
+                 sizes: list[int] | None = None, shares: list[int] | None = None) -> None:
         if not rows:
             raise ValueError("build_dataloader: no rows")
         if batch_size < 1:
@@ -35,21 +40,51 @@ class RLDataLoader:
         # A curriculum's accept(row index, epoch, position) (train/datasets/curriculum.py); None: every row.
         self.accept = accept
         self.last_indices: list[int] = []
+        # A weighted mixture: rows are the sources' rows one after the other, sizes[s] of them each,
+        # and an epoch holds shares[s] rows of source s.
+        if shares is not None and (sizes is None or len(sizes) != len(shares) or sum(sizes) != len(rows)):
+            raise ValueError("build_dataloader: shares need the sizes of the sources, which must add up to the rows")
+        self.sizes, self.shares = sizes, shares
+        self.epoch_rows = sum(shares) if shares is not None else len(rows)
         self.global_batch = batch_size * world_size
-        self.batches_per_epoch: int = math.ceil(len(rows) / self.global_batch)
+        self.batches_per_epoch: int = math.ceil(self.epoch_rows / self.global_batch)
         self.epoch = 0
         self.cursor = 0  # rows of this epoch's permutation already used, all ranks together
         self._order: tuple[int, list[int]] | None = None
 
+    def _shuffled(self, n: int, seed: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(n))
+        return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
     def _permutation(self, epoch: int) -> list[int]:
         if self._order is None or self._order[0] != epoch:
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed + epoch)
-                order = torch.randperm(len(self.rows), generator=g).tolist()
-            else:
-                order = list(range(len(self.rows)))
+            order = (self._shuffled(len(self.rows), self.seed + epoch) if self.shares is None
+                     else self._mixture_order(epoch))
             self._order = (epoch, order)
         return self._order[1]
+
+    def _mixture_order(self, epoch: int) -> list[int]:
+        """Epoch `epoch` of a weighted mixture: the sources' slots in a shuffled (or, unshuffled, evenly
+        spread) order, slot by slot the next row of that source's stream. Source s has used
+        epoch * shares[s] rows of its stream before this epoch, so no state beyond the epoch is needed."""
+        sizes, shares = self.sizes, self.shares
+        if self.shuffle:
+            slots = [s for s, n in enumerate(shares) for _ in range(n)]
+            slots = [slots[i] for i in self._shuffled(len(slots), self.seed + epoch)]
+        else:  # source s's k-th slot at fraction (k + 1/2) / shares[s] of the epoch
+            slots = [s for _, s in sorted(((k + 0.5) / n, s) for s, n in enumerate(shares) for k in range(n))]
+        offsets = [sum(sizes[:s]) for s in range(len(sizes))]
+        used = [epoch * n for n in shares]
+        passes: dict[tuple[int, int], list[int]] = {}
+        order = []
+        for s in slots:
+            k, j = divmod(used[s], sizes[s])
+            used[s] += 1
+            if (s, k) not in passes:  # pass k over source s: its own permutation
+                passes[(s, k)] = self._shuffled(sizes[s], self.seed + 1_000_003 * (s + 1) + 7919 * k)
+            order.append(offsets[s] + passes[(s, k)][j])
+        return order
 
     def next_batch(self) -> list[dict]:
         """This rank's rows of the next global batch. With `accept`, candidates it refuses are passed

@@ -86,10 +86,12 @@ class HFEngine:
         device: str | torch.device | None = None,
         seed: int = 0,
         copy_model: bool = True,
+        share_prefill: bool = True,
     ) -> None:
         """`model` is copied (unless `copy_model=False`) so training the caller's model never
         changes the engine's weights behind its back; only `update_weights` does. `tokenizer` is
-        only used to decode responses for stop strings and may be None when none are used."""
+        only used to decode responses for stop strings and may be None when none are used.
+        `share_prefill`: requests of a batch with the same prompt (a GRPO group) share one prefill."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = copy.deepcopy(model) if copy_model else model
@@ -102,6 +104,7 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_batch_size = int(max_batch_size)
+        self.share_prefill = share_prefill
         config = getattr(self.model, "config", None)
         self.vocab_size: int | None = getattr(config, "vocab_size", None)
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
@@ -126,6 +129,7 @@ class HFEngine:
             "forward_passes": 0,
             "forward_rows": 0,
             "max_batch_rows": 0,
+            "prefill_rows_shared": 0,  # requests whose prompt was prefilled once for several of them
         }
 
     @classmethod
@@ -362,9 +366,15 @@ class HFEngine:
         prompts = [requests[i][0] for i in rows]
         params = [requests[i][1] for i in rows]
         n, width = len(rows), max(len(p) for p in prompts)
-        input_ids = torch.zeros(n, width, dtype=torch.long)
-        attention = torch.zeros(n, width, dtype=torch.long)
-        for j, p in enumerate(prompts):  # left padding: every row's last token is in the last column
+        # One prefill row per distinct prompt (a group's G requests share theirs); its KV cache rows
+        # and last logits are repeated for every request of that prompt afterwards.
+        distinct: dict[tuple[int, ...], int] = {}
+        owner = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        shared = self.share_prefill and len(distinct) < n
+        prefill = [list(p) for p in distinct] if shared else prompts
+        input_ids = torch.zeros(len(prefill), width, dtype=torch.long)
+        attention = torch.zeros(len(prefill), width, dtype=torch.long)
+        for j, p in enumerate(prefill):  # left padding: every row's last token is in the last column
             input_ids[j, width - len(p) :] = torch.tensor(p)
             attention[j, width - len(p) :] = 1
         input_ids, attention = input_ids.to(dev), attention.to(dev)
@@ -390,6 +400,11 @@ class HFEngine:
         logits = self._forward(
             input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache
         )
+        if shared:
+            expand = torch.tensor(owner, device=dev)
+            cache.batch_select_indices(expand)
+            logits, attention = logits[expand], attention[expand]
+            self.stats["prefill_rows_shared"] += n - len(prefill)
         if any(sp.uses_penalties for sp in params):
             penalties = Penalties(prompts, params, logits.shape[-1], dev)
         while True:

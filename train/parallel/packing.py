@@ -54,13 +54,15 @@ class PackedMicroBatch:
     input_ids: torch.Tensor  # [1, C] this sp rank's chunk
     position_ids: torch.Tensor  # [1, C]
     segments: list[int]  # lengths of the row's segments in order (the end padding is one), summing to T
-    segment_slots: tuple[torch.Tensor, torch.Tensor]  # see segment_slots(): built once, read by every layer
+    segment_slots: tuple[torch.Tensor, ...]  # see segment_slots() / shared_slots(): built once, read by every layer
     labels: torch.Tensor  # [C] next token within the same sequence (0 where there is none)
     loss_positions: torch.Tensor  # [C] bool: the label is an action token of a real sample
     row_index: torch.Tensor  # [n, longest - 1] row positions (0..T-1) of each sample's entries (0 past its end)
     row_valid: torch.Tensor  # [n, longest - 1] float: 1 inside the sample
     action_mask: torch.Tensor  # [n, longest - 1] float
     cache: dict = field(default_factory=dict)  # per-pack tensors built once and reused across epochs
+    laid_out: int = 0  # tokens the row holds (no end padding): what a pass computes
+    represented: int = 0  # tokens of its samples: what an unshared row would hold
 
     @property
     def total_len(self) -> int:
@@ -105,11 +107,100 @@ def segment_slots(lengths: list[int], device: torch.device) -> tuple[torch.Tenso
     return slots.to(device), valid.reshape(-1).nonzero().squeeze(1).to(device)
 
 
+@dataclass(frozen=True)
+class Unit:
+    """Samples packed together; with `shared` > 0 their first `shared` tokens are the same and are
+    laid out once (a group's prompt), each sample's rest after them."""
+    members: list[int]
+    shared: int = 0
+
+
+def common_prefix(seqs: list[torch.Tensor]) -> int:
+    """Length of the longest token prefix all `seqs` share."""
+    n = min(int(s.numel()) for s in seqs)
+    if n == 0:
+        return 0
+    same = (torch.stack([s[:n] for s in seqs]) == seqs[0][:n]).all(0)
+    differ = (~same).nonzero()
+    return int(differ[0]) if differ.numel() else n
+
+
+def shared_length(seqs: list[torch.Tensor]) -> int:
+    """Tokens of `seqs` laid out once: their common prefix minus its last token, which every sample
+    keeps at the start of its own part, so that the position predicting each sample's first own token
+    is the sample's own (a single shared position could carry only one label)."""
+    return max(0, min(common_prefix(seqs), min(int(s.numel()) for s in seqs)) - 1)
+
+
+def unit_length(lengths: list[int], shared: int) -> int:
+    return shared + sum(n - shared for n in lengths)
+
+
+def prompt_units(index: list[int], ids: list[torch.Tensor], groups: list[int], max_tokens: int,
+                 min_shared: int = 2) -> list[Unit]:
+    """Samples `index` as units: the members of each group (`groups[i]`, in first-seen order) share
+    their common prefix, split into consecutive units of at most `max_tokens` laid out; a sample
+    alone, or a prefix under `min_shared` tokens, is a unit of one sample with nothing shared."""
+    by_group: dict[int, list[int]] = {}
+    for i in index:
+        by_group.setdefault(groups[i], []).append(i)
+    units: list[Unit] = []
+    for members in by_group.values():
+        chunk: list[int] = []
+        for i in members:
+            if chunk and unit_length([int(ids[j].numel()) for j in chunk + [i]],
+                                     shared_length([ids[j] for j in chunk + [i]])) > max_tokens:
+                units.append(_unit(chunk, ids, min_shared))
+                chunk = []
+            chunk.append(i)
+        units.append(_unit(chunk, ids, min_shared))
+    return [u for unit in units for u in ([unit] if unit.shared else [Unit([i]) for i in unit.members])]
+
+
+def _unit(members: list[int], ids: list[torch.Tensor], min_shared: int) -> Unit:
+    shared = shared_length([ids[i] for i in members]) if len(members) > 1 else 0
+    return Unit(members, shared if shared >= min_shared else 0)
+
+
+def shared_slots(whole: list[tuple[int, int]], tails: list[tuple[int, int, int]], positions: int,
+                 device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Attention segments of a row with shared prompts (see `_segment_attention`): `whole` are
+    (start, length) runs attended causally on their own (lone samples, prompts, the end padding);
+    `tails` are (prompt start, prompt length, own start): a sample's own tokens, each querying its
+    prompt's keys and its own up to itself (the own part runs to the next run's start). Returns
+    (slots, real, tail queries, tail keys, prompt lengths); `real` maps each of the row's `positions`
+    to its output slot, whole segments' slots first."""
+    starts = sorted([w[0] for w in whole] + [t[2] for t in tails]) + [positions]
+    end_of = {start: starts[i + 1] for i, start in enumerate(starts[:-1])}
+    longest = max(n for _, n in whole)
+    slots = torch.zeros(len(whole), longest, dtype=torch.int64)
+    owner = torch.empty(positions, dtype=torch.int64)
+    for k, (start, n) in enumerate(whole):
+        slots[k, :n] = torch.arange(start, start + n)
+        owner[start:start + n] = k * longest + torch.arange(n)
+    own = [end_of[own_start] - own_start for _, _, own_start in tails]
+    width_q = max(own)
+    width_k = max(p + n for (_, p, _), n in zip(tails, own))
+    queries = torch.zeros(len(tails), width_q, dtype=torch.int64)
+    keys = torch.zeros(len(tails), width_k, dtype=torch.int64)
+    base = len(whole) * longest
+    for k, ((p_start, p_len, own_start), n) in enumerate(zip(tails, own)):
+        queries[k, :n] = torch.arange(own_start, own_start + n)
+        keys[k, :p_len + n] = torch.cat([torch.arange(p_start, p_start + p_len), torch.arange(own_start, own_start + n)])
+        owner[own_start:own_start + n] = base + k * width_q + torch.arange(n)
+    prefix = torch.tensor([p for _, p, _ in tails], dtype=torch.int64)
+    return tuple(t.to(device) for t in (slots, owner, queries, keys, prefix))
+
+
 def build_packed(index: list[int], ids: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int,
-                 device: torch.device, sp_rank: int = 0, sp_size: int = 1, multiple: int = 1) -> PackedMicroBatch:
+                 device: torch.device, sp_rank: int = 0, sp_size: int = 1, multiple: int = 1,
+                 units: list[Unit] | None = None) -> PackedMicroBatch:
     """Pack samples `index` (int64 token ids [len]; float action masks [len - 1], entry t for token
     t + 1) into one row of length T (a multiple of `multiple`, itself a multiple of sp_size) and keep
-    this sp rank's chunk of it."""
+    this sp rank's chunk of it. With `units` (covering `index`, in its order), a unit's shared prefix
+    is laid out once: see `prompt_units` and `shared_slots`."""
+    if units is not None and any(u.shared for u in units):
+        return _build_shared(units, ids, masks, pad_id, device, sp_rank, sp_size, multiple)
     if index:
         seqs = [ids[i] for i in index]
         acts = [masks[i].float() for i in index]
@@ -138,4 +229,75 @@ def build_packed(index: list[int], ids: list[torch.Tensor], masks: list[torch.Te
         index=list(index), input_ids=input_ids[lo:hi].to(device)[None], position_ids=positions[lo:hi].to(device)[None],
         segments=segments, segment_slots=segment_slots(segments, device), labels=labels[lo:hi].to(device),
         loss_positions=label_mask[lo:hi].to(device) > 0, row_index=row_index.to(device),
-        row_valid=row_valid.to(device), action_mask=action[:, :longest].to(device))
+        row_valid=row_valid.to(device), action_mask=action[:, :longest].to(device),
+        laid_out=real if index else 0, represented=real if index else 0)
+
+
+def _build_shared(units: list[Unit], ids: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int,
+                  device: torch.device, sp_rank: int, sp_size: int, multiple: int) -> PackedMicroBatch:
+    """`build_packed` with shared prefixes. A unit sharing s tokens is laid out as its prefix (positions
+    0..s-1, labels the next prefix token), then each member's tokens from s on (positions continuing
+    from s). Sample i's entry t sits at the prefix's row position t for t < s, else in its own part."""
+    pieces, positions, labels, label_mask = [], [], [], []
+    whole: list[tuple[int, int]] = []  # (start, length): attended on their own
+    tails: list[tuple[int, int, int]] = []  # (prompt start, prompt length, own start)
+    entries: list[torch.Tensor] = []  # per sample: the row position of each of its len - 1 entries
+    index: list[int] = []
+    zero = torch.zeros(1, dtype=torch.int64)
+    at = 0
+
+    def lay(tokens: torch.Tensor, first_position: int, next_labels: torch.Tensor, acts: torch.Tensor) -> int:
+        """Append a run to the row; its start."""
+        nonlocal at
+        pieces.append(tokens)
+        positions.append(torch.arange(first_position, first_position + int(tokens.numel())))
+        labels.append(next_labels)
+        label_mask.append(acts)
+        at += int(tokens.numel())
+        return at - int(tokens.numel())
+
+    for unit in units:
+        s = unit.shared
+        if s == 0:
+            for i in unit.members:
+                seq = ids[i]
+                start = lay(seq, 0, torch.cat([seq[1:], zero]), torch.cat([masks[i].float(), torch.zeros(1)]))
+                whole.append((start, int(seq.numel())))
+                entries.append(torch.arange(start, start + int(seq.numel()) - 1))
+                index.append(i)
+            continue
+        first = ids[unit.members[0]]
+        # the prefix: labels are the next prefix token (the same for every member), an action where
+        # any member's is (the prefix may reach into identical first response tokens)
+        prefix_acts = torch.stack([masks[i][:s].float() for i in unit.members]).amax(0)
+        prefix_start = lay(first[:s], 0, first[1:s + 1], prefix_acts)
+        whole.append((prefix_start, s))
+        for i in unit.members:
+            seq = ids[i]
+            start = lay(seq[s:], s, torch.cat([seq[s + 1:], zero]), torch.cat([masks[i][s:].float(), torch.zeros(1)]))
+            tails.append((prefix_start, s, start))
+            entries.append(torch.cat([torch.arange(prefix_start, prefix_start + s),
+                                      torch.arange(start, start + int(seq.numel()) - 1 - s)]))
+            index.append(i)
+    total = -(-at // multiple) * multiple
+    pad = total - at
+    if pad:
+        whole.append((lay(torch.full((pad,), pad_id, dtype=torch.int64), 0, torch.zeros(pad, dtype=torch.int64),
+                          torch.zeros(pad)), pad))
+    input_ids, position_ids = torch.cat(pieces), torch.cat(positions)
+    label_ids, loss = torch.cat(labels), torch.cat(label_mask)
+    longest = max(int(e.numel()) for e in entries)
+    row_valid = torch.zeros(len(entries), longest)
+    row_index = torch.zeros(len(entries), longest, dtype=torch.int64)
+    for row, e in enumerate(entries):
+        row_valid[row, :e.numel()] = 1.0
+        row_index[row, :e.numel()] = e
+    action = torch.nn.utils.rnn.pad_sequence([masks[i].float() for i in index], batch_first=True)
+    chunk = total // sp_size
+    lo, hi = sp_rank * chunk, (sp_rank + 1) * chunk
+    return PackedMicroBatch(
+        index=index, input_ids=input_ids[lo:hi].to(device)[None], position_ids=position_ids[lo:hi].to(device)[None],
+        segments=[int(p.numel()) for p in pieces], segment_slots=shared_slots(whole, tails, total, device),
+        labels=label_ids[lo:hi].to(device), loss_positions=loss[lo:hi].to(device) > 0, row_index=row_index.to(device),
+        row_valid=row_valid.to(device), action_mask=action[:, :longest].to(device),
+        laid_out=at - pad, represented=sum(int(ids[i].numel()) for i in index))

@@ -102,34 +102,48 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             rep = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
         query, key, value = (_SwapSplit.apply(t, sp_group, True) for t in (query, key, value))
-    out = _segment_attention(query, key, value, *packed_segments, scaling, dropout)
+    out = _segment_attention(query, key, value, packed_segments, scaling, dropout)
     if sp > 1:
         out = _SwapSplit.apply(out, sp_group, False)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                       real: torch.Tensor, scaling: float | None, dropout: float) -> torch.Tensor:
+def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: tuple,
+                       scaling: float | None, dropout: float) -> torch.Tensor:
     """[1, H, T, d] -> [1, H, T, d], causal within each segment: each segment's slots are gathered
     into a [segments, H, longest, d] batch, left-aligned (a real query never sees a slot past its
     segment's end), and the real slots are taken back in row order. index_select both ways: its
-    backward is an index_add, not a scatter with accumulation."""
+    backward is an index_add, not a scatter with accumulation.
+
+    `segments` = (slots, real) or, with shared prompts (train/parallel/packing.py `shared_slots`),
+    (slots, real, suffix_queries, suffix_keys, prefix_lengths): each sample's own tokens then query
+    only, over its prompt's keys followed by its own (query i sees the prompt and own keys up to i),
+    so a prompt's attention is computed once, in its own segment, not once per sample."""
+    slots, real = segments[0], segments[1]
     rep = q.shape[1] // k.shape[1]
     if rep > 1:  # grouped-query attention: query head h reads key/value head h // rep
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    n, longest = slots.shape
     h, d = q.shape[1], q.shape[3]
 
-    def batch(t: torch.Tensor) -> torch.Tensor:
-        return t[0].index_select(1, slots.reshape(-1)).view(h, n, longest, d).transpose(0, 1)
+    def batch(t: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        n, length = where.shape
+        return t[0].index_select(1, where.reshape(-1)).view(h, n, length, d).transpose(0, 1)
 
+    n, longest = slots.shape
     if q.device.type == "cpu" and longest <= MATH_ATTENTION_MAX_LEN and dropout == 0.0:
-        out = _causal_math_attention(batch(q), batch(k), batch(v), scaling)
+        out = _causal_math_attention(batch(q, slots), batch(k, slots), batch(v, slots), scaling)
     else:
-        out = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), dropout_p=dropout, is_causal=True,
-                                             scale=scaling)
-    flat = out.transpose(0, 1).reshape(h, n * longest, d).index_select(1, real)  # [H, T, d] in row order
-    return flat[None]
+        out = F.scaled_dot_product_attention(batch(q, slots), batch(k, slots), batch(v, slots), dropout_p=dropout,
+                                             is_causal=True, scale=scaling)
+    flat = out.transpose(0, 1).reshape(h, n * longest, d)
+    if len(segments) == 5:
+        queries, keys, prefix = segments[2], segments[3], segments[4]
+        visible = (torch.arange(keys.shape[1], device=q.device)[None, None, :]
+                   <= prefix[:, None, None] + torch.arange(queries.shape[1], device=q.device)[None, :, None])
+        tail = F.scaled_dot_product_attention(batch(q, queries), batch(k, keys), batch(v, keys),
+                                              attn_mask=visible[:, None], dropout_p=dropout, scale=scaling)
+        flat = torch.cat([flat, tail.transpose(0, 1).reshape(h, -1, d)], dim=1)
+    return flat.index_select(1, real)[None]  # [1, H, T, d] in row order
 
 
 # On CPU, short segments (RL prompts and replies of a few dozen tokens) attend faster with plain

@@ -80,16 +80,28 @@ def exchange_index(lengths: list[int], groups: list[int], rewards: list[float], 
     return BatchIndex(owner, local, length, group, reward, offset)
 
 
-def assign(index: BatchIndex, dp: int, mini_batches: int) -> tuple[list[int], list[int]]:
-    """(dp group, mini-batch) of every global sample; deterministic, the same on every rank."""
+def assign(index: BatchIndex, dp: int, mini_batches: int, by_group: bool = False) -> tuple[list[int], list[int]]:
+    """(dp group, mini-batch) of every global sample; deterministic, the same on every rank. With
+    `by_group` (shared-prompt packing) a group's samples of a mini-batch stay in one dp group, so
+    their prompt can be laid out once, unless the mini-batch has fewer groups than dp groups."""
     minibatch = [g % mini_batches for g in range(index.size)]
-    groups = [0] * index.size
+    target = [0] * index.size
     for m in range(mini_batches):
         members = [g for g in range(index.size) if minibatch[g] == m]
+        units: dict[int, list[int]] = {}
+        for g in members:
+            units.setdefault(index.group[g], []).append(g)
+        if by_group and len(units) >= dp:
+            parts = list(units.values())
+            for d, bin_ in enumerate(balance([sum(index.length[g] for g in part) for part in parts], dp)):
+                for j in bin_:
+                    for g in parts[j]:
+                        target[g] = d
+            continue
         for d, part in enumerate(balance([index.length[g] for g in members], dp)):
             for j in part:
-                groups[members[j]] = d
-    return groups, minibatch
+                target[members[j]] = d
+    return target, minibatch
 
 
 @dataclass
@@ -106,6 +118,7 @@ class StepBatch:
     mask: list[torch.Tensor]  # float32 [len - 1]: 1 where token t + 1 is an action token
     sampler_logp: list[torch.Tensor]  # float32 [len - 1]: the engine's log-prob of token t + 1
     fields: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # per token [len - 1], added by passes
+    share_prompt: bool = False  # a group's common prefix is laid out once per pack (actor.share_prompt)
 
     def __len__(self) -> int:
         return len(self.members)
@@ -148,14 +161,14 @@ def _all_to_all(send: list[list[torch.Tensor]], recv_sizes: list[int], dtype: to
 
 
 def dispatch(index: BatchIndex, ids: list[list[int]], masks: list[list[int]], sampler_logp: list[list[float]],
-             layout: Layout, mini_batches: int, device: torch.device) -> StepBatch:
+             layout: Layout, mini_batches: int, device: torch.device, share_prompt: bool = False) -> StepBatch:
     """This rank's kept samples (ids, action masks, sampler log-probs: one entry per token) -> the
     StepBatch of its dp group in `layout`. Two all-to-alls (token ids with masks, log-probs); every
     rank takes part."""
     rank, world = _world()
     dp, dp_rank = layout.sizes.dp, layout.dp_rank
     group_size, is_leader = layout.sizes.sp * layout.sizes.tp, layout.is_data_leader
-    target, minibatch = assign(index, dp, mini_batches)
+    target, minibatch = assign(index, dp, mini_batches, by_group=share_prompt)
     mine = sorted((g for g in range(index.size) if target[g] == dp_rank), key=lambda g: (minibatch[g], g))
     own = [g for g in range(index.size) if index.owner[g] == rank]  # in local order
     send_int: list[list[torch.Tensor]] = [[] for _ in range(world)]
@@ -184,7 +197,7 @@ def dispatch(index: BatchIndex, ids: list[list[int]], masks: list[list[int]], sa
         batch_mask.append(tok[1, 1:].float())  # the shift: entry t is token t + 1
         batch_logp.append(lp[1:].clone())
     return StepBatch(index, dp, dp_rank, group_size, is_leader, mini_batches, mine, batch_ids, batch_mask,
-                     batch_logp)
+                     batch_logp, share_prompt=share_prompt)
 
 
 def transfer(src: StepBatch, dst: StepBatch, names: list[str], device: torch.device) -> None:
@@ -215,7 +228,7 @@ def transfer(src: StepBatch, dst: StepBatch, names: list[str], device: torch.dev
 
 
 def _members_by_group(batch: StepBatch) -> list[list[int]]:
-    target, minibatch = assign(batch.index, batch.dp, batch.mini_batches)
+    target, minibatch = assign(batch.index, batch.dp, batch.mini_batches, by_group=batch.share_prompt)
     out: list[list[int]] = [[] for _ in range(batch.dp)]
     for g in sorted(range(batch.index.size), key=lambda g: (minibatch[g], g)):
         out[target[g]].append(g)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from train.datasets.curriculum import POLICIES
+from train.datasets.mixture import MixtureError, Source, parse_sources
 from train.engines import ENGINE_NAMES, engine_sampling_keys
 from train.engines.base import SamplingError, SamplingParams, sampling_from_mapping
 from train.trainer.advantages import ESTIMATORS
@@ -199,7 +200,8 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     if staleness and _get(cfg, "rollout.dynamic_sampling"):
         _fail("rollout.max_staleness", "1 cannot be combined with rollout.dynamic_sampling=true (its refill rounds "
               "need all ranks between the rollout and the update)", "rollout.max_staleness=0")
-    for key in ("trainer.async_save", "trainer.save_on_signal", "trainer.overwrite", "trainer.verify_push"):
+    for key in ("trainer.async_save", "trainer.save_on_signal", "trainer.overwrite", "trainer.verify_push",
+                "actor.share_prompt"):
         if not isinstance(_get(cfg, key), bool):
             _fail(key, f"expected true or false, got {_get(cfg, key)!r}", f"{key}=true")
 
@@ -233,10 +235,7 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
         _fail("data.test_data_path", "is required when trainer.test_freq is set",
               "data.test_data_path=stub/data/math/test.jsonl (or trainer.test_freq=null)")
 
-    path = cfg.rollout.env_path
-    if not os.path.exists(path):
-        _fail("rollout.env_path", f"path '{path}' does not exist (relative paths are from {os.getcwd()})",
-              REQUIRED["rollout.env_path"])
+    _validate_sources(cfg)
     load = cfg.trainer.load_ckpt_from
     if load is not None and load != "latest":
         from train.utils.checkpoint import CheckpointError, read_meta
@@ -253,6 +252,50 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     _validate_parallel(cfg, world_size, paths)
     _validate_rollout_model(paths)
     return paths
+
+
+def data_sources(cfg: DictConfig) -> tuple[list[Source], list[Source]]:
+    """The train and test sources (train/datasets/mixture.py); test is [] without a test set."""
+    try:
+        train = parse_sources(_plain(_get(cfg, "data.train_data_path")), "data.train_data_path")
+        test_value = _plain(_get(cfg, "data.test_data_path"))
+        test = [] if test_value is None else parse_sources(test_value, "data.test_data_path", weights=False)
+    except MixtureError as e:
+        raise ConfigError(str(e)) from None
+    return train, test
+
+
+def env_paths(cfg: DictConfig) -> str | dict[str, str]:
+    """`rollout.env_path`: one path, or source -> path."""
+    return _plain(cfg.rollout.env_path)
+
+
+def _plain(value):
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def _validate_sources(cfg: DictConfig) -> None:
+    """Data sources well formed; every environment file exists; with environments per source, every
+    named source has one."""
+    train, test = data_sources(cfg)
+    envs = env_paths(cfg)
+    where = f"relative paths are from {os.getcwd()}"
+    if isinstance(envs, str):
+        if not os.path.exists(envs):
+            _fail("rollout.env_path", f"path '{envs}' does not exist ({where})", REQUIRED["rollout.env_path"])
+        return
+    if not isinstance(envs, Mapping) or not envs:
+        _fail("rollout.env_path", f"expected a path or a mapping source -> path, got {envs!r}",
+              "rollout.env_path='{math: environments/eq.py, code: environments/code.py}'")
+    for source, path in envs.items():
+        if not isinstance(path, str) or not os.path.exists(path):
+            _fail(f"rollout.env_path.{source}", f"path {path!r} does not exist ({where})",
+                  f"rollout.env_path.{source}=environments/eq.py")
+    for key, sources in (("data.train_data_path", train), ("data.test_data_path", test)):
+        for source in sources:
+            if source.name is not None and source.name not in envs:
+                _fail("rollout.env_path", f"source '{source.name}' of {key} has no environment (sources with one: "
+                      f"{', '.join(map(str, envs))})", f"rollout.env_path.{source.name}=environments/eq.py")
 
 
 def _validate_curriculum(cfg: DictConfig) -> None:

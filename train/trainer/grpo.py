@@ -37,7 +37,8 @@ from transformers import AutoTokenizer
 from train.datasets.contamination import check_contamination
 from train.datasets.curriculum import Curriculum, CurriculumConfig
 from train.datasets.dataloader import build_dataloader
-from train.datasets.loading import DataError, load_rows
+from train.datasets.loading import DataError
+from train.datasets.mixture import check_routes, load_sources, mixture_shares, source_names
 from train.datasets.tokenize import TokenizationError, encode
 from train.engines import build_engine
 from train.parallel.collectives import (all_gather_flat, all_reduce_max_many, all_reduce_sum, broadcast_from_main,
@@ -46,26 +47,27 @@ from train.parallel.distributed import DistContext, cleanup, init_distributed
 from train.parallel.layout import Layout, layout_for
 from train.parallel.step_batch import BatchIndex, StepBatch, dispatch, exchange_index, transfer
 from train.trainer.advantages import compute_advantages
-from train.trainer.config import (ConfigError, collective_timeout_s, resolve_aliases, role_config, sampling_params,
-                                  useless_settings,
-                                  validate)
+from train.trainer.config import (ConfigError, collective_timeout_s, data_sources, env_paths, resolve_aliases,
+                                  role_config, sampling_params, useless_settings, validate)
 from train.trainer.governor import Governor
 from train.trainer.policy_sync import PolicySync
 from train.trainer.prefetch import RolloutPrefetcher, RolloutTimeout, StepRollout, staleness
 from train.trainer.sync_check import WeightSyncError, actor_logprobs, check_probe, probe_tolerance
-from train.trainer.step import RunningMoments, mask_truncated, rollout_metrics, select_groups, shaped_rewards
+from train.trainer.step import (RunningMoments, mask_truncated, per_source_sums, rollout_metrics, select_groups,
+                                shaped_rewards, split_triples)
 from train.utils import algorithms as alg
 from train.utils import api_stats, hub
 from train.utils import checkpoint as ckpt
 from train.utils.disk import DiskFullError
 from train.utils.export import GB, export_hf
 from train.utils.lifecycle import StopRequest
-from train.utils.logging import RunLogger
+from train.utils.logging import RunLogger, test_line
 from train.utils.run_folder import RunFolderError, claim
 from train.utils.watchdog import Watchdog
 from train.workers.actor import Actor
 from train.workers.critic import Critic
-from train.workers.environment import EnvLoadError, Environment
+from train.workers.env_routing import EnvRouter
+from train.workers.environment import EnvLoadError
 from train.workers.model_init import CheckpointError
 from train.workers.rollout import RolloutWorker, Sample, sample_seed
 
@@ -101,10 +103,17 @@ class Trainer:
         if cfg.actor.chat_template:
             self.tokenizer.chat_template = self.rollout_tokenizer.chat_template = cfg.actor.chat_template
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.env = Environment(cfg.rollout.env_path, timeout_s=cfg.rollout.env_timeout_s,
-                               max_workers=cfg.rollout.env_workers, max_turns=cfg.rollout.max_turns)
-        self.train_rows = load_rows(cfg.data.train_data_path)
-        self.test_rows = load_rows(cfg.data.test_data_path) if cfg.trainer.test_freq else []
+        # Each row's environment: one for all, or one per data source (rollout.env_path as a mapping).
+        self.env = EnvRouter(env_paths(cfg), timeout_s=cfg.rollout.env_timeout_s,
+                             max_workers=cfg.rollout.env_workers, max_turns=cfg.rollout.max_turns)
+        train_sources, test_sources = data_sources(cfg)
+        self.train_rows = load_sources(train_sources)
+        self.test_rows = load_sources(test_sources) if cfg.trainer.test_freq else []
+        if self.env.routes:
+            check_routes(self.train_rows, self.env.routes, "data.train_data_path")
+            check_routes(self.test_rows, self.env.routes, "data.test_data_path")
+        # Per-source metrics (rewards/train/<source>, ...): the same list on every rank.
+        self.train_sources, self.test_sources = source_names(self.train_rows), source_names(self.test_rows)
         # Rank 0 hashes the training n-grams (memory ~ the training set's distinct n-grams); the others
         # get its report.
         self.contamination = broadcast_from_main(
@@ -117,7 +126,8 @@ class Trainer:
         accept = self.curriculum.accept if cfg.data.curriculum.policy != "uniform" else None
         self.loader = build_dataloader(self.train_rows, batch_size=cfg.data.prompts_per_rollout // ctx.world_size,
                                        rank=ctx.rank, world_size=ctx.world_size, seed=cfg.trainer.seed,
-                                       shuffle=cfg.data.shuffle, accept=accept)
+                                       shuffle=cfg.data.shuffle, accept=accept,
+                                       **mixture_shares(train_sources, self.train_rows))
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.n_epochs * self.loader.batches_per_epoch
         self.train_sampling = sampling_params(cfg, "rollout.train_sampling_params")
         self.test_sampling = sampling_params(cfg, "rollout.test_sampling_params")
@@ -311,7 +321,8 @@ class Trainer:
             counts = [int(c) for c in all_reduce_sum(counts, ctx.device)]
             if sum(counts) >= target:
                 break
-        metrics = rollout_metrics(all_samples, len(all_samples) // n, n, cfg, ctx, rewards=all_rewards)
+        metrics = rollout_metrics(all_samples, len(all_samples) // n, n, cfg, ctx, rewards=all_rewards,
+                                  sources=self.train_sources)
         metrics["time/rollout_s"] = rollout_s
         metrics.update(self._engine_metrics(step, counters))
         metrics.update(self._staleness_metrics(all_samples))
@@ -451,7 +462,7 @@ class Trainer:
             if key not in batches:
                 batches[key] = dispatch(index, [s.ids for s in kept], [s.action_mask for s in kept],
                                         [s.sampler_logprobs for s in kept], model.layout, cfg.actor.mini_batches,
-                                        device)
+                                        device, share_prompt=cfg.actor.share_prompt)
             return batches[key]
 
         batch = batch_for(self.actor)
@@ -498,7 +509,8 @@ class Trainer:
         returns the latency metrics (on rank 0)."""
         k = self.cfg.trainer.log_samples
         errors = [{"error": s.env_error, "messages": s.messages} for s in samples if s.env_error]
-        shown = [{"messages": s.messages, "answer": s.answer, "reward": s.reward, "finish_reason": s.finish_reason,
+        shown = [{"messages": s.messages, "answer": s.answer, "source": s.source, "reward": s.reward,
+                  "finish_reason": s.finish_reason,
                   "n_turns": s.n_turns, "turn_versions": s.turn_versions, "events": s.events} for s in samples[:k]]
         calls = self.env.pop_api_calls()
         gathered = gather_to_main({"errors": errors, "samples": shown, "calls": calls}, self.ctx)
@@ -517,18 +529,23 @@ class Trainer:
         return stats
 
     # -- evaluation ------------------------------------------------------------------------
-    def evaluate(self, step: int) -> float:
+    def evaluate(self, step: int) -> dict[str, float]:
+        """`rewards/test` over the whole test set, and `rewards/test/<source>` for each of its sources."""
         ctx = self.ctx
         self.engine.wake()
         rows = self.test_rows[ctx.rank::ctx.world_size]
         samples, _ = self.rollout.rollout(rows, 1, self.test_sampling, sample_seed(self.test_seed, -1, ctx.rank))
-        total, count, errors = all_reduce_sum(
-            [sum(s.reward for s in samples), float(len(samples)), float(sum(bool(s.env_error) for s in samples))],
-            ctx.device)
+        total, count, errors, *by_source = all_reduce_sum(
+            [sum(s.reward for s in samples), float(len(samples)), float(sum(bool(s.env_error) for s in samples)),
+             *per_source_sums(samples, self.test_sources, lambda s: float(bool(s.env_error)))], ctx.device)
         score = total / max(count, 1.0)
         self.test_history.append((step, score))
-        self.log.event("eval", step, {"rewards/test": score, "n": count, "env_errors": errors})
-        return score
+        out = {"rewards/test": score}
+        for source, (reward_sum, n, _) in zip(self.test_sources, split_triples(by_source)):
+            if n > 0:
+                out[f"rewards/test/{source}"] = reward_sum / n
+        self.log.event("eval", step, {**out, "n": count, "env_errors": errors})
+        return out
 
     # -- the loop --------------------------------------------------------------------------
     def fit(self, stop: StopRequest | None = None) -> None:
@@ -537,17 +554,18 @@ class Trainer:
         cfg = self.cfg
         test_freq, save_freq = cfg.trainer.test_freq, cfg.trainer.save_freq
         if test_freq and self.start_step == 0:
-            score = self.evaluate(0)
-            self.log.log_metrics(0, {"rewards/test": score})
-            self.log.write(f"step 0: test reward {score:.3f}")
+            scores = self.evaluate(0)
+            self.log.log_metrics(0, scores)
+            self.log.write(f"step 0: {test_line(scores)}")
         for step in range(self.start_step + 1, self.total_steps + 1):
             metrics = self.train_step(step)
             if test_freq and (step % test_freq == 0 or step == self.total_steps):
                 t = time.perf_counter()
                 with self.watchdog.phase("evaluation"):
-                    metrics["rewards/test"] = self.evaluate(step)
+                    scores = self.evaluate(step)
+                metrics.update(scores)
                 metrics["time/eval_s"] = time.perf_counter() - t
-                self.log.write(f"step {step}: test reward {metrics['rewards/test']:.3f}")
+                self.log.write(f"step {step}: {test_line(scores)}")
             self.checkpointer.poll()  # an asynchronous save that has finished writing becomes `latest`
             save_due = bool(save_freq and step % save_freq == 0)
             if save_due:

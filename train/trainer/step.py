@@ -4,6 +4,7 @@ train/trainer/advantages.py."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,9 +16,12 @@ from train.parallel.collectives import all_reduce_max, all_reduce_sum
 from train.workers.rollout import Sample
 
 def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, cfg: DictConfig,
-                    ctx: DistContext, rewards: list[float] | None = None) -> dict[str, float]:
+                    ctx: DistContext, rewards: list[float] | None = None,
+                    sources: Sequence[str] = ()) -> dict[str, float]:
     """Global (all-rank) rollout statistics, computed before any filtering. `rewards/train` is the
-    environment's reward; informativeness (`dynamic_filtering_ratio`) uses `rewards` (shaped) if given."""
+    environment's reward; informativeness (`dynamic_filtering_ratio`) uses `rewards` (shaped) if given.
+    `sources` (the same on every rank) adds `rewards/train/<source>` and `response_length/train/<source>`
+    for each source that had samples this step."""
     shaped = rewards if rewards is not None else [s.reward for s in samples]
     groups = [shaped[g * group_size:(g + 1) * group_size] for g in range(n_groups)]
     dropped = sum(len(set(grp)) <= 1 for grp in groups)
@@ -37,9 +41,11 @@ def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, cfg: 
         float(dropped), float(n_groups),
         float(sum(len(s.ids) for s in samples)), float(sum(s.prompt_length for s in samples)),
         *per_turn,
+        *per_source_sums(samples, sources, lambda s: float(s.n_action_tokens)),
     ]
-    reward, count, tokens, clipped, overflow, turns, errors, dropped, n_groups, traj, prompt, *per_turn = \
+    reward, count, tokens, clipped, overflow, turns, errors, dropped, n_groups, traj, prompt, *rest = \
         all_reduce_sum(values, ctx.device)
+    per_turn, by_source = rest[:2 * max_turns], rest[2 * max_turns:]
     longest = all_reduce_max(float(max((len(s.ids) for s in samples), default=0)), ctx.device)
     count = max(count, 1.0)
     filtering = cfg.rollout.dynamic_filtering or cfg.rollout.dynamic_sampling
@@ -58,11 +64,33 @@ def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, cfg: 
         "prompt_length/train": prompt / count,
         "turn_length/train": tokens / max(turns, 1.0),  # sampled tokens per assistant turn
     }
+    for source, (reward_sum, n, length_sum) in zip(sources, split_triples(by_source)):
+        if n > 0:
+            out[f"rewards/train/{source}"] = reward_sum / n
+            out[f"response_length/train/{source}"] = length_sum / n
     if max_turns > 1:
         for k in range(max_turns):
             if per_turn[2 * k + 1] > 0:
                 out[f"turn_length/turn{k + 1}"] = per_turn[2 * k] / per_turn[2 * k + 1]
     return out
+
+
+def per_source_sums(samples: list[Sample], sources: Sequence[str],
+                    extra: Callable[[Sample], float]) -> list[float]:
+    """(reward sum, sample count, sum of `extra`) of each source in order, flat, for one all-reduce."""
+    index = {source: i for i, source in enumerate(sources)}
+    sums = [0.0] * (3 * len(sources))
+    for s in samples:
+        i = index.get(s.source)
+        if i is not None:
+            sums[3 * i] += s.reward
+            sums[3 * i + 1] += 1.0
+            sums[3 * i + 2] += extra(s)
+    return sums
+
+
+def split_triples(values: list[float]) -> list[tuple[float, float, float]]:
+    return [tuple(values[i:i + 3]) for i in range(0, len(values), 3)]
 
 
 def shaped_rewards(samples: list[Sample], cfg: DictConfig) -> tuple[list[float], list[float]]:

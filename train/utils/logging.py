@@ -10,6 +10,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+MAX_SOURCES_SHOWN = 4  # a mixture's per-source rewards on the progress bar, when it has at most this many
+
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
@@ -85,6 +87,11 @@ class RunLogger:
         shown = {"reward": metrics.get("rewards/train")}
         if "rewards/test" in metrics:
             shown["test"] = metrics["rewards/test"]
+        # A mixture's sources (at most a few: the bar is one line), test rewards where measured.
+        kind = "test" if any(k.startswith("rewards/test/") for k in metrics) else "train"
+        by_source = {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if k.startswith(f"rewards/{kind}/")}
+        if len(by_source) <= MAX_SOURCES_SHOWN:
+            shown.update(sorted(by_source.items()))
         self.bar.set_postfix({k: f"{v:.3f}" for k, v in shown.items() if v is not None}, refresh=False)
         self.bar.update(1)
 
@@ -104,3 +111,10 @@ class RunLogger:
             self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def test_line(scores: dict[str, float]) -> str:
+    """`test reward 0.512` and, for a mixture, each source's: `(code 0.200, math 0.700)`."""
+    line = f"test reward {scores['rewards/test']:.3f}"
+    parts = [f"{k.rsplit('/', 1)[1]} {v:.3f}" for k, v in sorted(scores.items()) if k.startswith("rewards/test/")]
+    return line + (f" ({', '.join(parts)})" if parts else "")

@@ -3,7 +3,7 @@
     python -m train.utils.plot RUN_DIR_or_metrics.jsonl [-o OUT_DIR] [--keys k1 k2 ...]
 
 Writes one PNG per metric (``rewards/test`` -> ``rewards_test.png``) and a ``summary.png`` grid of the
-main curves, into ``OUT_DIR`` (default: ``plots/`` next to ``metrics.jsonl``), and prints each path.
+main curves (a mixture's per-source curves, ``rewards/test/math``, drawn with their total), into ``OUT_DIR`` (default: ``plots/`` next to ``metrics.jsonl``), and prints each path.
 Metrics logged at only some steps (``rewards/test`` every ``test_freq``) are plotted at those steps;
 non-numeric values are skipped; malformed lines are reported with their line number and skipped.
 """
@@ -68,12 +68,25 @@ def _file_name(key: str) -> str:
     return key.replace("/", "_").replace("\\", "_") + ".png"
 
 
-def _draw(ax: Axes, key: str, steps: list[float], values: list[float]) -> None:
+def _draw(ax: Axes, key: str, steps: list[float], values: list[float],
+          parts: dict[str, tuple[list[float], list[float]]] | None = None) -> None:
+    """One curve; `parts` (a mixture's per-source curves, `rewards/test/math`) drawn with it, labelled."""
     # Markers keep sparse metrics (a few test points) visible.
-    ax.plot(steps, values, marker="o" if len(steps) <= 50 else None, markersize=3, linewidth=1.2)
+    marker = "o" if len(steps) <= 50 else None
+    ax.plot(steps, values, marker=marker, markersize=3, linewidth=1.2, label="all" if parts else None)
+    for name, (part_steps, part_values) in (parts or {}).items():
+        ax.plot(part_steps, part_values, marker=marker, markersize=2, linewidth=0.9, alpha=0.8, label=name)
+    if parts:
+        ax.legend(fontsize="small")
     ax.set_title(key)
     ax.set_xlabel("step")
     ax.grid(True, alpha=0.3)
+
+
+def _parts(series: Series, key: str) -> dict[str, tuple[list[float], list[float]]]:
+    """The per-source curves of `key` (`rewards/train/<source>`), by source."""
+    prefix = key + "/"
+    return {k[len(prefix):]: v for k, v in sorted(series.items()) if k.startswith(prefix) and "/" not in k[len(prefix):]}
 
 
 def _figure(figsize: tuple[float, float]) -> Figure:
@@ -94,7 +107,7 @@ def plot_metrics(metrics_path: Path, out_dir: Path, keys: list[str] | None = Non
     written: list[Path] = []
     for key, (steps, values) in series.items():
         fig = _figure(figsize=(6, 4))
-        _draw(fig.subplots(), key, steps, values)
+        _draw(fig.subplots(), key, steps, values, _parts(series, key))
         fig.tight_layout()
         path = out_dir / _file_name(key)
         fig.savefig(path, dpi=100)
@@ -107,7 +120,7 @@ def plot_metrics(metrics_path: Path, out_dir: Path, keys: list[str] | None = Non
         fig = _figure(figsize=(5 * cols, 3.5 * rows))
         axes = fig.subplots(rows, cols, squeeze=False)
         for ax, key in zip(axes.flat, summary):
-            _draw(ax, key, *series[key])
+            _draw(ax, key, *series[key], _parts(series, key))
         for ax in list(axes.flat)[len(summary):]:
             ax.axis("off")
         fig.tight_layout()

@@ -155,6 +155,8 @@ class Actor(Trainable):
             stats.add("sampler_kl", mismatch["kl"])
             stats.add("sampler_abs_diff", mismatch["abs_diff"])
             stats.add("tokens", n_mask)
+            stats.add("laid_out", float(mb.laid_out))
+            stats.add("represented", float(mb.represented))
             if n_mask > 0:
                 stats.max("ratio_max", st["ratio_max"])
                 stats.max("neg_ratio_min", -st["ratio_min"])
@@ -183,13 +185,18 @@ class Actor(Trainable):
         square_before = self.local_weight_square()
         stats = self.run_update(batch, cfg.update_per_rollout, cfg.mini_batches, self.policy_loss(batch, max_new_tokens),
                                 after_backward=check_kl if checked else None)
-        sum_keys = ("loss", "entropy", "clip_fraction", "approx_kl", "sampler_kl", "sampler_abs_diff", "tokens")
+        sum_keys = ("loss", "entropy", "clip_fraction", "approx_kl", "sampler_kl", "sampler_abs_diff", "tokens",
+                    "laid_out", "represented")
         if cfg.tis_cap is not None:
             sum_keys += ("tis_clipped",)  # the fraction of action tokens whose IS weight hit the cap
         if cfg.kl.coef > 0 and cfg.kl.reward_estimator is None:
             sum_keys += ("kl",)
         metrics = self.reduce(stats, "actor", sum_keys, ("ratio_max", "neg_ratio_min", "sampler_ratio_max"))
         metrics["actor/entropy_coef"] = self.last_entropy_coef
+        # Tokens the update's passes computed per token its samples hold: 1.0 unshared, less when a
+        # group's prompt is laid out once (actor.share_prompt).
+        laid_out, represented = metrics.pop("actor/laid_out"), metrics.pop("actor/represented")
+        metrics["actor/tokens_computed_ratio"] = laid_out / max(represented, 1e-12)
         # How far the update moved the weights: lr=1e3 shows as a change of ~1000x, a healthy step as ~1e-4.
         before, after = (x ** 0.5 for x in all_reduce_sum([square_before, self.local_weight_square()], self.device))
         metrics["actor/weight_norm"] = after

@@ -52,10 +52,10 @@ def message_problem(message: Any) -> str | None:
     return f"content must be a string or a list of content parts, got {type(content).__name__}"
 
 
-def load_env_module(path: str) -> ModuleType:
-    """Import an env file by path (once per process: the caller keeps the module)."""
+def load_env_module(path: str, key: str = "rollout.env_path") -> ModuleType:
+    """Import an env file by path (once per process: the caller keeps the module); errors name `key`."""
     if not os.path.isfile(path):
-        raise EnvLoadError(f"rollout.env_path: no such file '{path}'")
+        raise EnvLoadError(f"{key}: no such file '{path}'")
     name = "infinite_rl_env_" + os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -69,23 +69,24 @@ def load_env_module(path: str) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - report any import-time failure with the file name
         sys.modules.pop(name, None)
-        raise EnvLoadError(f"rollout.env_path: importing '{path}' failed: {type(e).__name__}: {e}") from e
+        raise EnvLoadError(f"{key}: importing '{path}' failed: {type(e).__name__}: {e}") from e
     return module
 
 
 class Environment:
-    def __init__(self, path: str, *, timeout_s: float, max_workers: int, max_turns: int):
+    def __init__(self, path: str, *, timeout_s: float, max_workers: int, max_turns: int,
+                 key: str = "rollout.env_path"):
         self.path = path
-        self.module = load_env_module(path)
+        self.module = load_env_module(path, key)
         self.reward_fn = getattr(self.module, "reward_fn", None)
         self.interact_fn = getattr(self.module, "interact", None)
         if not callable(self.reward_fn):
             raise EnvLoadError(
-                f"rollout.env_path: '{path}' defines no reward_fn(messages, answer) -> float; "
+                f"{key}: '{path}' defines no reward_fn(messages, answer) -> float; "
                 "every env module needs one (it may be async)")
         if max_turns > 1 and not callable(self.interact_fn):
             raise EnvLoadError(
-                f"rollout.env_path: '{path}' defines no interact(messages) -> list[dict], which "
+                f"{key}: '{path}' defines no interact(messages) -> list[dict], which "
                 f"rollout.max_turns={max_turns} needs; define it (return [] to end the episode) "
                 "or set rollout.max_turns=1")
         self.timeout_s = timeout_s

@@ -13,6 +13,7 @@ from typing import Any
 
 from train.datasets.tokenize import continuation_ids, prompt_ids
 from train.engines.base import RolloutEngine, SamplingParams
+from train.workers.env_routing import EnvRouter
 from train.workers.environment import EnvCallError, Environment
 
 
@@ -32,6 +33,7 @@ class Sample:
     prompt_length: int = 0  # templated prompt tokens
     turn_lengths: list[int] = field(default_factory=list)  # tokens sampled in each assistant turn
     turn_versions: list[int] = field(default_factory=list)  # the engine's weight version of each assistant turn
+    source: str | None = None  # the row's data source (mixtures): its environment and metrics
 
     @property
     def n_action_tokens(self) -> int:
@@ -44,9 +46,10 @@ def sample_seed(base_seed: int, step: int, index: int) -> int:
 
 
 class RolloutWorker:
-    def __init__(self, engine: RolloutEngine, env: Environment, tokenizer, *, max_turns: int,
+    def __init__(self, engine: RolloutEngine, env: Environment | EnvRouter, tokenizer, *, max_turns: int,
                  env_error_reward: float, max_total_length: int):
-        self.engine, self.env, self.tokenizer = engine, env, tokenizer
+        self.engine, self.tokenizer = engine, tokenizer
+        self.envs = EnvRouter.of(env)  # each row's environment (rollout.env_path may map sources to files)
         self.max_turns = max_turns
         self.env_error_reward = env_error_reward
         self.max_total_length = max_total_length
@@ -58,8 +61,10 @@ class RolloutWorker:
         tok = self.tokenizer
         messages = [dict(m) for m in row["messages"]]
         tools = row.get("tools")
+        env = self.envs.for_row(row)
+        source = row.get("source")
         sample = Sample(group, messages, row.get("answer"), list(ids), [0] * len(ids), [0.0] * len(ids),
-                        prompt_length=len(ids))
+                        prompt_length=len(ids), source=None if source is None else str(source))
         try:
             for turn in range(self.max_turns):
                 room = self.max_total_length - len(sample.ids)
@@ -81,7 +86,7 @@ class RolloutWorker:
                 messages.append({"role": "assistant", "content": tok.decode(text_ids, skip_special_tokens=True)})
                 if gen.finish_reason != "stop" or turn == self.max_turns - 1:
                     break
-                new = await self.env.interact(messages)
+                new = await env.interact(messages)
                 if not new:
                     break
                 extra = continuation_ids(tok, messages, new, tools, ended_with_eos=ended_with_eos)
@@ -97,7 +102,7 @@ class RolloutWorker:
                 sample.ids += extra
                 sample.action_mask += [0] * len(extra)
                 sample.sampler_logprobs += [0.0] * len(extra)
-            sample.reward = await self.env.reward(messages, sample.answer)
+            sample.reward = await env.reward(messages, sample.answer)
         except EnvCallError as e:
             sample.reward = self.env_error_reward
             sample.env_error = str(e)
@@ -127,5 +132,5 @@ class RolloutWorker:
         if pending:
             self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.loop.close()
-        self.env.close()
+        self.envs.close()
         self.engine.close()

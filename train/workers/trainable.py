@@ -17,7 +17,7 @@ import torch
 
 from train.parallel.collectives import all_reduce_max_many, all_reduce_sum
 from train.parallel.layout import Layout
-from train.parallel.packing import PackedMicroBatch, build_packed, plan_packs
+from train.parallel.packing import PackedMicroBatch, build_packed, plan_packs, prompt_units, unit_length
 from train.parallel.step_batch import StepBatch
 from train.workers import base
 
@@ -73,8 +73,16 @@ class Trainable:
     def packs(self, batch: StepBatch, positions: list[int], max_tokens: int) -> list[PackedMicroBatch]:
         """This dp group's samples `positions` in packs of at most max_tokens per device (x sp)."""
         sp, tp = self.layout.sizes.sp, self.layout.sizes.tp
+        budget = max_tokens * sp
+        if batch.share_prompt and positions:  # each group's common prefix laid out once per pack
+            groups = batch.groups.tolist()
+            units = prompt_units(positions, batch.ids, groups, budget)
+            sizes = [unit_length([int(batch.ids[i].numel()) for i in u.members], u.shared) for u in units]
+            return [build_packed([i for k in p for i in units[k].members], batch.ids, batch.mask, self.pad_id,
+                                 self.device, sp_rank=self.layout.sp_rank, sp_size=sp, multiple=sp * tp,
+                                 units=[units[k] for k in p]) for p in plan_packs(sizes, budget)]
         lengths = [batch.ids[i].numel() for i in positions]
-        plan = [[positions[j] for j in p] for p in plan_packs(lengths, max_tokens * sp)] if positions else []
+        plan = [[positions[j] for j in p] for p in plan_packs(lengths, budget)] if positions else []
         return [build_packed(p, batch.ids, batch.mask, self.pad_id, self.device, sp_rank=self.layout.sp_rank,
                              sp_size=sp, multiple=sp * tp) for p in plan]
 
