@@ -16,7 +16,8 @@ a plain module on one rank) and an `hf` rollout engine per rank, then times, aft
   no collective, and the floor is one copy of the weights (the engine must receive them).
 
 Reported: seconds per push and per billion parameters, and push / floor. `--bucket-mb` is
-`rollout.bucket_size_mb`.
+`rollout.bucket_size_mb`. `--lora-rank N` builds the actor with `actor.lora.rank=N` (and the engine
+with the same LoRA layers): a push then sends the adapters only (the params column counts what is sent).
 """
 from __future__ import annotations
 
@@ -45,20 +46,23 @@ def worker(args) -> None:
     from train.parallel.weight_sync import unique_state
     from train.parallel.weight_sync import gather_full_tensors
     from train.workers.actor import Actor
+    from train.workers.lora import adapter_state
 
     torch.set_num_threads(args.threads)
     ctx = init_distributed()
     try:
         cfg = OmegaConf.load(os.path.join(ROOT, "config", "grpo.yaml")).actor
+        OmegaConf.update(cfg, "lora.rank", args.lora_rank)
         actor = Actor(cfg, ctx, args.model, pad_token_id=0, train=True, temperature=1.0)
-        engine = HFEngine.from_pretrained(args.model, device=ctx.device)
+        engine = HFEngine.from_pretrained(args.model, device=ctx.device, lora=actor.lora if args.lora_rank else None)
         sync = PolicySync(actor.model, engine, args.bucket_mb, None, {"actor": actor}, log=None)
         unverified = PolicySync(actor.model, engine, args.bucket_mb, None, {"actor": actor}, log=None, verify=False)
-        n_params = sum(t.numel() for _, t in unique_state(actor.model))
+        pushed = (lambda: adapter_state(actor.model)) if args.lora_rank else (lambda: unique_state(actor.model))
+        n_params = sum(t.numel() for _, t in pushed())
         nbytes = n_params * 4
 
         def gather_only() -> None:
-            for _ in gather_full_tensors(unique_state(actor.model), sync.bucket_bytes, engine.dtype):
+            for _ in gather_full_tensors(pushed(), sync.bucket_bytes, engine.dtype):
                 pass
 
         flat = torch.zeros(-(-nbytes // 4 // ctx.world_size), dtype=torch.float32)
@@ -97,6 +101,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     p.add_argument("--bucket-mb", type=float, default=512)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--lora-rank", type=int, default=0, help="actor.lora.rank (0: full weights)")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -110,13 +115,15 @@ def main() -> None:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                    os.path.abspath(__file__), "--worker", "--model", args.model, "--bucket-mb", str(args.bucket_mb),
-                   "--repeats", str(args.repeats), "--threads", str(threads), "--out", out.name]
+                   "--repeats", str(args.repeats), "--threads", str(threads), "--out", out.name,
+                   "--lora-rank", str(args.lora_rank)]
             env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise SystemExit(proc.stderr[-3000:])
             rows.append(json.load(open(out.name)))
-    print(f"model {os.path.relpath(args.model, ROOT)}, bucket {args.bucket_mb:g} MB, median of {args.repeats}")
+    what = f", LoRA rank {args.lora_rank} (adapters pushed)" if args.lora_rank else ""
+    print(f"model {os.path.relpath(args.model, ROOT)}{what}, bucket {args.bucket_mb:g} MB, median of {args.repeats}")
     print("| ranks | params | push s | unverified s | gather only s | floor s | push s per 1B params | push / floor |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -143,8 +143,10 @@ def layout_overrides(args) -> dict:
 def grads(args, ctx) -> None:
     torch.manual_seed(0)
     cfg = actor_cfg(agg_mode=args.agg, max_length_per_device=args.max_tokens, max_grad_norm=args.clip,
-                    loss=args.loss, **{"entropy.coef": args.entropy}, **layout_overrides(args))
+                    loss=args.loss, **{"entropy.coef": args.entropy}, **layout_overrides(args), **lora_overrides(args))
     actor = Actor(cfg, ctx, args.model, pad_token_id=0, train=True, temperature=1.0, total_updates=1)
+    if args.lora:
+        perturb_adapters(actor.model)
     batch = grouped_batch() if args.grouped else fixed_batch()
     set_ownership(len(batch.ids), args.split, ctx.world_size)
     sb, source = step_batch(actor, batch, OWN[ctx.rank], ctx, args.share, 4 if args.grouped else 0)
@@ -163,14 +165,35 @@ def shared_packs(packs, args) -> None:
 
 
 def step_and_save(worker, ctx, out) -> None:
-    """Full gradients, the optimizer step's (clipped) norm and the updated full weights, to `out` on rank 0."""
+    """Full gradients of the trainable parameters, the optimizer step's (clipped) norm, the updated
+    full weights (frozen ones too) and the names the optimizer keeps state for, to `out` on rank 0."""
     params = worker.model.named_parameters
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 - one process: plain tensors
-    grads = {name: full(p.grad).clone() for name, p in params()}
+    grads = {name: full(p.grad).clone() for name, p in params() if p.requires_grad}
+    frozen_grads = [name for name, p in params() if not p.requires_grad and p.grad is not None]
     norm = worker.optimizer_step()
     weights = {name: full(p).detach().clone() for name, p in params()}
+    optimized = [name for name, p in params() if p in worker.optimizer.state]
     if ctx.is_main:
-        torch.save({"grads": grads, "norm": norm, "weights": weights}, out)
+        torch.save({"grads": grads, "norm": norm, "weights": weights, "optimized": optimized,
+                    "frozen_grads": frozen_grads}, out)
+
+
+@torch.no_grad()
+def perturb_adapters(model, seed: int = 11) -> None:
+    """LoRA's B starts at 0, which gives A no gradient: set every B to small seeded values (the same
+    full tensor on every rank, each rank keeping its piece) so every adapter matrix learns."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if ".lora_B." in name:
+            w = torch.randn(p.shape, generator=g) * 0.05
+            if hasattr(p, "device_mesh"):
+                w = torch.distributed.tensor.distribute_tensor(w, p.device_mesh, p.placements, src_data_rank=None)
+            p.copy_(w)
+
+
+def lora_overrides(args) -> dict:
+    return {"lora.rank": args.lora, "lora.alpha": 2.0 * args.lora} if args.lora else {}
 
 
 def packing(args, ctx) -> None:
@@ -218,7 +241,10 @@ def critic_grads(args, ctx) -> None:
     """The critic follows the actor's rule: global token normaliser x world size (1 vs 2 ranks)."""
     torch.manual_seed(0)
     critic = Critic(critic_cfg(max_length_per_device=args.max_tokens, max_grad_norm=args.clip, clip=0.2,
-                               **layout_overrides(args)), ctx, args.model, pad_token_id=0, total_updates=1)
+                               **layout_overrides(args), **lora_overrides(args)), ctx, args.model, pad_token_id=0,
+                    total_updates=1)
+    if args.lora:
+        perturb_adapters(critic.model)
     with torch.no_grad():  # a non-zero head, so the backbone gets gradients too
         g = torch.Generator().manual_seed(7)
         w = torch.randn(critic.model.value_head.weight.shape, generator=g) * 0.1
@@ -265,6 +291,55 @@ def reference(args, ctx) -> None:
     if ctx.is_main:
         torch.save({"shared": len(shared), "ref_moved": moved, "policy_moved": policy_moved, "kls": kls,
                     "ref_requires_grad": any(p.requires_grad for p in ref.model.parameters())}, args.out)
+
+
+def lora_reference(args, ctx) -> None:
+    """A LoRA actor's KL reference (its adapters off) against a separately built plain actor of the
+    base model: the same log-probs; the adapted policy's differ. Then a real update and a push of the
+    adapters alone: the engine (LoRA layers of its own) scores like the trainer."""
+    from train.trainer.policy_sync import PolicySync
+    from train.trainer.sync_check import actor_logprobs
+    from train.workers.actor import AdapterFreeReference
+    from train.workers.lora import LoraSettings
+
+    class Log:
+        def event(self, *a, **k): ...
+        def write(self, *a, **k): ...
+
+    torch.manual_seed(0)
+    cfg = actor_cfg(**layout_overrides(args), **{"lora.rank": 4, "lora.alpha": 8.0, "kl.coef": 0.1})
+    actor = Actor(cfg, ctx, MODEL, pad_token_id=0, train=True, temperature=0.7, total_updates=2)
+    perturb_adapters(actor.model)
+    plain = Actor(cfg, ctx, MODEL, pad_token_id=0, train=False, temperature=0.7)
+    batch = fixed_batch()
+    set_ownership(len(batch.ids), "uneven", ctx.world_size)
+    sb, source = step_batch(actor, batch, OWN[ctx.rank], ctx)
+    ref = AdapterFreeReference(actor).compute_logprobs(sb)
+    base = plain.compute_logprobs(sb)
+    policy = actor.compute_logprobs(sb)
+    masks = [sb.mask[i].bool() for i in range(len(sb))]
+    ref_diff = max(float((r - b)[m].abs().max()) for r, b, m in zip(ref, base, masks))
+    policy_diff = max(float((p - b)[m].abs().max()) for p, b, m in zip(policy, base, masks))
+    sb.fields["ref_logp"] = ref
+    sb.fields["advantages"] = per_token(batch.advantages, sb, source)
+    metrics = actor.update(sb, 32)
+    engine = HFEngine.from_pretrained(MODEL, device=ctx.device, seed=0, lora=LoraSettings(4, 8.0))
+    names = list(engine.model.state_dict())
+    sync = PolicySync(actor.model, engine, 1.0, None, {"actor": actor}, Log(), verify=True, device=ctx.device,
+                      rank=ctx.rank)
+    pushed = []
+    record = engine.update_weights
+
+    def recording(named):
+        return record((pushed.append(n) or (n, t)) for n, t in named)
+
+    engine.update_weights = recording
+    sync.push(step=1)
+    probe = [1, 50, 60, 70, 80, 90, 100, 7, 8, 9]
+    probe_diff = float((engine.score(probe, 0.7) - actor_logprobs(actor, probe, ctx.device)).abs().max())
+    if ctx.is_main:
+        torch.save({"ref_diff": ref_diff, "policy_diff": policy_diff, "kl": metrics["actor/kl"], "pushed": pushed,
+                    "engine_names": names, "probe_diff": probe_diff}, args.out)
 
 
 def match(args, ctx) -> None:
@@ -359,8 +434,8 @@ def sync(args, ctx) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["grads", "match", "critic_grads", "reference", "packing", "collectives",
-                                         "advantages", "push", "load", "reshard", "sync"])
+    parser.add_argument("mode", choices=["grads", "match", "critic_grads", "reference", "lora_reference", "packing",
+                                         "collectives", "advantages", "push", "load", "reshard", "sync"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--agg", default="all_token_mean")
     parser.add_argument("--split", default="uneven")
@@ -378,11 +453,13 @@ def main() -> None:
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--grouped", action="store_true", help="samples in groups that share a prompt")
     parser.add_argument("--share", action="store_true", help="dispatch with share_prompt (lay each prompt out once)")
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank of the actor / critic (0: full model)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = init_distributed()
     try:
         {"grads": grads, "match": match, "critic_grads": critic_grads, "reference": reference,
+         "lora_reference": lora_reference,
          "packing": packing, "collectives": collectives, "advantages": advantages,
          "push": push, "load": load, "reshard": reshard, "sync": sync}[args.mode](args, ctx)
     finally:

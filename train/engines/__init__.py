@@ -47,7 +47,8 @@ def make_engine(name: str, *args: Any, **kwargs: Any) -> RolloutEngine:
     raise ValueError(f"unknown rollout engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
 
 
-def engine_kwargs(rollout: DictConfig, ctx: Any, *, model_path: str, tokenizer: Any, seed: int) -> dict[str, Any]:
+def engine_kwargs(rollout: DictConfig, ctx: Any, *, model_path: str, tokenizer: Any, seed: int,
+                  lora: Any = None) -> dict[str, Any]:
     """Keyword arguments for `make_engine(rollout.engine, **kwargs)` from the `rollout:` config
     section (every key is in config/grpo.yaml); `ctx` is the DistContext."""
     if rollout.engine == "sglang":
@@ -74,10 +75,13 @@ def engine_kwargs(rollout: DictConfig, ctx: Any, *, model_path: str, tokenizer: 
         "dtype": rollout.dtype,  # None: bfloat16 on CUDA, float32 on CPU
         "max_batch_size": rollout.max_batch_size,
         "seed": seed + ctx.rank,
+        "lora": lora,  # the actor's LoRA layers (None: a full model); pushes then send adapters only
     }
 
 
-def build_engine(rollout: DictConfig, ctx: Any, *, model_path: str, tokenizer: Any, seed: int) -> RolloutEngine:
-    """The rollout engine a run's config asks for, on this rank."""
+def build_engine(rollout: DictConfig, ctx: Any, *, model_path: str, tokenizer: Any, seed: int,
+                 lora: Any = None) -> RolloutEngine:
+    """The rollout engine a run's config asks for, on this rank; `lora` (LoraSettings): the actor's
+    adapters, which the engine holds in the same form."""
     return make_engine(rollout.engine, **engine_kwargs(rollout, ctx, model_path=model_path, tokenizer=tokenizer,
-                                                       seed=seed))
+                                                       seed=seed, lora=lora))

@@ -109,7 +109,10 @@ class HFEngine:
         self.vocab_size: int | None = getattr(config, "vocab_size", None)
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
         # Computing logits only for the last position saves a (batch, prompt_len, vocab) tensor.
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._logits_to_keep = "logits_to_keep" in forward_args
+        # transformers 5.24 renamed the KV-cache argument (the old name warns, and goes in 5.40).
+        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
         self._generator = torch.Generator().manual_seed(seed)  # for requests without a seed
         # One worker: batches run one at a time, and the lock keeps update_weights/sleep/wake
         # from touching the weights while a batch is generating.
@@ -139,14 +142,32 @@ class HFEngine:
         tokenizer: Any = None,
         dtype: torch.dtype | str | None = None,
         device: str | torch.device = "cpu",
+        lora: Any = None,
         **kw: Any,
     ) -> "HFEngine":
-        """Load a local checkpoint directory. `dtype` None means bfloat16 on CUDA, float32
-        elsewhere. `kw` goes to the constructor; `eos_token_ids` defaults to the generation
-        config's EOS ids, else the tokenizer's."""
+        """Load a local checkpoint directory, or a peft LoRA adapter folder (its base model, named in
+        adapter_config.json, with the adapter merged in). `dtype` None means bfloat16 on CUDA,
+        float32 elsewhere. `lora` (train/workers/lora.py): LoRA layers as the trainer's actor has them,
+        B = 0 until the first push, which then sends adapters only. `kw` goes to the constructor;
+        `eos_token_ids` defaults to the generation config's EOS ids, else the tokenizer's."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
+        from train.workers.lora import apply_lora, base_model_of
+
+        base = base_model_of(path)
+        if base is not None:  # an adapter folder (train.serve can serve latest/adapter)
+            from peft import PeftModel
+
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=resolve_dtype(dtype, device))
+            model = PeftModel.from_pretrained(model, path).merge_and_unload()
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
+        if lora is not None and lora.enabled:
+            apply_lora(model, lora)
+            with torch.no_grad():  # the base model's outputs until the first push
+                for name, value in model.named_parameters():
+                    if ".lora_B." in name:
+                        value.zero_()
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(path)
         if "eos_token_ids" not in kw:
@@ -398,7 +419,7 @@ class HFEngine:
 
         cache = DynamicCache(config=getattr(self.model, "config", None))
         logits = self._forward(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, **{self._cache_arg: cache}
         )
         if shared:
             expand = torch.tensor(owner, device=dev)
@@ -442,7 +463,7 @@ class HFEngine:
                 input_ids=tok[:, None],
                 attention_mask=attention,
                 position_ids=next_pos[:, None],
-                past_key_values=cache,
+                **{self._cache_arg: cache},
             )
             next_pos = next_pos + 1
         return results  # type: ignore[return-value]

@@ -236,6 +236,7 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
               "data.test_data_path=stub/data/math/test.jsonl (or trainer.test_freq=null)")
 
     _validate_sources(cfg)
+    _validate_lora(cfg)
     load = cfg.trainer.load_ckpt_from
     if load is not None and load != "latest":
         from train.utils.checkpoint import CheckpointError, read_meta
@@ -250,6 +251,10 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     except hub.ModelNotFound as e:
         raise ConfigError(str(e)) from None
     _validate_parallel(cfg, world_size, paths)
+    if (_get(cfg, "actor.lora.rank") or 0) > 0 and os.path.realpath(paths.rollout) != os.path.realpath(paths.actor):
+        _fail("rollout.model_name", f"with actor.lora.rank > 0 the engine must hold the actor's base model "
+              f"({paths.actor}): a push sends only the adapters, not {paths.rollout}'s weights",
+              "rollout.model_name=null")
     _validate_rollout_model(paths)
     return paths
 
@@ -490,6 +495,37 @@ def _validate_parallel(cfg: DictConfig, world_size: int, paths: ModelPaths) -> N
             check_model_fits(sizes, AutoConfig.from_pretrained(path), prefix=role)
         except LayoutError as e:
             raise ConfigError(f"config: {e} (model {path})") from None
+
+
+def _validate_lora(cfg: DictConfig) -> None:
+    """actor.lora.* and critic.lora.* (train/workers/lora.py); LoRA under tensor parallelism and on
+    the SGLang engine is refused here rather than run untested."""
+    for role in ("actor", "critic"):
+        if role == "critic" and cfg.adv.estimator != "gae":
+            continue
+        key = f"{role}.lora"
+        rank = _get(cfg, f"{key}.rank")
+        if rank is None or rank == 0:
+            continue
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            _fail(f"{key}.rank", f"expected 0 (off) or a positive integer, got {rank!r}", f"{key}.rank=16")
+        _number(cfg, f"{key}.alpha", 0.0, low_open=True, example=f"{key}.alpha=32")
+        dropout = _get(cfg, f"{key}.dropout")
+        if dropout is not None:
+            _number(cfg, f"{key}.dropout", 0.0, 1.0, example=f"{key}.dropout=0.05")
+            if dropout >= 1.0:
+                _fail(f"{key}.dropout", f"must be below 1, got {dropout!r}", f"{key}.dropout=0.05")
+        targets = _plain(_get(cfg, f"{key}.target_modules"))
+        if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
+            _fail(f"{key}.target_modules", f"expected a non-empty list of module names, got {targets!r}",
+                  f"'{key}.target_modules=[q_proj,v_proj]'")
+        if (_get(cfg, f"{role}.tp_size") or 1) > 1:
+            _fail(f"{key}.rank", f"LoRA with tensor parallelism ({role}.tp_size="
+                  f"{_get(cfg, f'{role}.tp_size')}) is not supported: the adapters would need their own TP plan; "
+                  f"use FSDP (and {role}.sp_size for long sequences) instead", f"{role}.tp_size=1")
+        if role == "actor" and cfg.rollout.engine != "hf":
+            _fail(f"{key}.rank", f"LoRA pushes adapters into the rollout engine, which only the hf engine supports "
+                  f"here (rollout.engine={cfg.rollout.engine})", "rollout.engine=hf")
 
 
 def _validate_gpu_keys(cfg: DictConfig, world_size: int) -> None:

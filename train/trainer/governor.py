@@ -99,7 +99,8 @@ class Snapshot:
 
     @staticmethod
     def _take(model, optimizer, scheduler) -> dict:
-        params = [_local(p.detach()).to("cpu", copy=True) for p in model.parameters()]
+        # Trainable parameters only: frozen ones (a LoRA base) never change, so need no copy.
+        params = [_local(p.detach()).to("cpu", copy=True) for p in model.parameters() if p.requires_grad]
         state = []
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -113,7 +114,7 @@ class Snapshot:
     @torch.no_grad()
     def restore(self) -> None:
         for (model, optimizer, scheduler), saved in zip(self.parts, self.saved):
-            for p, value in zip(model.parameters(), saved["params"]):
+            for p, value in zip([p for p in model.parameters() if p.requires_grad], saved["params"]):
                 _local(p).copy_(value)
             flat = [p for g in optimizer.param_groups for p in g["params"]]
             for p, s in zip(flat, saved["state"]):

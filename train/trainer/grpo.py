@@ -64,10 +64,11 @@ from train.utils.lifecycle import StopRequest
 from train.utils.logging import RunLogger, test_line
 from train.utils.run_folder import RunFolderError, claim
 from train.utils.watchdog import Watchdog
-from train.workers.actor import Actor
+from train.workers.actor import Actor, AdapterFreeReference
 from train.workers.critic import Critic
 from train.workers.env_routing import EnvRouter
 from train.workers.environment import EnvLoadError
+from train.workers.lora import LoraTargetError
 from train.workers.model_init import CheckpointError
 from train.workers.rollout import RolloutWorker, Sample, sample_seed
 
@@ -139,9 +140,13 @@ class Trainer:
         self._layouts: dict[tuple[int, int, int], Layout] = {}
         updates = self.total_steps * cfg.actor.update_per_rollout * cfg.actor.mini_batches
         self.actor = Actor(cfg.actor, ctx, paths.actor, pad_token_id=self.pad_id, train=True,
-                           temperature=temperature, total_updates=updates, layout=self._layout("actor"))
+                           temperature=temperature, total_updates=updates, layout=self._layout("actor"),
+                           adapter_seed=cfg.trainer.seed)
         self.ref = None
-        if cfg.actor.kl.coef > 0:
+        same_base = os.path.realpath(paths.reference) == os.path.realpath(paths.actor)
+        if cfg.actor.kl.coef > 0 and self.actor.lora.enabled and same_base:
+            self.ref = AdapterFreeReference(self.actor)  # the base model is the actor with its adapters off
+        elif cfg.actor.kl.coef > 0:
             self.ref = Actor(role_config(cfg, "ref_actor"), ctx, paths.reference,
                              pad_token_id=self.pad_id, train=False, temperature=temperature,
                              layout=self._layout("ref_actor"))
@@ -149,7 +154,8 @@ class Trainer:
         if cfg.adv.estimator == "gae":
             critic_updates = self.total_steps * cfg.critic.update_per_rollout * cfg.critic.mini_batches
             self.critic = Critic(cfg.critic, ctx, paths.critic, pad_token_id=self.pad_id,
-                                 total_updates=critic_updates, layout=self._layout("critic"))
+                                 total_updates=critic_updates, layout=self._layout("critic"),
+                                 adapter_seed=cfg.trainer.seed)
         # What an update changes, by name: checkpoints and the governor's snapshots hold their state parts.
         self.workers = {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
         self.reward_moments = RunningMoments()  # PPO reward scaling (critic.reward_norm)
@@ -157,7 +163,7 @@ class Trainer:
         self.governor = (Governor(gov.watch, gov.window, gov.k_sigma, gov.min_history, gov.min_panics,
                                   gov.rel_std_floor, gov.max_weight_change) if gov.enable else None)
         self.engine = build_engine(cfg.rollout, ctx, model_path=paths.rollout, tokenizer=self.rollout_tokenizer,
-                                   seed=cfg.trainer.seed)
+                                   seed=cfg.trainer.seed, lora=self.actor.lora if self.actor.lora.enabled else None)
         max_len = cfg.rollout.max_total_length or getattr(self.actor.model.config, "max_position_embeddings", 4096)
         self.rollout = RolloutWorker(self.engine, self.env, self.rollout_tokenizer, max_turns=cfg.rollout.max_turns,
                                      env_error_reward=cfg.rollout.env_error_reward, max_total_length=max_len)
@@ -191,8 +197,9 @@ class Trainer:
         self.probe_tol = probe_tolerance(cfg.trainer.sync_probe_tol, getattr(self.engine, "dtype", torch.float32),
                                          cfg.actor.dtype)
         self.temperature = temperature
-        if resumed or os.path.realpath(paths.rollout) != os.path.realpath(paths.actor):
-            self.sync.push(self.start_step)  # the engine loaded rollout.model_name (or the run's start): sample from the actor
+        if resumed or self.actor.lora.enabled or os.path.realpath(paths.rollout) != os.path.realpath(paths.actor):
+            # the engine loaded rollout.model_name (or the run's start, or fresh adapters): sample from the actor
+            self.sync.push(self.start_step)
         self._log_layouts()
 
     def _layout(self, role: str) -> Layout:
@@ -212,6 +219,12 @@ class Trainer:
         self.log.event("layout", self.start_step, {"world_size": self.ctx.world_size, "nodes": nodes, **layouts})
         parts = [f"{role} " + " ".join(f"{k}={v}" for k, v in sizes.items()) for role, sizes in layouts.items()]
         self.log.write(f"{self.ctx.world_size} ranks on {nodes} node(s); " + "; ".join(parts))
+        for role, worker in self.workers.items():
+            if worker.lora.enabled:
+                trainable, total = worker.parameter_counts()
+                self.log.write(f"{role}: LoRA rank {worker.lora.rank} (alpha {worker.lora.alpha:g}) on "
+                               f"{', '.join(worker.lora.target_modules)}: {trainable / 1e6:.3g}M trainable "
+                               f"parameters of {total / 1e6:.4g}M")
 
     # -- checkpoints -----------------------------------------------------------------------
     def _maybe_resume(self) -> bool:
@@ -580,7 +593,8 @@ class Trainer:
         self.checkpointer.wait()
         export_hf(self.actor.model, self.tokenizer, os.path.join(cfg.trainer.save_dir, "latest"), self.ctx,
                   shard_bytes=int(cfg.trainer.export_shard_gb * GB), bucket_bytes=self.sync.bucket_bytes,
-                  critic=self.critic.model if self.critic is not None else None)
+                  critic=self.critic.model if self.critic is not None else None,
+                  base_model=hub.export_name(cfg.actor.model_name, self.paths.actor))
         if self.updates == 0 and self.total_steps > self.start_step:
             self.log.write(f"warning: this run made no update in its {self.total_steps - self.start_step} steps: "
                            "nothing was learned (see the warnings above and actor/skipped in metrics.jsonl)")
@@ -634,7 +648,7 @@ def run(cfg: DictConfig) -> None:
 
 # Mistakes a user can fix (config, data, env module, chat template): one clear line, no traceback.
 USER_ERRORS = (ConfigError, DataError, EnvLoadError, TokenizationError, ckpt.CheckpointError, CheckpointError,
-               RunFolderError)
+               RunFolderError, LoraTargetError)
 
 
 @hydra.main(config_path="../../config", config_name="grpo", version_base=None)

@@ -21,6 +21,7 @@ from train.trainer.governor import Governor, Snapshot
 from train.trainer.sync_check import PushRecord, verify_push
 from train.utils.logging import RunLogger
 from train.utils.watchdog import Watchdog
+from train.workers.lora import adapter_state, has_lora
 
 MB = 1 << 20
 
@@ -44,10 +45,14 @@ class PolicySync:
         self.device, self.rank = device, rank
         self.pushed_fingerprint: float | None = None
         self.snapshot = Snapshot(workers) if governor is not None else None
+        # A LoRA actor pushes its adapters only: the engine holds the same frozen base.
+        self.adapters_only = has_lora(model)
 
     def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The actor's full weights in the engine's dtype, bucket by bucket (collective)."""
-        return gather_full_tensors(unique_state(self.model), self.bucket_bytes, getattr(self.engine, "dtype", None))
+        """The actor's full weights (with LoRA, its adapters) in the engine's dtype, bucket by bucket
+        (collective)."""
+        named = adapter_state(self.model) if self.adapters_only else unique_state(self.model)
+        return gather_full_tensors(named, self.bucket_bytes, getattr(self.engine, "dtype", None))
 
     def push(self, step: int = 0) -> float:
         """Push the actor's weights into the engine; the seconds it took. With `verify`, the engine's

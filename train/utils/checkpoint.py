@@ -2,7 +2,8 @@
 Hugging Face export. Both are written to a temporary name and renamed when complete.
 
     step{N}/
-      dcp/                 every worker's model and optimizer state (Adam moments included): each rank
+      dcp/                 every worker's trainable weights and optimizer state (Adam moments included; a
+                           LoRA run's adapters, not its frozen base): each rank
                            writes its own shards (__{rank}_0.distcp), rank 0 the .metadata
       trainer_state.pt     the step, schedulers, the dataloader's global position, the governor, ...
       rank{r}.pt           each rank's RNG states
@@ -29,12 +30,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from train.parallel.collectives import barrier
 from train.parallel.distributed import DistContext
 from train.utils.disk import explain_disk_full
 
+# Frozen parameters (a LoRA run's base model) are not saved: they are the model folder's, loaded again
+# at resume. A full fine-tune has none, so this changes nothing there.
+TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
+# Loading them back: the frozen entries are absent by design (load checks that every saved entry
+# is there and fits before DCP reads it, so nothing trainable can go missing silently).
+LOAD_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
 STEP_DIR = re.compile(r"^step(\d+)$")
 COMPLETE = "COMPLETE"
 RESUME_ADVICE = "the complete checkpoints before it are untouched: trainer.load_ckpt_from=latest resumes from the newest"
@@ -127,8 +134,11 @@ class Checkpointer:
         states = {}
         for name, worker in workers.items():
             parts = worker.state_parts()
-            model_sd, optim_sd = get_state_dict(parts["model"], parts["optimizer"])
-            states[name] = {"model": model_sd, "optimizer": optim_sd}
+            model_sd, optim_sd = get_state_dict(parts["model"], parts["optimizer"], options=TRAINABLE_ONLY)
+            # A frozen tied weight (lm_head tied to the embedding) has no name of its own in
+            # named_parameters, so TRAINABLE_ONLY keeps it: drop it by name.
+            frozen = {n for n, p in parts["model"].named_parameters(remove_duplicate=False) if not p.requires_grad}
+            states[name] = {"model": {k: v for k, v in model_sd.items() if k not in frozen}, "optimizer": optim_sd}
         return states
 
     def save(self, step: int, workers: dict, trainer_state: dict, rank_state: dict) -> str:
@@ -223,7 +233,7 @@ class Checkpointer:
         for name, worker in workers.items():
             parts = worker.state_parts()
             set_state_dict(parts["model"], parts["optimizer"], model_state_dict=states[name]["model"],
-                           optim_state_dict=states[name]["optimizer"])
+                           optim_state_dict=states[name]["optimizer"], options=LOAD_TRAINABLE)
             parts["scheduler"].load_state_dict(trainer_state["schedulers"][name])
         rank_file = os.path.join(path, f"rank{self.ctx.rank}.pt")
         rank_state = torch.load(rank_file, weights_only=False) if os.path.exists(rank_file) else None

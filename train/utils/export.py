@@ -6,6 +6,10 @@ more than one shard and one bucket of the model. The folder is written as `<out>
 The critic (PPO) goes to `critic/` as a token-classification model with one label: its backbone,
 and the value head as `score` (`AutoModelForTokenClassification.from_pretrained(latest/critic)`
 gives the values as `logits[..., 0]`; the critic can resume from that folder too).
+
+A LoRA model (train/workers/lora.py) is exported merged (W + (alpha / r) B A, computed shard by
+shard), so `latest/` loads like any model, and its adapters alone go to `latest/adapter/` as a peft
+folder (`PeftModel.from_pretrained(base, latest/adapter)`; `python -m train.serve` serves it too).
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import copy
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -22,13 +26,20 @@ from train.parallel.distributed import DistContext
 from train.parallel.weight_sync import gather_full_tensors, unique_state
 from train.utils.checkpoint import _replace_dir
 from train.utils.disk import explain_disk_full
+from train.workers.lora import ADAPTER_NAME, adapter_state, has_lora, merged_state, peft_key
 
 GB = 1 << 30
 
 
-def write_weights(model: torch.nn.Module, folder: str, ctx: DistContext, shard_bytes: int, bucket_bytes: int,
-                  rename: Callable[[str], str] = lambda k: k) -> list[str]:
-    """Stream the model's weights into `folder` (rank 0 writes; every rank gathers). Returns the file names."""
+def exported_state(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """What `latest/` holds of a model: its weights, with any LoRA adapters merged into them."""
+    return merged_state(model) if has_lora(model) else unique_state(model)
+
+
+def write_weights(named: Iterable[tuple[str, torch.Tensor]], folder: str, ctx: DistContext, shard_bytes: int,
+                  bucket_bytes: int, rename: Callable[[str], str] = lambda k: k) -> list[str]:
+    """Stream (name, tensor) pairs (local shards of one model) into `folder` as safetensors shards
+    (rank 0 writes; every rank gathers). Returns the file names."""
     from safetensors.torch import save_file
 
     shards: list[list[str]] = []
@@ -46,7 +57,7 @@ def write_weights(model: torch.nn.Module, folder: str, ctx: DistContext, shard_b
                 index[key] = name
             current, size = {}, 0
 
-    for key, tensor in gather_full_tensors(unique_state(model), bucket_bytes):
+    for key, tensor in gather_full_tensors(named, bucket_bytes):
         if not ctx.is_main:
             continue  # the gather is collective; only rank 0 keeps what it brings
         nbytes = tensor.numel() * tensor.element_size()
@@ -72,26 +83,48 @@ def write_weights(model: torch.nn.Module, folder: str, ctx: DistContext, shard_b
 
 
 def export_hf(model: torch.nn.Module, tokenizer, out_dir: str, ctx: DistContext, *, shard_bytes: int = 2 * GB,
-              bucket_bytes: int = 512 << 20, critic: torch.nn.Module | None = None) -> None:
+              bucket_bytes: int = 512 << 20, critic: torch.nn.Module | None = None,
+              base_model: str | None = None) -> None:
     """`out_dir` as a Hugging Face folder that `from_pretrained` loads (model, config, generation
-    config, tokenizer), plus `critic/` when given; atomic."""
+    config, tokenizer), plus `critic/` when given, and `adapter/` for a LoRA model (`base_model`: the
+    name its adapter_config.json gives the base); atomic."""
     with explain_disk_full("the Hugging Face export", out_dir + ".tmp",
                            "the previous export and the checkpoints are untouched"):
-        _export(model, tokenizer, out_dir, ctx, shard_bytes, bucket_bytes, critic)
+        _export(model, tokenizer, out_dir, ctx, shard_bytes, bucket_bytes, critic, base_model)
+
+
+def write_adapter(model: torch.nn.Module, tokenizer, folder: str, ctx: DistContext, bucket_bytes: int,
+                  base_model: str | None) -> None:
+    """A LoRA model's adapters as a peft folder: adapter_model.safetensors (peft's names) and
+    adapter_config.json naming `base_model` (rank 0 writes; every rank gathers)."""
+    from safetensors.torch import save_file
+
+    tensors = {peft_key(k): t.detach().to("cpu", copy=True).contiguous()
+               for k, t in gather_full_tensors(adapter_state(model), bucket_bytes)}
+    if not ctx.is_main:
+        return
+    os.makedirs(folder)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = copy.deepcopy(model.peft_config[ADAPTER_NAME])  # what inject_adapter_in_model recorded
+    config.base_model_name_or_path, config.task_type = base_model, "CAUSAL_LM"
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def _export(model: torch.nn.Module, tokenizer, out_dir: str, ctx: DistContext, shard_bytes: int, bucket_bytes: int,
-            critic: torch.nn.Module | None) -> None:
+            critic: torch.nn.Module | None, base_model: str | None) -> None:
     tmp = out_dir + ".tmp"
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier()
-    write_weights(model, tmp, ctx, shard_bytes, bucket_bytes)
+    write_weights(exported_state(model), tmp, ctx, shard_bytes, bucket_bytes)
+    if has_lora(model):
+        write_adapter(model, tokenizer, os.path.join(tmp, "adapter"), ctx, bucket_bytes, base_model)
     if critic is not None:
         if ctx.is_main:
             os.makedirs(os.path.join(tmp, "critic"))
-        write_weights(critic, os.path.join(tmp, "critic"), ctx, shard_bytes, bucket_bytes,
+        write_weights(exported_state(critic), os.path.join(tmp, "critic"), ctx, shard_bytes, bucket_bytes,
                       rename=lambda k: k.replace("value_head.", "score."))
     if ctx.is_main:
         model.config.save_pretrained(tmp)  # its `architectures` name the causal LM class (FSDP renames the type)

@@ -48,6 +48,12 @@ def looks_like_repo_id(name: str) -> bool:
     return bool(REPO_ID.match(name)) and ".." not in name and not name.endswith((".", "-"))
 
 
+def export_name(name: str, folder: str) -> str:
+    """How an exported LoRA adapter names its base model: the Hub id the run named (portable), or the
+    absolute path of the local folder it loaded."""
+    return os.path.abspath(folder) if os.path.exists(name) else name
+
+
 def cache_dir() -> str:
     from huggingface_hub import constants
 

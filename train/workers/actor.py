@@ -20,6 +20,7 @@ from train.parallel.step_batch import StepBatch
 from train.parallel.tensor_parallel import vocab_parallel_logprobs
 from train.utils import algorithms as alg
 from train.workers import base
+from train.workers.lora import LoraSettings, adapters_disabled
 from train.workers.model_init import build_model
 from train.workers.trainable import Norms, Trainable, UpdateStats
 
@@ -37,7 +38,7 @@ def policy_clip_range(cfg) -> tuple[float, float]:
 
 class Actor(Trainable):
     def __init__(self, cfg, ctx: DistContext, model_path: str, *, pad_token_id: int, train: bool,
-                 temperature: float, total_updates: int = 1, layout: Layout | None = None):
+                 temperature: float, total_updates: int = 1, layout: Layout | None = None, adapter_seed: int = 0):
         layout = layout or layout_for(cfg, ctx.world_size, ctx.device.type, "actor")
         super().__init__(layout, ctx.device, pad_token_id, cfg.max_length_per_device,
                          cfg.max_inference_length_per_device or 2 * cfg.max_length_per_device,
@@ -45,11 +46,13 @@ class Actor(Trainable):
         self.cfg, self.ctx, self.train = cfg, ctx, train
         self.total_updates = total_updates
         self.temperature = temperature
+        # actor.lora: adapters on a frozen base (a reference, train=False, is always the plain model)
+        self.lora = LoraSettings.from_config(cfg.get("lora")) if train else LoraSettings()
         # Built on the meta device and filled shard by shard: no rank ever holds the whole model.
         self.model = build_model(model_path, self.layout, ctx.device,
                                  param_dtype=cfg.dtype,
                                  gradient_checkpointing=train and cfg.gradient_checkpointing,
-                                 offload=bool(cfg.offload_model))
+                                 offload=bool(cfg.offload_model), lora=self.lora, adapter_seed=adapter_seed)
         # actor.use_liger_kernel: fused log-prob/entropy head, no [tokens, vocab] logits (train/parallel/fused_logprobs.py)
         self.fused_head = FusedLogprobHead(self.model) if cfg.use_liger_kernel else None
         self.optimizer = self.scheduler = None
@@ -207,3 +210,17 @@ class Actor(Trainable):
             if stopped:
                 metrics["actor/stop_epoch"] = float(stopped[0])
         return metrics
+
+
+class AdapterFreeReference:
+    """The KL reference of a LoRA actor (`actor.lora.rank > 0`): the actor's own module with its
+    adapters switched off, which is the base model. No second copy of the weights, and its passes run
+    on the actor's step batch (the same layout)."""
+
+    def __init__(self, actor: Actor) -> None:
+        self.actor = actor
+        self.layout = actor.layout
+
+    def compute_logprobs(self, batch: StepBatch) -> list[torch.Tensor]:
+        with adapters_disabled(self.actor.model):
+            return self.actor.compute_logprobs(batch)

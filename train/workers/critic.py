@@ -16,23 +16,27 @@ from train.parallel.seq_parallel import gather_sequence
 from train.parallel.step_batch import StepBatch
 from train.utils import algorithms as alg
 from train.workers import base
+from train.workers.lora import LoraSettings
 from train.workers.model_init import build_model
 from train.workers.trainable import Norms, Trainable, UpdateStats
 
 
 class Critic(Trainable):
     def __init__(self, cfg, ctx: DistContext, model_path: str, *, pad_token_id: int, total_updates: int = 1,
-                 layout: Layout | None = None):
+                 layout: Layout | None = None, adapter_seed: int = 0):
         layout = layout or layout_for(cfg, ctx.world_size, ctx.device.type, "critic")
         super().__init__(layout, ctx.device, pad_token_id, cfg.max_length_per_device,
                          cfg.max_inference_length_per_device or 2 * cfg.max_length_per_device,
                          cfg.max_grad_norm, bool(cfg.offload_optimizer))
         self.cfg, self.ctx = cfg, ctx
         # The backbone of `model_path` (or a critic this trainer exported) and a value head, built on
-        # the meta device and filled shard by shard.
+        # the meta device and filled shard by shard; critic.lora: adapters on the backbone, the value
+        # head fully trained.
+        self.lora = LoraSettings.from_config(cfg.get("lora"))
         self.model = build_model(model_path, self.layout, ctx.device, value_head=True,
                                  param_dtype=cfg.dtype,
-                                 gradient_checkpointing=cfg.gradient_checkpointing, offload=bool(cfg.offload_model))
+                                 gradient_checkpointing=cfg.gradient_checkpointing, offload=bool(cfg.offload_model),
+                                 lora=self.lora, lora_key="critic.lora", adapter_seed=adapter_seed)
         self.optimizer = base.build_optimizer(self.model, cfg.lr, cfg.betas, cfg.weight_decay)
         self.scheduler = base.build_scheduler(self.optimizer, total_updates, cfg.warmup_ratio, "constant", 1.0)
 

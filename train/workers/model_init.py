@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from train.parallel.layout import Layout
 from train.parallel.parallelize import parallelize
+from train.workers.lora import FreshAdapters, LoraSettings, apply_lora, base_name, is_adapter
 
 
 class CheckpointError(ValueError):
@@ -142,9 +143,13 @@ def reset_non_persistent_buffers(model: torch.nn.Module) -> None:
 
 def build_model(path: str, layout: Layout, device: torch.device, *, value_head: bool = False,
                 param_dtype: str = "float32", gradient_checkpointing: bool = False,
-                offload: bool = False) -> torch.nn.Module:
+                offload: bool = False, lora: LoraSettings | None = None, lora_key: str = "actor.lora",
+                adapter_seed: int = 0) -> torch.nn.Module:
     """The causal LM of `path` (or with `value_head`, its backbone with a zero value head: the
-    critic), wrapped for `layout`, with only this rank's shards ever allocated."""
+    critic), wrapped for `layout`, with only this rank's shards ever allocated. With `lora` enabled,
+    LoRA adapters are injected before the parallel plan (train/workers/lora.py): the base is frozen
+    and filled from `path`, the adapters start as B = 0 (the base model's outputs) and A drawn from
+    `adapter_seed`; the critic's value head stays trainable."""
     from train.workers.base import ValueModel
 
     config = AutoConfig.from_pretrained(path)
@@ -153,6 +158,9 @@ def build_model(path: str, layout: Layout, device: torch.device, *, value_head: 
             model = ValueModel(AutoModel.from_config(config, dtype=torch.float32))
         else:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with_lora = lora is not None and lora.enabled
+    if with_lora:
+        apply_lora(model.model if value_head else model, lora, key=f"{lora_key}.target_modules")
     tied = bool(getattr(config, "tie_word_embeddings", False)) and not value_head
     parallelize(model, layout, param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing,
                 offload=offload)
@@ -166,17 +174,21 @@ def build_model(path: str, layout: Layout, device: torch.device, *, value_head: 
         head = "score" if "score.weight" in names else None  # a critic exported by this trainer
 
         def rename(key: str) -> str:
+            key = base_name(key)
             if key.startswith("value_head."):
                 return key.replace("value_head.", f"{head}.")
             return key if key in names else key[len("model."):]  # a bare backbone folder
 
-        fill_from_checkpoint(model, reader, rename, skip=lambda k: k.startswith("value_head.") and head is None)
+        fill_from_checkpoint(model, reader, rename,
+                             skip=lambda k: is_adapter(k) or (k.startswith("value_head.") and head is None))
         if head is None:  # a fresh head: V = 0 at the start, the same on every rank and run
             with torch.no_grad():
                 for p in model.value_head.parameters():
                     (p.to_local() if hasattr(p, "to_local") else p).zero_()
     else:
-        fill_from_checkpoint(model, reader, skip=lambda k: tied and k == "lm_head.weight")
+        fill_from_checkpoint(model, reader, base_name, skip=lambda k: is_adapter(k) or (tied and k == "lm_head.weight"))
+    if with_lora:
+        fill_from_checkpoint(model, FreshAdapters(model, adapter_seed), skip=lambda k: not is_adapter(k))
     if getattr(model, "generation_config", None) is not None and not value_head:
         try:  # what from_pretrained would attach (EOS ids for the export)
             from transformers import GenerationConfig

@@ -158,10 +158,13 @@ class Trainable:
 
     @torch.no_grad()
     def local_weight_square(self) -> float:
-        """This rank's share of the squared L2 norm of the model's weights (no collective): each rank
-        reads only its own shards; a shard replicated over a mesh dim counts 1/copies."""
+        """This rank's share of the squared L2 norm of the model's trainable weights (no collective;
+        with LoRA, the adapters: the frozen base never moves): each rank reads only its own shards; a
+        shard replicated over a mesh dim counts 1/copies."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.model.parameters():
+            if not p.requires_grad:
+                continue
             local = p.to_local() if hasattr(p, "to_local") else p
             square = torch.linalg.vector_norm(local, dtype=torch.float32).double() ** 2
             mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", ())
@@ -171,6 +174,11 @@ class Trainable:
                     copies *= mesh.size(dim)
             total += square / copies
         return float(total)
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(trainable, all) parameters of the full model (global shapes: no collective)."""
+        params = list(self.model.parameters())
+        return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
     def weight_norm(self) -> float:
         """The L2 norm of all the model's weights over every rank (one all-reduce of a scalar)."""
