@@ -50,6 +50,12 @@ def unflatten_bucket(payload: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {name: buf[a:b].view(dtype).reshape(shape).clone() for name, dtype, shape, a, b in payload["metadata"]}
 
 
+@dataclass
+class LoraResult:  # like SGLang's LoadLoRAAdapterReqOutput
+    success: bool
+    error_message: str
+
+
 class RecordingFakeSGLangEngine:
     """See the module docstring. `calls` is shared with the test: (method, kwargs) tuples."""
 
@@ -69,6 +75,7 @@ class RecordingFakeSGLangEngine:
         self.released: set[str] = set()
         self.inflight = 0
         self.generated = threading.Event()
+        self.adapters: dict[str, dict[str, torch.Tensor]] = {}  # LoRA: name -> peft-named tensors
         self._record("__init__", kwargs)
 
     def _record(self, name: str, kwargs: dict) -> None:
@@ -82,6 +89,8 @@ class RecordingFakeSGLangEngine:
             raise RuntimeError("fake SGLang: async_generate awaited outside engine.loop")
         if "weights" in self.released:
             raise RuntimeError("fake SGLang: generate with released weights")
+        if kw.get("lora_path") is not None and kw["lora_path"] not in self.adapters:
+            raise RuntimeError(f"fake SGLang: no adapter named {kw['lora_path']}")
         self.inflight += 1
         try:
             await asyncio.sleep(self.delay_s)
@@ -150,6 +159,33 @@ class RecordingFakeSGLangEngine:
             self.bucket_bytes.append(sum(t.numel() * t.element_size() for t in per_rank[0].values()))
             self.loaded.update(per_rank[0])
             return True, "Success"
+
+        return self._sync(run())
+
+    def load_lora_adapter_from_tensors(self, lora_name, tensors, config_dict, load_format=None):
+        self._record("load_lora_adapter_from_tensors", dict(lora_name=lora_name, tensors=tensors,
+                                                             config_dict=config_dict, load_format=load_format))
+
+        async def run():
+            if lora_name in self.adapters:
+                return LoraResult(False, f"adapter {lora_name} is already loaded")
+            if not self.kwargs.get("enable_lora"):
+                return LoraResult(False, "LoRA is not enabled (enable_lora)")
+            if config_dict.get("r", 0) > self.kwargs.get("max_lora_rank", 0):
+                return LoraResult(False, "rank above max_lora_rank")
+            self.adapters[lora_name] = {k: v.clone() for k, v in tensors.items()}
+            self.version += 1
+            return LoraResult(True, "")
+
+        return self._sync(run())
+
+    def unload_lora_adapter(self, lora_name):
+        self._record("unload_lora_adapter", dict(lora_name=lora_name))
+
+        async def run():
+            if self.adapters.pop(lora_name, None) is None:
+                return LoraResult(False, f"no adapter {lora_name}")
+            return LoraResult(True, "")
 
         return self._sync(run())
 

@@ -2,7 +2,8 @@
 2 ranks (FSDP2, HSDP, Ulysses SP, activation checkpointing) give the same adapter gradients; the KL
 reference is the base model (the actor with its adapters off); a push sends the adapters alone and
 the engine then scores like the trainer; resume is bit-exact; the merged export and the peft adapter
-folder load and generate what the trainer's model generates."""
+folder load and generate what the trainer's model generates. The SGLang side of the push is in
+tests/test_sglang_adapter.py."""
 import json
 
 import pytest
@@ -97,9 +98,10 @@ def test_a_lora_run_resumes_exactly_and_both_exports_generate_the_trainers_token
     from train.engines.hf import HFEngine
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    # the fused log-prob head too: the probe then checks it against the engine
     common = ["trainer.total_steps=4", "trainer.save_freq=2", "trainer.test_freq=null", "actor.lora.rank=8",
               "actor.lora.alpha=16", "actor.lr=2e-3", "actor.kl.coef=0.05", "trainer.sync_probe_every=1",
-              "data.prompts_per_rollout=8", "data.responses_per_prompt=4"]
+              "data.prompts_per_rollout=8", "data.responses_per_prompt=4", "actor.use_liger_kernel=true"]
     first = run_trainer([f"trainer.save_dir={straight}", *common], nproc=2)
     assert "actor: LoRA rank 8 (alpha 16)" in first.stdout + first.stderr
     run_trainer([f"trainer.save_dir={resumed}", f"trainer.load_ckpt_from={straight / 'step2'}", *common], nproc=2)
@@ -140,7 +142,6 @@ def test_a_lora_run_resumes_exactly_and_both_exports_generate_the_trainers_token
     (["actor.lora.rank=4", "actor.lora.alpha=0"], r"actor\.lora\.alpha'"),
     (["actor.lora.rank=4", "actor.lora.dropout=1.0"], r"actor\.lora\.dropout': must be below 1"),
     (["actor.lora.rank=4", "actor.lora.target_modules=[]"], r"actor\.lora\.target_modules': expected a non-empty"),
-    (["actor.lora.rank=4", "rollout.engine=sglang"], r"only the hf engine supports"),
     (["adv.estimator=gae", "critic.lora.rank=4", "critic.tp_size=2"], r"critic\.lora\.rank': LoRA with tensor"),
     (["actor.lora.rank=4", "rollout.model_name=tests"], r"rollout\.model_name': with actor\.lora\.rank > 0"),
 ])

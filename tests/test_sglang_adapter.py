@@ -32,6 +32,7 @@ from fake_sglang import EOS, RecordingFakeSGLangEngine, expected_tokens, fake_bi
 from dataclasses import asdict
 
 from train.engines.base import SamplingParams, sampling_from_mapping
+from train.workers.lora import LoraSettings
 from train.engines.sglang import (
     ALL_TAGS,
     SGLANG_SAMPLING_KEYS,
@@ -153,12 +154,13 @@ CAP_BYTES = 10 * 1024
 
 
 @contextlib.contextmanager
-def fake_engine(calls: list, offload_weights: bool = False,
+def fake_engine(calls: list, offload_weights: bool = False, lora=None,
                 **options) -> Iterator[tuple[SGLangEngine, RecordingFakeSGLangEngine]]:
     """The adapter over a recording fake (appending to `calls`), closed when the block ends."""
     bindings, engines = fake_bindings(calls, **options)
     engine = SGLangEngine("fake/model", bindings=bindings, device="cpu", bucket_size_mb=CAP_BYTES / 2**20,
-                          gpu_memory_utilization=0.3, base_port=31000, seed=5, offload_weights=offload_weights)
+                          gpu_memory_utilization=0.3, base_port=31000, seed=5, offload_weights=offload_weights,
+                          lora=lora)
     try:
         yield engine, engines[0]
     finally:
@@ -450,7 +452,53 @@ def recorded_calls() -> list[tuple[str, dict]]:
         engine.update_weights(small_model())
         engine.sleep()
         engine.wake()
+    with fake_engine(calls, lora=LoraSettings(4, 8.0)) as (engine, _):  # LoRA: adapters pushed, then named
+        engine.update_weights(adapters(0))
+        engine.sleep()
+        engine.update_weights(adapters(1))
+        generate_all(engine, PROMPTS[:1], SamplingParams(max_new_tokens=3))
     return calls
+
+
+def adapters(seed: int) -> dict[str, torch.Tensor]:
+    """LoRA matrices of two projections, as the trainer names them."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.0.self_attn.{p}.lora_{m}.default.weight": torch.randn(shape, generator=g)
+            for p in ("q_proj", "v_proj") for m, shape in (("A", (4, 8)), ("B", (8, 4)))}
+
+
+def test_a_lora_push_loads_a_new_adapter_that_requests_then_name() -> None:
+    """With LoRA the engine starts with room for one adapter; each push loads the adapters under a new
+    name (peft's tensor names and config), unloads the previous one and flushes the cache; requests
+    run on the base before the first push and name the newest adapter after it."""
+    calls: list = []
+    with fake_engine(calls, lora=LoraSettings(4, 8.0, target_modules=("q_proj", "v_proj"))) as (engine, fake):
+        init = dict(calls[0][1])
+        assert init["enable_lora"] is True and init["max_lora_rank"] == 4 and init["max_loras_per_batch"] == 1
+        assert init["lora_target_modules"] == ["q_proj", "v_proj"]
+        [before] = generate_all(engine, PROMPTS[:1], SamplingParams(max_new_tokens=4))
+        assert before.token_ids == expected_tokens(PROMPTS[0], 4, version=0)
+        engine.update_weights(adapters(0))
+        first = {k: v.clone() for k, v in adapters(0).items()}
+        loaded = fake.adapters["policy-1"]
+        assert set(loaded) == {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+                               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight",
+                               "base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight",
+                               "base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"}
+        assert torch.equal(loaded["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"],
+                           first["model.layers.0.self_attn.q_proj.lora_A.default.weight"].to(engine.dtype))
+        engine.update_weights(adapters(1))
+        assert list(fake.adapters) == ["policy-2"]  # the old adapter is gone
+        names = [n for n, _ in calls]
+        load = [kw for n, kw in calls if n == "load_lora_adapter_from_tensors"]
+        assert load[0]["config_dict"]["r"] == 4 and load[0]["config_dict"]["lora_alpha"] == 8.0
+        assert load[0]["config_dict"]["target_modules"] == ["q_proj", "v_proj"]
+        second = names.index("load_lora_adapter_from_tensors", names.index("load_lora_adapter_from_tensors") + 1)
+        assert names[second + 1:second + 3] == ["unload_lora_adapter", "flush_cache"]
+        [after] = generate_all(engine, PROMPTS[:1], SamplingParams(max_new_tokens=4))
+        assert [kw.get("lora_path") for n, kw in calls if n == "async_generate"] == [None, "policy-2"]
+        assert after.token_ids == expected_tokens(PROMPTS[0], 4, version=2)
+        assert "update_weights_from_tensor" not in names  # not one base tensor travels
 
 
 def test_adapter_calls_match_the_real_sglang_source(wheel: zipfile.ZipFile) -> None:
@@ -462,7 +510,8 @@ def test_adapter_calls_match_the_real_sglang_source(wheel: zipfile.ZipFile) -> N
     calls = recorded_calls()
     used = {name for name, _ in calls}
     assert {"__init__", "async_generate", "update_weights_from_tensor", "flush_cache", "begin_weight_update",
-            "end_weight_update", "release_memory_occupation", "resume_memory_occupation", "shutdown"} <= used
+            "end_weight_update", "release_memory_occupation", "resume_memory_occupation", "shutdown",
+            "load_lora_adapter_from_tensors", "unload_lora_adapter"} <= used
 
     for name, kwargs in calls:
         if name == "__init__":

@@ -67,6 +67,7 @@ def engine_kwargs(rollout: DictConfig, ctx: Any, *, model_path: str, tokenizer: 
             "seed": seed,
             "offload_weights": bool(rollout.offload_weights),
             "engine_kwargs": OmegaConf.to_container(extra, resolve=True) if extra else None,
+            "lora": lora,
         }
     return {
         "path": model_path,

@@ -30,6 +30,12 @@ The owner broadcasts the outcome, which also keeps the feeders' buckets alive un
 Sequence on the owner: group barrier (every rank done generating) -> drain in-flight requests ->
 resume weights memory if released -> `begin_weight_update` -> buckets -> `end_weight_update` ->
 one `flush_cache` -> resume KV cache / CUDA graph memory.
+
+LoRA (`lora=LoraSettings`, the actor's `actor.lora.*`): the engine starts with `enable_lora` and the
+adapters' rank and target modules; a push sends the adapters only. The owner loads them as a new
+named adapter (`load_lora_adapter_from_tensors`, peft's tensor names and config), unloads the
+previous one, flushes the cache (no prefix computed under older adapters is served), and every
+later request names the new adapter (`lora_path`). Before the first push requests run on the base.
 """
 from __future__ import annotations
 
@@ -126,8 +132,10 @@ def engine_init_kwargs(
     seed: int,
     offload_weights: bool = False,
     extra: Mapping[str, Any] | None = None,
+    lora: Any = None,
 ) -> dict[str, Any]:
-    """Keyword arguments of `sglang.Engine(...)` (fields of SGLang's `ServerArgs`)."""
+    """Keyword arguments of `sglang.Engine(...)` (fields of SGLang's `ServerArgs`); `lora`
+    (LoraSettings): room for one adapter of its rank on its target modules."""
     kwargs: dict[str, Any] = {
         "model_path": model_path,
         "tp_size": tp_size,
@@ -142,6 +150,9 @@ def engine_init_kwargs(
         # Released weights are otherwise discarded: a wake() without a push in between (skipped or
         # frozen steps) would then generate from garbage. The CPU backup makes any resume correct.
         kwargs["enable_weights_cpu_backup"] = True
+    if lora is not None:
+        kwargs.update(enable_lora=True, max_lora_rank=lora.rank, lora_target_modules=list(lora.target_modules),
+                      max_loras_per_batch=1)
     kwargs.update(extra or {})
     return kwargs
 
@@ -339,8 +350,8 @@ def _check(result: Any, what: str) -> None:
     """SGLang answers `(success, message)`, an object with `.success`, or None."""
     if isinstance(result, tuple) and result and isinstance(result[0], bool):
         ok, message = result[0], (result[1] if len(result) > 1 else "")
-    elif hasattr(result, "success"):
-        ok, message = bool(result.success), getattr(result, "message", "")
+    elif hasattr(result, "success"):  # LoRA updates answer LoRAUpdateOutput(success, error_message)
+        ok, message = bool(result.success), getattr(result, "message", None) or getattr(result, "error_message", "")
     else:
         return
     if not ok:
@@ -429,6 +440,7 @@ class SGLangEngine:
         bindings: SGLangBindings | None = None,
         process_group: Any = None,
         drain_timeout_s: float = 600.0,
+        lora: Any = None,
     ) -> None:
         """`process_group`: the gloo group of this rank's TP group; created here (collectively, on
         every rank) when None and `tp_size > 1`. `engine_kwargs`: extra `ServerArgs` fields.
@@ -466,13 +478,16 @@ class SGLangEngine:
         self._server: asyncio.AbstractServer | None = None
         self._client: _Client | None = None
         self._owner_port: int | None = None
+        # LoRA: pushes load adapters (named policy-<push>) instead of weights; requests name the newest.
+        self._lora = lora
+        self._adapter: str | None = None
 
         if self.group.is_owner:
             prepare_env(os.environ)
             self._engine = self._bindings.engine_factory(**engine_init_kwargs(
                 model_path, tp_size=tp_size, gpu_memory_utilization=gpu_memory_utilization,
                 port=base_port + rank, base_gpu_id=local_rank, dtype=dtype, seed=seed,
-                offload_weights=offload_weights, extra=engine_kwargs))
+                offload_weights=offload_weights, extra=engine_kwargs, lora=lora))
             loop = getattr(self._engine, "loop", None) or asyncio.new_event_loop()
             self._loop_thread = _LoopThread(loop)
             if self.group.size > 1:
@@ -517,8 +532,9 @@ class SGLangEngine:
         self._inflight += 1
         self._idle.clear()
         try:
+            adapter = {"lora_path": self._adapter} if self._adapter is not None else {}
             out = await self._engine.async_generate(
-                input_ids=prompt_ids, sampling_params=to_sglang_sampling(sampling), return_logprob=True
+                input_ids=prompt_ids, sampling_params=to_sglang_sampling(sampling), return_logprob=True, **adapter
             )
         finally:
             self._inflight -= 1
@@ -601,6 +617,8 @@ class SGLangEngine:
         """Push full weights (state_dict names); collective over all ranks. See the module docstring."""
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
+        if self._lora is not None:
+            return self._push_adapters(named_tensors)
         start = time.perf_counter()
         self._comm.barrier()  # every rank of the group has finished generating
         error = None
@@ -635,6 +653,37 @@ class SGLangEngine:
                 error = f"{type(exc).__name__}: {exc}"
         self._raise_if(self._comm.broadcast(error))
         self.stats["pushes"] += 1
+        self.stats["push_seconds"] += time.perf_counter() - start
+
+    def _push_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """LoRA: the adapters (a few MB) as one new named adapter; see the module docstring."""
+        from train.workers.lora import peft_key
+
+        start = time.perf_counter()
+        tensors = {peft_key(name): tensor for name, tensor in self._prepared(named_tensors)}
+        self._comm.barrier()  # every rank of the group has finished generating
+        error = None
+        if self.group.is_owner:
+            try:
+                self._quiesce()
+                if self._released:  # asleep: the adapters go into the weights' and cache's memory
+                    self._engine.resume_memory_occupation(tags=[t for t in ALL_TAGS if t in self._released])
+                    self._released.clear()
+                name = f"policy-{int(self.stats['pushes']) + 1}"
+                config = self._lora.peft_config().to_dict()
+                config["target_modules"] = sorted(config["target_modules"])  # a set in peft's config
+                _check(self._engine.load_lora_adapter_from_tensors(lora_name=name, tensors=tensors,
+                                                                   config_dict=config),
+                       "load_lora_adapter_from_tensors")
+                if self._adapter is not None:
+                    _check(self._engine.unload_lora_adapter(lora_name=self._adapter), "unload_lora_adapter")
+                self._adapter = name
+                _check(self._engine.flush_cache(), "flush_cache")  # no prefix of the old adapter served
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        self._raise_if(self._comm.broadcast(error))
+        self.stats["pushes"] += 1
+        self.stats["pushed_bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
         self.stats["push_seconds"] += time.perf_counter() - start
 
     def _prepared(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):

@@ -498,8 +498,8 @@ def _validate_parallel(cfg: DictConfig, world_size: int, paths: ModelPaths) -> N
 
 
 def _validate_lora(cfg: DictConfig) -> None:
-    """actor.lora.* and critic.lora.* (train/workers/lora.py); LoRA under tensor parallelism and on
-    the SGLang engine is refused here rather than run untested."""
+    """actor.lora.* and critic.lora.* (train/workers/lora.py); LoRA under tensor parallelism is
+    refused here rather than run with a wrong plan."""
     for role in ("actor", "critic"):
         if role == "critic" and cfg.adv.estimator != "gae":
             continue
@@ -523,9 +523,6 @@ def _validate_lora(cfg: DictConfig) -> None:
             _fail(f"{key}.rank", f"LoRA with tensor parallelism ({role}.tp_size="
                   f"{_get(cfg, f'{role}.tp_size')}) is not supported: the adapters would need their own TP plan; "
                   f"use FSDP (and {role}.sp_size for long sequences) instead", f"{role}.tp_size=1")
-        if role == "actor" and cfg.rollout.engine != "hf":
-            _fail(f"{key}.rank", f"LoRA pushes adapters into the rollout engine, which only the hf engine supports "
-                  f"here (rollout.engine={cfg.rollout.engine})", "rollout.engine=hf")
 
 
 def _validate_gpu_keys(cfg: DictConfig, world_size: int) -> None:
