@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from conftest import read_jsonl, run_trainer
 
@@ -38,3 +39,19 @@ def test_bf16_actor_and_engine_train(tmp_path, fp32_kl, nproc):
     print(f"sampler-trainer KL, bf16 on {nproc} rank(s): {kl} (fp32: {fp32_kl:.2e})")
     # bf16 rounding on both sides: clearly above the fp32 mismatch, far below a broken policy's
     assert min(kl) > 10 * fp32_kl and max(kl) < 0.05, (kl, fp32_kl)
+
+
+def test_bf16_lora_keeps_its_frozen_base_in_bf16(tmp_path, fp32_kl):
+    """With LoRA, the frozen base is held in the compute dtype (no fp32 master copy; half the bytes)
+    and the adapters in fp32: the merged export's projections come out bf16 (a full fine-tune's are
+    its fp32 masters), the adapters fp32, and the run trains like any bf16 run."""
+    from safetensors import safe_open
+
+    run_trainer([f"trainer.save_dir={tmp_path}", *SMALL, *BF16, "actor.lora.rank=4", "actor.lr=1e-3"], nproc=2)
+    kl = sampler_kl(tmp_path)
+    assert min(kl) > 10 * fp32_kl and max(kl) < 0.05, (kl, fp32_kl)
+    with safe_open(str(tmp_path / "latest" / "model.safetensors"), "pt") as f:
+        merged = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+    with safe_open(str(tmp_path / "latest" / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        adapter = f.get_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")
+    assert merged.dtype == torch.bfloat16 and adapter.dtype == torch.float32

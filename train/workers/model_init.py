@@ -20,7 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from train.parallel.layout import Layout
-from train.parallel.parallelize import parallelize
+from train.parallel.parallelize import DTYPES, parallelize
 from train.workers.lora import FreshAdapters, LoraSettings, apply_lora, base_name, is_adapter
 
 
@@ -161,6 +161,13 @@ def build_model(path: str, layout: Layout, device: torch.device, *, value_head: 
     with_lora = lora is not None and lora.enabled
     if with_lora:
         apply_lora(model.model if value_head else model, lora, key=f"{lora_key}.target_modules")
+        if param_dtype != "float32":
+            # A frozen base needs no fp32 master copy: keep it in the compute dtype (half the bytes);
+            # the trainable adapters (and the critic's head) stay fp32. FSDP2 only asks the trainable
+            # parameters of a group for one dtype.
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(DTYPES[param_dtype])
     tied = bool(getattr(config, "tie_word_embeddings", False)) and not value_head
     parallelize(model, layout, param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing,
                 offload=offload)
