@@ -213,7 +213,9 @@ class Trainer:
 
     def _log_layouts(self) -> None:
         """One line (and a `layout` event) saying how each model is laid out on the ranks."""
-        models = {"actor": self.actor, "ref_actor": self.ref, "critic": self.critic}
+        # a LoRA actor's reference is the actor itself (adapters off): no model of its own to lay out
+        ref = None if isinstance(self.ref, AdapterFreeReference) else self.ref
+        models = {"actor": self.actor, "ref_actor": ref, "critic": self.critic}
         layouts = {role: vars(m.layout.sizes) for role, m in models.items() if m is not None}
         nodes = self.ctx.world_size // max(self.ctx.local_world_size, 1)
         self.log.event("layout", self.start_step, {"world_size": self.ctx.world_size, "nodes": nodes, **layouts})
@@ -222,9 +224,11 @@ class Trainer:
         for role, worker in self.workers.items():
             if worker.lora.enabled:
                 trainable, total = worker.parameter_counts()
+                base_ref = worker is self.actor and ref is not self.ref
+                reference = "; KL reference: the base (adapters off)" if base_ref else ""
                 self.log.write(f"{role}: LoRA rank {worker.lora.rank} (alpha {worker.lora.alpha:g}) on "
                                f"{', '.join(worker.lora.target_modules)}: {trainable / 1e6:.3g}M trainable "
-                               f"parameters of {total / 1e6:.4g}M")
+                               f"parameters of {total / 1e6:.4g}M{reference}")
 
     # -- checkpoints -----------------------------------------------------------------------
     def _maybe_resume(self) -> bool:
