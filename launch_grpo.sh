@@ -6,6 +6,10 @@
 #   ENV=environments/orz.py SAVE_DIR=runs/orz ./launch_grpo.sh adv.estimator=reinforce actor.lr=1e-6
 #
 # Multi-node: NNODES=2 NODE_RANK=0|1 MASTER_ADDR=host0 MASTER_PORT=29500 on each node.
+#
+# Before torchrun starts, the config is checked in one process (python -m train.trainer.config
+# --check; PREFLIGHT=0 skips it), so a mistake is one `error:` line, not a failure report per rank.
+# The launch goes through train.launch: torchrun, with a rank's `error:` line as the last line.
 set -euo pipefail
 cd "$(dirname "$0")"
 NPROC=${NPROC:-2}
@@ -26,5 +30,9 @@ if [ "$NNODES" -gt 1 ]; then
 else
   rdzv=(--standalone)
 fi
-exec "$PYTHON_BIN" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node "$NPROC" \
+if [ "${PREFLIGHT:-1}" != 0 ]; then
+  "$PYTHON_BIN" -m train.trainer.config --check --nproc "$((NPROC * NNODES))" \
+    --config-name "$CONFIG" "${overrides[@]}" "$@" >/dev/null
+fi
+exec "$PYTHON_BIN" -m train.launch "${rdzv[@]}" --nproc_per_node "$NPROC" \
   -m train.trainer.grpo --config-name "$CONFIG" "${overrides[@]}" "$@"

@@ -1,8 +1,8 @@
 """One command that validates and measures the trainer on a CUDA machine (about 8 minutes on one GPU).
 
-    python benchmarks/gpu_suite.py                      # on one CUDA GPU: every section, full shapes
-    python benchmarks/gpu_suite.py --tiny               # the same code paths on CPU, tiny shapes (~1 min)
-    python benchmarks/gpu_suite.py --only decode,mfu    # some sections
+    .venv/bin/python benchmarks/gpu_suite.py                      # on one CUDA GPU: every section, full shapes
+    .venv/bin/python benchmarks/gpu_suite.py --tiny               # the same code paths on CPU, tiny shapes (~1 min)
+    .venv/bin/python benchmarks/gpu_suite.py --only decode,mfu    # some sections
 
 Sections (each one's failure is recorded and the others still run; the exit status is 1 if any failed):
 

@@ -1,7 +1,7 @@
 """Decode throughput of the `hf` rollout engine (tokens/s) at a few batch sizes.
 
-    python benchmarks/hf_engine_throughput.py --model stub/model --device cpu
-    python benchmarks/hf_engine_throughput.py --model <hf dir> --device cuda --batch 64 256 --new 256
+    .venv/bin/python benchmarks/hf_engine_throughput.py --model stub/model --device cpu --threads 1
+    .venv/bin/python benchmarks/hf_engine_throughput.py --model <hf dir> --device cuda --batch 64 256 --new 256
 
 Every request samples `--new` tokens (EOS is ignored so the lengths are fixed); one untimed warm-up
 batch runs first. Prints one JSON line per batch size: device, dtype, batch, tokens, seconds, tokens/s.
@@ -11,12 +11,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from train.engines.base import SamplingParams
-from train.engines.hf import HFEngine
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script from anywhere: `train` is beside benchmarks/
+
+from train.engines.base import SamplingParams  # noqa: E402
+from train.engines.hf import HFEngine  # noqa: E402
 
 
 def run(engine: HFEngine, batch: int, prompt_len: int, new: int, seed: int) -> tuple[int, float]:

@@ -17,4 +17,7 @@ if [ ! -f "$stamp" ]; then
   pipq -r requirements.txt
   touch "$stamp"
 fi
+# `train` as a package of this folder (editable) and the infinite-rl-plot command; the requirements
+# above are its dependencies already (pyproject.toml lists the same): pip fetches only setuptools to build it.
+[ -x .venv/bin/infinite-rl-plot ] || PYTHONWARNINGS=ignore pipq --no-deps -e .  # ignore: setuptools' notes on editable installs
 if [ "${INSTALL_BENCH:-0}" = 1 ]; then pipq -r requirements-bench.txt; fi

@@ -8,7 +8,9 @@
 #
 # ~3 MB. liger-kernel (actor.use_liger_kernel) is included; SGLang is not (requirements-gpu.txt).
 set -euo pipefail
-DIR=${1:?"usage: bash scripts/offline_wheels.sh DIR [PYTHON_VERSION]"}
+USAGE="usage: bash scripts/offline_wheels.sh DIR [PYTHON_VERSION]"
+case "${1:-}" in -h|--help) echo "$USAGE"; exit 0;; -*) echo "$USAGE" >&2; exit 2;; esac  # not a folder named --help
+DIR=${1:?"$USAGE"}
 PYV=${2:-3.12}
 PY=${PYTHON:-python3}
 mkdir -p "$DIR"

@@ -186,3 +186,49 @@ def test_cli_unknown_sampling_key_is_one_line(tmp_path):
     assert errors == ["error: config key 'rollout.train_sampling_params.top_a': unknown sampling parameter; this "
                       "engine takes: frequency_penalty, ignore_eos, max_new_tokens, min_p, presence_penalty, "
                       "repetition_penalty, seed, stop, stop_token_ids, temperature, top_k, top_p (rollout.engine=hf)"]
+
+
+def test_the_pre_flight_check_says_ok_or_the_error_line(capsys):
+    """`python -m train.trainer.config --check`: the trainer's composition and checks in one process."""
+    from train.trainer.config import main
+
+    assert main(["--check", "--nproc", "2", "--config-name", "stub", "trainer.save_dir=/tmp/x"]) == 0
+    assert capsys.readouterr().out.strip() == "ok"
+    assert main(["--check", "--nproc", "2", "--config-name", "stub", "trainer.save_dir=/tmp/x", "actor.lr=-1"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: config key 'actor.lr': must be > 0, got -1. "
+                                               "Example override: actor.lr=1e-6")
+    assert main(["--check", "--nproc", "3", "--config-name", "stub", "trainer.save_dir=/tmp/x"]) == 2
+    assert "not divisible by the 3 data-parallel ranks" in capsys.readouterr().err
+    assert main(["--check", "--config-name", "stub", "trainer.save_dir=/tmp/x", "actor.lrr=1"]) == 2  # a typo
+    err = capsys.readouterr().err
+    assert err.startswith("error: Could not override 'actor.lrr'. Key 'lrr' is not in struct") and err.count("\n") == 1
+
+
+def test_a_rank_s_error_line_ends_the_launch(tmp_path):
+    """Under train.launch (torchrun in-process) a rank's `error:` line comes last, with its exit code;
+    plain torchrun's report names it in the rank's row (the error file every rank writes)."""
+    import os
+    import subprocess
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from conftest import trainer_env
+    from train.utils.torchrun_errors import record_for_torchrun, recorded_line
+
+    line = "error: config key 'actor.lr': must be > 0, got -1. Example override: actor.lr=1e-6"
+    os.environ["TORCHELASTIC_ERROR_FILE"] = str(tmp_path / "error.json")
+    try:
+        record_for_torchrun(line)
+    finally:
+        del os.environ["TORCHELASTIC_ERROR_FILE"]
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(tmp_path / "error.json"))
+    assert recorded_line(failure.message) == line
+    assert f"traceback : {line}" in ChildFailedError("train.trainer.grpo", {0: failure}).format_msg()
+
+    proc = subprocess.run([sys.executable, "-m", "train.launch", "--standalone", "--nproc_per_node=1",
+                           "-m", "train.trainer.grpo", "--config-name", "stub", f"trainer.save_dir={tmp_path / 'run'}",
+                           "actor.lr=-1"], cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == line
+    assert "Traceback" not in proc.stderr

@@ -1,6 +1,6 @@
 """An OpenAI-compatible model server over the project's `hf` engine.
 
-    python -m train.serve --model runs/stub/latest --port 8001 [--host 127.0.0.1] [--served-model-name NAME]
+    .venv/bin/python -m train.serve --model runs/stub/latest --port 8001 [--host 127.0.0.1] [--served-model-name NAME]
 
 so a trained policy (any `latest/` folder) or any local HF model can be queried with the official
 `openai` client, and so an LLM judge has a real endpoint offline:

@@ -14,6 +14,7 @@ log-softmax's reductions have identity backward because every tp rank computes t
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -45,6 +46,39 @@ class ReplicatedLinear(ParallelStyle):
             module, mesh,
             input_fn=lambda mod, inputs, m: (DTensor.from_local(inputs[0], m, (Replicate(),), run_check=False),),
             output_fn=lambda mod, out, m: out.to_local())
+
+
+class VocabParallelHead(ColwiseParallel):
+    """The lm_head column-wise over the vocabulary, returning this rank's logits as a tensor of their
+    own. `to_local()` returns a view, and FSDP2 warns about a view leaving the root module (an in-place
+    op on it would skip its backward hook; we make none). The copy holds only the kept positions'
+    logits, and the view's base is freed at once, so the peak memory does not grow."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        local = ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return local.clone()
+
+
+class _DropUnflattenedMeshNotice(logging.Filter):
+    """DTensor's note that a redistribution over the (fsdp, tp) mesh dims runs as one collective per
+    dim (the gradient norm for clipping: two all-reduces): correct, only not fused
+    (tests/test_distributed.py checks tp=2 and fsdp2xtp2 against one process). Flattening the mesh
+    would change the reduction order."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (str(record.msg).startswith("While redistributing from")
+                    and "flatten mesh dimensions" in record.getMessage())
+
+
+_MESH_NOTICE_FILTER = _DropUnflattenedMeshNotice()
+
+
+def quiet_harmless_tp_notices() -> None:
+    """Once per process that applies TP: the notice above, printed once per rank, is not a problem."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    if _MESH_NOTICE_FILTER not in logger.filters:
+        logger.addFilter(_MESH_NOTICE_FILTER)
 
 
 def _layer_plan(layer: torch.nn.Module) -> dict[str, ParallelStyle]:
@@ -83,6 +117,7 @@ def check_tp_supported(model: torch.nn.Module) -> None:
 def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> torch.nn.Module:
     """Parallelize a causal LM (`model.model` + `lm_head`) or a backbone with a `value_head` in place."""
     check_tp_supported(model)
+    quiet_harmless_tp_notices()
     backbone = model.model
     parallelize_module(backbone, tp_mesh, {
         "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -96,7 +131,7 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> torch.nn.Module:
     lm_head = getattr(model, "lm_head", None)
     if lm_head is not None:
         tied = lm_head.weight is backbone.embed_tokens.weight or getattr(model.config, "tie_word_embeddings", False)
-        parallelize_module(model, tp_mesh, {"lm_head": ColwiseParallel(
+        parallelize_module(model, tp_mesh, {"lm_head": VocabParallelHead(
             input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True)})
         if tied:  # both shard the vocabulary on dim 0: the same DTensor parameter again
             model.lm_head.weight = backbone.embed_tokens.weight

@@ -1,10 +1,18 @@
 """Config checks in one place: every bad or missing key fails before any model loads,
-with the key's name and an example override."""
+with the key's name and an example override.
+
+The same checks before a launch, without torchrun (launch_grpo.sh runs this first):
+
+    .venv/bin/python -m train.trainer.config --check --nproc 2 --config-name stub trainer.save_dir=runs/stub
+"""
 from __future__ import annotations
 
+import argparse
 import os
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -557,3 +565,92 @@ def _validate_gpu_keys(cfg: DictConfig, world_size: int) -> None:
     if liger and (_get(cfg, "actor.tp_size") or 1) > 1:
         _fail("actor.use_liger_kernel", "the fused log-prob head needs an unsharded lm_head (actor.tp_size=1)",
               "actor.use_liger_kernel=false")
+
+
+# --- the pre-flight check: `python -m train.trainer.config --check ...` ----------------------------
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"  # where the trainer's @hydra.main looks
+
+
+def quote_values_with_equals(argv: list[str]) -> list[str]:
+    """Hydra's override grammar rejects an unquoted '=' inside a value, as in
+    `data.train_data_path=verifiers:train?limit=32`; quote such values so commands work as written."""
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and not arg.startswith("-") and "=" in value and value[:1] not in "'\"[{" and "'" not in value:
+            arg = f"{key}='{value}'"
+        out.append(arg)
+    return out
+
+
+def compose(config_name: str = "grpo", overrides: Sequence[str] = ()) -> DictConfig:
+    """The config the trainer receives for `--config-name NAME OVERRIDES...`. `hydra.*` overrides
+    steer Hydra's own run (output folders, logging), not the trainer, and are left out."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    kept = [o for o in quote_values_with_equals(list(overrides)) if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return hydra_compose(config_name=config_name, overrides=kept)
+
+
+def check(config_name: str, overrides: Sequence[str], world_size: int) -> list[str]:
+    """Compose and validate as the trainer does for `world_size` processes; returns the warnings
+    the run would print (useless settings). Raises ConfigError, or Hydra's error for a key that
+    does not exist or an override it cannot parse."""
+    cfg = compose(config_name, overrides)
+    resolve_aliases(cfg)
+    validate(cfg, world_size)
+    return useless_settings(cfg)
+
+
+def one_line(error: BaseException) -> str:
+    """Hydra's messages span lines (what failed, the fix; the key's problem in the cause): one line,
+    up to a list such as 'Config search path:'."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    cause = str(error.__cause__).strip().splitlines()[:1] if error.__cause__ is not None else []
+    kept: list[str] = []
+    for line in lines[:1] + cause + lines[1:]:
+        if line.endswith(":"):
+            break
+        kept.append(line)
+    # Sentences joined: a full stop between them where Hydra put a line break (not after the last).
+    joined = [line if line.endswith((".", ")")) else line + "." for line in kept[:-1]] + kept[-1:]
+    return " ".join(joined) or type(error).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m train.trainer.config",
+        description="Check a run's config before launching it: compose config/NAME.yaml with the overrides as "
+                    "the trainer does and run every config check. Prints 'ok', or one 'error:' line and exits 2.")
+    parser.add_argument("--check", action="store_true", required=True, help="check the config (the only action)")
+    parser.add_argument("--config-name", default="grpo", help="a config in config/ (default: grpo)")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="the run's total number of processes (nodes x processes per node; default 1)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides key=value, as given to the trainer")
+    args = parser.parse_args(argv)
+    if args.nproc < 1:
+        parser.error(f"--nproc must be at least 1, got {args.nproc}")
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        warnings = check(args.config_name, args.overrides, args.nproc)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)  # the trainer's own line
+        return 2
+    except (HydraException, OmegaConfBaseException) as e:
+        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        return 2
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print("ok", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    from train.trainer.config import main as _main  # the module by its name, so its classes are the trainer's
+
+    sys.exit(_main())

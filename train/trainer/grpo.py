@@ -1,6 +1,6 @@
 """The Hydra entry point and the step loop.
 
-    torchrun --nproc_per_node=2 -m train.trainer.grpo --config-name stub trainer.save_dir=runs/stub
+    .venv/bin/torchrun --nproc_per_node=2 -m train.trainer.grpo --config-name stub trainer.save_dir=runs/stub
 
 One step: a batch of prompts -> multi-turn rollout with streaming rewards -> dynamic filtering ->
 reference / old log-probs when needed -> advantages -> actor update -> push weights to the engine
@@ -13,6 +13,7 @@ import os
 import random
 import sys
 import time
+from typing import NoReturn
 
 # The rollout engine computes in its own thread and the update in the main thread, each with its own
 # OpenMP team, and both run thousands of small ops per step: worker threads that go to sleep between
@@ -47,8 +48,9 @@ from train.parallel.distributed import DistContext, cleanup, init_distributed
 from train.parallel.layout import Layout, layout_for
 from train.parallel.step_batch import BatchIndex, StepBatch, dispatch, exchange_index, transfer
 from train.trainer.advantages import compute_advantages
-from train.trainer.config import (ConfigError, collective_timeout_s, data_sources, env_paths, resolve_aliases,
-                                  role_config, sampling_params, useless_settings, validate)
+from train.trainer.config import (ConfigError, collective_timeout_s, data_sources, env_paths,
+                                  quote_values_with_equals, resolve_aliases, role_config, sampling_params,
+                                  useless_settings, validate)
 from train.trainer.governor import Governor
 from train.trainer.policy_sync import PolicySync
 from train.trainer.prefetch import RolloutPrefetcher, RolloutTimeout, StepRollout, staleness
@@ -63,6 +65,7 @@ from train.utils.export import GB, export_hf
 from train.utils.lifecycle import StopRequest
 from train.utils.logging import RunLogger, test_line
 from train.utils.run_folder import RunFolderError, claim
+from train.utils.torchrun_errors import record_for_torchrun
 from train.utils.watchdog import Watchdog
 from train.workers.actor import Actor, AdapterFreeReference
 from train.workers.critic import Critic
@@ -660,31 +663,24 @@ def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except USER_ERRORS as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        fail(f"error: {e}", 2, every_rank=False)
     except (WeightSyncError, DiskFullError, RolloutTimeout) as e:  # each rank says what its own engine / disk holds
-        print(f"error: rank {os.environ.get('RANK', '0')}: {e}", file=sys.stderr, flush=True)
-        sys.exit(4)
+        fail(f"error: rank {os.environ.get('RANK', '0')}: {e}", 4)
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        print(f"error: rank {os.environ.get('RANK', '0')}: no space left on the device holding "
-              f"{e.filename or cfg.trainer.save_dir}: free some space or point trainer.save_dir at a larger disk; "
-              "trainer.load_ckpt_from=latest resumes from the newest complete checkpoint", file=sys.stderr, flush=True)
-        sys.exit(4)
+        fail(f"error: rank {os.environ.get('RANK', '0')}: no space left on the device holding "
+             f"{e.filename or cfg.trainer.save_dir}: free some space or point trainer.save_dir at a larger disk; "
+             "trainer.load_ckpt_from=latest resumes from the newest complete checkpoint", 4)
 
 
-def quote_values_with_equals(argv: list[str]) -> list[str]:
-    """Hydra's override grammar rejects an unquoted '=' inside a value, as in
-    `data.train_data_path=verifiers:train?limit=32`; quote such values so commands work as written."""
-    out = []
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if sep and not arg.startswith("-") and "=" in value and value[:1] not in "'\"[{" and "'" not in value:
-            arg = f"{key}='{value}'"
-        out.append(arg)
-    return out
+def fail(line: str, code: int, every_rank: bool = True) -> NoReturn:
+    """Print `line` (on rank 0 only unless `every_rank`), hand it to torchrun's failure report
+    (every rank, so the report names it whichever rank it calls the root cause) and exit."""
+    if every_rank or os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+    record_for_torchrun(line)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
