@@ -1,7 +1,7 @@
 """The stub demo trained with LoRA adapters against a full fine-tune, one run each, one after the other.
 
     .venv/bin/python benchmarks/lora.py                          # 2 processes, 400 steps, rank 16
-    .venv/bin/python benchmarks/lora.py --rank 16 --lora-lr 1e-3 --steps 400 --png lora.png
+    .venv/bin/python benchmarks/lora.py --rank 16 --lora-lr 5e-4 --steps 400 --png lora.png
 
 Both runs are the README demo (`--config-name stub`, seed 42, 16 prompts x 8 responses) with
 `trainer.test_freq=--test-freq`; the LoRA run adds `actor.lora.rank=--rank actor.lora.alpha=--alpha
@@ -29,7 +29,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=32.0)
-    p.add_argument("--lora-lr", type=float, default=1e-3)
+    p.add_argument("--lora-lr", type=float, default=5e-4)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--test-freq", type=int, default=25)
     p.add_argument("--target", type=float, default=0.6)
