@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from train.engines.base import SamplingParams  # noqa: E402
 from train.engines.hf import HFEngine  # noqa: E402
+from train.workers.env_routing import EnvRouter  # noqa: E402
 from train.workers.environment import Environment  # noqa: E402
 from train.workers.rollout import RolloutWorker  # noqa: E402
 
@@ -88,11 +89,8 @@ class AfterAll:
         await self.ready.wait()
         return await self.env.reward(messages, answer)
 
-    def pop_api_calls(self):
-        return self.env.pop_api_calls()
-
-    def close(self):
-        self.env.close()
+    def __getattr__(self, name):  # name, stuck_calls, pop_api_calls, close, ...: the wrapped env's
+        return getattr(self.env, name)
 
 
 def free_port() -> int:
@@ -175,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in range(args.repeats + 1):  # round 0 warms up (first forward passes, connections)
             for mode in ("gen", "stream", "after"):
                 os.environ.update(floor if mode == "gen" else judged)
-                worker.env = AfterAll(env, n) if mode == "after" else env
+                worker.envs = EnvRouter.of(AfterAll(env, n) if mode == "after" else env)
                 samples, seconds = worker.rollout(rows, args.responses, sampling, base_seed=1000 + r)
                 calls = env.pop_api_calls()
                 if r == 0:
@@ -186,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"round {r} {mode:6s} {seconds:6.3f}s  ({sum(bool(s.env_error) for s in samples)} env errors, "
                       f"{len(calls)} judge calls)", flush=True)
     finally:
-        worker.env = env
+        worker.envs = EnvRouter.of(env)
         worker.close()  # the engine and the env too
         if server is not None:
             server.terminate()
