@@ -35,7 +35,7 @@ measure warm_model $py stub/data/search/warm_model.py --out "$out/search-tiny"
 measure hf_engine_throughput $py benchmarks/hf_engine_throughput.py --model stub/model --device cpu --threads 1
 measure streaming_reward $py benchmarks/streaming_reward.py --threads 1
 if [ "${SMOLLM2:-1}" = 1 ]; then
-  measure prepare_smollm2 $py benchmarks/prepare_smollm2.py
+  measure prepare_smollm2 $py scripts/prepare_smollm2.py
   measure vs_trl_smollm2 $py benchmarks/vs_trl.py --model .cache/smollm2-135m-instruct --steps 5 --warmup 1 \
       --prompts 4 --responses 4 --max-new-tokens 32
 fi

@@ -535,7 +535,7 @@ def driver(args) -> None:
         path = MODELS.get(model, os.path.abspath(model))
         if not os.path.isfile(os.path.join(path, "config.json")):
             emit(f"## {model}: skipped, {os.path.relpath(path, ROOT)} is missing "
-                 f"(make it with `.venv/bin/python benchmarks/prepare_smollm2.py`)")
+                 f"(make it with `.venv/bin/python scripts/prepare_smollm2.py`)")
             emit()
             continue
         if args.stored_dtype:

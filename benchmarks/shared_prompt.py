@@ -11,7 +11,7 @@ log-probs, values) and the update (`actor.update`: forward, backward, optimizer 
 reports the median seconds of each pass, the ratio off/on, and the tokens laid out per token held.
 
 Cases: `stub`: the stub model, the stub demo's shapes (14-token prompt, ~6-token replies, 16 prompts
-x 8). `smollm2`: SmolLM2-135M (prepared offline by benchmarks/prepare_smollm2.py), a 300-token
+x 8). `smollm2`: SmolLM2-135M (prepared offline by scripts/prepare_smollm2.py), a 300-token
 system prompt plus question (~320 tokens), ~64-token replies, 2 prompts x 8.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def run_case(name: str, ctx, repeats: int) -> dict:
     folder, prompts, responses, prompt_len, reply_len = CASES[name]
     path = REPO / folder
     if not path.is_dir():
-        return {"case": name, "skipped": f"{path} missing (run benchmarks/prepare_smollm2.py)"}
+        return {"case": name, "skipped": f"{path} missing (run scripts/prepare_smollm2.py)"}
     cfg = OmegaConf.load(REPO / "config" / "grpo.yaml").actor
     cfg.model_name, cfg.lr, cfg.max_length_per_device = str(path), 1e-6, 8192
     actor = Actor(cfg, ctx, str(path), pad_token_id=0, train=True, temperature=1.0, total_updates=10 * repeats)

@@ -13,7 +13,7 @@ deterministic torch algorithms). The model step trains on CPU for well under a m
 and prints greedy accuracy, sampled accuracy (temperature 1) and pass@8 on stub/data/math/test.jsonl.
 
 Layout written under --out:
-    data/{math,code,language,tool}/{train,test}.jsonl   rows {"messages": [...], "answer": ...}
+    data/{math,code,language,tool,arith}/{train,test}.jsonl   rows {"messages": [...], "answer": ...}
     model/   tokenizer.json, tokenizer_config.json, chat_template.jinja (tokenizer step)
              config.json, generation_config.json, model.safetensors, warmstart_eval.json (model step)
 """
@@ -363,12 +363,46 @@ def tool_rows() -> tuple[list[dict], list[dict]]:
     return rows[:TOOL_TRAIN], rows[TOOL_TRAIN:]
 
 
+# ---- arith: small-number arithmetic in plain words, for real pretrained chat models ----
+# (SmolLM2-135M-Instruct answers about half of these right untrained: config/smollm2.yaml.)
+ARITH_MAX, ARITH_TEST = 12, 64
+
+
+def arith_rows() -> tuple[list[dict], list[dict]]:
+    """Every `a + b`, `a - b` (a >= b) and `a * b` with 1 <= a, b <= ARITH_MAX as "What is a + b?".
+    Test problems are disjoint from train up to commutativity (a + b and b + a fall on one side)."""
+    rng = random.Random(SEED + 5)
+    ops = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+    problems: dict[tuple, list[tuple[str, int, int]]] = {}  # a commutative class -> its problems
+    for op in ops:
+        for a in range(1, ARITH_MAX + 1):
+            for b in range(1, ARITH_MAX + 1):
+                if op == "-" and a < b:
+                    continue
+                key = (op, a, b) if op == "-" else (op, min(a, b), max(a, b))
+                problems.setdefault(key, []).append((op, a, b))
+    classes = sorted(problems)
+    rng.shuffle(classes)
+    test: list[tuple[str, int, int]] = []
+    train: list[tuple[str, int, int]] = []
+    for key in classes:
+        (test if len(test) < ARITH_TEST else train).extend(problems[key])
+
+    def row(op: str, a: int, b: int) -> dict:
+        return {"messages": user(f"What is {a} {op} {b}?"), "answer": str(ops[op](a, b))}
+
+    test = test[:ARITH_TEST]  # a class may bring two problems: cut back to exactly ARITH_TEST
+    rng.shuffle(train)
+    rng.shuffle(test)
+    return [row(*p) for p in train], [row(*p) for p in test]
+
+
 def build_data(out: Path) -> None:
     data = out / "data"
     splits = math_splits()
     write_jsonl(data / "math" / "train.jsonl", [math_row(a, b) for a, b in splits["train"]])
     write_jsonl(data / "math" / "test.jsonl", [math_row(a, b) for a, b in splits["test"]])
-    for name, fn in (("code", code_rows), ("language", language_rows), ("tool", tool_rows)):
+    for name, fn in (("code", code_rows), ("language", language_rows), ("tool", tool_rows), ("arith", arith_rows)):
         train, test = fn()
         write_jsonl(data / name / "train.jsonl", train)
         write_jsonl(data / name / "test.jsonl", test)

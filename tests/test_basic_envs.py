@@ -1,5 +1,6 @@
-"""The single-turn math environments: exact match (`environments/eq.py`) and the design guide's
-minimal verifiers environment (`environments/verifiers_math.py`)."""
+"""The single-turn math environments: exact match (`environments/eq.py`), the last number of the
+reply (`environments/last_number.py`) and the design guide's minimal verifiers environment
+(`environments/verifiers_math.py`)."""
 from __future__ import annotations
 
 import importlib.util
@@ -32,6 +33,21 @@ def reply(text: str) -> list[dict]:
 ])
 def test_exact_match(text, answer, reward):
     assert load_env("eq").reward_fn(reply(text), answer) == reward
+
+
+@pytest.mark.parametrize("text,answer,reward", [
+    ("The answer is 15.", "15", 1.0),
+    ("7 + 8 = 15", "15", 1.0),
+    ("7 + 8 = 15, not 16", "15", 0.0),  # the last number counts, not any number
+    ("That makes 1,234 apples.", "1234", 1.0),  # thousands separators
+    ("It is 2, 3 or 4", "4", 1.0),  # a comma between numbers is not a separator
+    ("5 - 9 = -4", "-4", 1.0),
+    ("15.0", "15", 1.0),  # compared as numbers
+    ("fifteen", "15", 0.0),
+    ("", "0", 0.0),
+])
+def test_last_number(text, answer, reward):
+    assert load_env("last_number").reward_fn(reply(text), answer) == reward
 
 
 @pytest.mark.parametrize("text,answer,reward", [

@@ -20,6 +20,14 @@ def test_stub_config_is_valid():
     validate(load(["trainer.save_dir=/tmp/x"]), world_size=2)
 
 
+def test_the_smollm2_recipe_is_valid():
+    """docs/training.md's real-model recipe: data, env and settings validate (the model folder is made
+    by scripts/prepare_smollm2.py, so the stub stands in for it here)."""
+    cfg = load(["trainer.save_dir=/tmp/x", "actor.model_name=stub/model"], name="smollm2")
+    validate(cfg, world_size=1)
+    assert cfg.rollout.env_path == "environments/last_number.py" and cfg.data.train_data_path.endswith("arith/train.jsonl")
+
+
 @pytest.mark.parametrize("key", ["data.train_data_path", "actor.model_name", "rollout.env_path",
                                  "data.prompts_per_rollout"])
 def test_missing_required_key_names_it_with_an_example(key):

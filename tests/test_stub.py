@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STUB = ROOT / "stub"
 MODEL_DIR = STUB / "model"
 DATA_DIR = STUB / "data"
-TASKS = ("math", "code", "language", "tool")
+TASKS = ("math", "code", "language", "tool", "arith")
 SPLITS = ("train", "test")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -246,6 +246,22 @@ def test_tool_and_language_data():
     for r in _rows("language", "train") + _rows("language", "test"):
         op, word = r["messages"][0]["content"].split(": ")
         assert bs.LANG_OPS[op](word) == r["answer"]
+
+
+def test_arith_data():
+    """Every small-number problem once, answers right, test disjoint from train up to commutativity."""
+    ops = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+    seen = {}
+    for split in SPLITS:
+        for r in _rows("arith", split):
+            what, a, op, b = r["messages"][0]["content"].rstrip("?").rsplit(" ", 3)
+            a, b = int(a), int(b)
+            assert what == "What is" and 1 <= a <= bs.ARITH_MAX and 1 <= b <= bs.ARITH_MAX and r["answer"] == str(ops[op](a, b))
+            seen[(op, a, b)] = split
+    assert len(_rows("arith", "test")) == bs.ARITH_TEST and len(seen) == len(_rows("arith", "train")) + bs.ARITH_TEST
+    for (op, a, b), split in seen.items():
+        if op != "-" and (op, b, a) in seen:
+            assert seen[(op, b, a)] == split, (op, a, b)
 
 
 # ------------------------------------------------------------------ warm start

