@@ -259,6 +259,9 @@ def test_arith_data():
             assert what == "What is" and 1 <= a <= bs.ARITH_MAX and 1 <= b <= bs.ARITH_MAX and r["answer"] == str(ops[op](a, b))
             seen[(op, a, b)] = split
     assert len(_rows("arith", "test")) == bs.ARITH_TEST and len(seen) == len(_rows("arith", "train")) + bs.ARITH_TEST
+    every = {(op, a, b) for op in ops for a in range(1, bs.ARITH_MAX + 1) for b in range(1, bs.ARITH_MAX + 1)
+             if op != "-" or a >= b}
+    assert set(seen) == every  # none dropped, none invented
     for (op, a, b), split in seen.items():
         if op != "-" and (op, b, a) in seen:
             assert seen[(op, b, a)] == split, (op, a, b)
