@@ -3,12 +3,15 @@
     .venv/bin/python benchmarks/algorithms.py                    # all 7, 100 steps each, 2 ranks
     .venv/bin/python benchmarks/algorithms.py --steps 60 --only grpo ppo
     .venv/bin/python benchmarks/algorithms.py --markdown         # the table as markdown (docs/algorithms.md)
+    .venv/bin/python benchmarks/algorithms.py --seeds 3 --markdown   # 3 seeds each: mean +- std of the gain
 
 Each run is `torchrun --nproc_per_node=N -m train.trainer.grpo --config-name stub algorithm=<name>
 trainer.total_steps=S trainer.test_freq=S`: greedy test reward on the 256 held-out sums before
 training (step 0) and after the last step, with the preset's published settings and the stub's
 learning rate. The table shows both, the change, the mean train reward over the last 20 steps,
 the time per step and the run's wall time. A run "learns" if its last test reward beats the first.
+With --seeds K each preset runs with seeds --seed, --seed+1, ...: the table then gives each column's
+mean over the seeds, the gain as mean +- sample standard deviation, and every seed's gain.
 """
 from __future__ import annotations
 
@@ -59,33 +62,48 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--seeds", type=int, default=1, help="runs per preset, seeds --seed, --seed+1, ...")
     parser.add_argument("--only", nargs="*", help="presets to run (grpo dr_grpo dapo gspo rloo reinforce_pp ppo)")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--keep", help="folder for the runs (default: a temporary one)")
     args = parser.parse_args()
 
     chosen = {k: v for k, v in ALGORITHMS.items() if not args.only or v[0] in args.only}
+    seeds = [args.seed + k for k in range(args.seeds)]
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="algos-"))
-    results = {}
+    results: dict[str, list[dict]] = {}
     t0 = time.perf_counter()
-    for name, (preset, extra) in chosen.items():
-        results[name] = run_one(preset, extra, args.steps, args.nproc, root / preset, args.seed)
-        r = results[name]
-        print(f"{name:12s} test {r['first']:.3f} -> {r['last']:.3f} ({r['last'] - r['first']:+.3f})  "
-              f"{r['step_s']:.2f} s/step  {r['wall_s']:.0f} s", flush=True)
+    for seed in seeds:  # seed-major: a slow drift of the machine's speed spreads over every preset
+        for name, (preset, extra) in chosen.items():
+            r = run_one(preset, extra, args.steps, args.nproc, root / f"{preset}-seed{seed}", seed)
+            results.setdefault(name, []).append(r)
+            print(f"{name:12s} seed {seed} test {r['first']:.3f} -> {r['last']:.3f} ({r['last'] - r['first']:+.3f})  "
+                  f"{r['step_s']:.2f} s/step  {r['wall_s']:.0f} s", flush=True)
     total = time.perf_counter() - t0
+
+    def mean(runs: list[dict], key: str) -> float:
+        return statistics.mean(r[key] for r in runs)
 
     header = ["algorithm", "preset", "test reward, step 0", f"step {args.steps}", "change",
               "train reward (last 20 steps)", "s/step", "wall s"]
+    if len(seeds) > 1:
+        header[4] = f"change, mean ± std ({len(seeds)} seeds)"
+        header.insert(5, "change per seed")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for name, r in results.items():
-        lines.append(f"| {name} | `algorithm={chosen[name][0]}` | {r['first']:.3f} | {r['last']:.3f} | "
-                     f"{r['last'] - r['first']:+.3f} | {r['train_last20']:.3f} | {r['step_s']:.2f} | {r['wall_s']:.0f} |")
+    for name, runs in results.items():
+        gains = [r["last"] - r["first"] for r in runs]
+        change = f"{statistics.mean(gains):+.3f}"
+        cells = [name, f"`algorithm={chosen[name][0]}`", f"{mean(runs, 'first'):.3f}", f"{mean(runs, 'last'):.3f}", change]
+        if len(seeds) > 1:
+            cells[4] = f"{change} ± {statistics.stdev(gains):.3f}"
+            cells.append(", ".join(f"{g:+.3f}" for g in gains))
+        cells += [f"{mean(runs, 'train_last20'):.3f}", f"{mean(runs, 'step_s'):.2f}", f"{mean(runs, 'wall_s'):.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     print()
     print("\n".join(lines) if args.markdown else "\n".join(line.replace("|", " ") for line in lines[:1] + lines[2:]))
-    print(f"\n{len(results)} runs, {args.steps} steps each, {args.nproc} ranks, {total / 60:.1f} min in all; "
-          f"learned (last test > first): {sum(r['last'] > r['first'] for r in results.values())}/{len(results)}")
-
+    learned = sum(statistics.mean(r["last"] - r["first"] for r in runs) > 0 for runs in results.values())
+    print(f"\n{len(results)} presets x {len(seeds)} seed(s) ({', '.join(map(str, seeds))}), {args.steps} steps each, "
+          f"{args.nproc} ranks, {total / 60:.1f} min in all; mean gain positive: {learned}/{len(results)}")
 
 if __name__ == "__main__":
     main()

@@ -309,8 +309,10 @@ class VerifiersAdapter:
                     text = f"Error: {call.error}"
                 else:
                     text = await self._call_tool(conv, call.name, call.arguments)
+                # every failure above comes back as "Error: ..."; the flag feeds the `tools/errors` metric
                 replies.append({"role": "tool", "content": text, "tool_call_id": f"call_{turn}_{k}",
-                                "name": call.name or "", CONVERSATION_FIELD: conv.cid})
+                                "name": call.name or "", "error": text.startswith("Error"),
+                                CONVERSATION_FIELD: conv.cid})
             conv.last_used = time.monotonic()
             return replies
         except BaseException:

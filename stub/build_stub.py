@@ -13,7 +13,7 @@ deterministic torch algorithms). The model step trains on CPU for well under a m
 and prints greedy accuracy, sampled accuracy (temperature 1) and pass@8 on stub/data/math/test.jsonl.
 
 Layout written under --out:
-    data/{math,code,language,tool,arith}/{train,test}.jsonl   rows {"messages": [...], "answer": ...}
+    data/{math,code,language,tool,arith,calc}/{train,test}.jsonl   rows {"messages": [...], "answer": ...}
     model/   tokenizer.json, tokenizer_config.json, chat_template.jinja (tokenizer step)
              config.json, generation_config.json, model.safetensors, warmstart_eval.json (model step)
 """
@@ -396,12 +396,41 @@ def arith_rows() -> tuple[list[dict], list[dict]]:
     return [row(*p) for p in train], [row(*p) for p in test]
 
 
+# ---- calc: sums the tiny model can do in its head, products it needs the python tool for ----
+# (the default data of the verifiers taskset `math_python`; stub/build_tool_model.py teaches a copy
+# of the bundled model to call the tool)
+CALC_TRAIN, CALC_TEST = 432, 48
+
+
+def calc_problem(rng: random.Random, kind: int) -> tuple[str, int]:
+    """kind 0: "a + b" with two-digit operands, the bundled model's own task; kind 1: "a * b" with a
+    three-digit and a two-digit operand, which it cannot do without the tool."""
+    if kind == 0:
+        a, b = rng.randint(MATH_LO, MATH_HI), rng.randint(MATH_LO, MATH_HI)
+        return f"{a} + {b}", a + b
+    a, b = rng.randint(100, 999), rng.randint(10, 99)
+    return f"{a} * {b}", a * b
+
+
+def calc_rows() -> tuple[list[dict], list[dict]]:
+    rng = random.Random(SEED + 6)
+    seen: set[str] = set()
+    rows: list[dict] = []
+    while len(rows) < CALC_TRAIN + CALC_TEST:
+        question, value = calc_problem(rng, len(rows) % 2)  # sums and products alternate
+        if question not in seen:
+            seen.add(question)
+            rows.append({"messages": user(question), "answer": str(value)})
+    return rows[:CALC_TRAIN], rows[CALC_TRAIN:]
+
+
 def build_data(out: Path) -> None:
     data = out / "data"
     splits = math_splits()
     write_jsonl(data / "math" / "train.jsonl", [math_row(a, b) for a, b in splits["train"]])
     write_jsonl(data / "math" / "test.jsonl", [math_row(a, b) for a, b in splits["test"]])
-    for name, fn in (("code", code_rows), ("language", language_rows), ("tool", tool_rows), ("arith", arith_rows)):
+    for name, fn in (("code", code_rows), ("language", language_rows), ("tool", tool_rows), ("arith", arith_rows),
+                     ("calc", calc_rows)):
         train, test = fn()
         write_jsonl(data / name / "train.jsonl", train)
         write_jsonl(data / name / "test.jsonl", test)

@@ -1,10 +1,12 @@
 """The design guide's three commands, copied as written, run to completion on this CPU. Only the
-model (a Hub id from an offline cache in the Hub's layout, or stub/model), --nproc_per_node and a
-step limit (`trainer.total_steps`) change. Each runs in a fresh working directory holding links to
+model (a Hub id from an offline cache in the Hub's layout, stub/model, or stub/tool_model for the
+launch command with tools), --nproc_per_node, a step limit (`trainer.total_steps`) and how many
+samples are logged change. Each runs in a fresh working directory holding links to
 `environments/` and `stub/`, so the guide's relative paths work and `ckpts/` lands there."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -58,11 +60,14 @@ def check_run(run_dir, steps: int) -> list[dict]:
 
 
 def test_launch_command(workdir) -> None:
+    """With the shipped tool-calling stub (stub/tool_model) the taskset's python tool is really
+    called: tool calls and the sandbox's replies are in trajectories.jsonl and the tools/* metrics."""
     cwd, env = workdir
-    cmd = words(LAUNCH, **{"Qwen/Qwen2-1.5B-Instruct": STUB_HUB_ID, "--nproc_per_node=8": "--nproc_per_node=2"})
+    cmd = words(LAUNCH, **{"Qwen/Qwen2-1.5B-Instruct": "stub/tool_model", "--nproc_per_node=8": "--nproc_per_node=2"})
     assert cmd[0] == "torchrun"
-    proc = run_torchrun(TORCHRUN + cmd[1:] + ["trainer.total_steps=2"], timeout=600, cwd=cwd,
-                        env={**env, "WANDB_MODE": "offline"})
+    # trainer.log_samples only widens what is logged, so that the check below sees every sample
+    proc = run_torchrun(TORCHRUN + cmd[1:] + ["trainer.total_steps=2", "trainer.log_samples=16"], timeout=600,
+                        cwd=cwd, env={**env, "WANDB_MODE": "offline"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     run_dir = cwd / "ckpts" / "grpo-math-verifiers-integration"  # trainer.save_dir from the experiment name
     metrics = check_run(run_dir, 2)
@@ -70,6 +75,17 @@ def test_launch_command(workdir) -> None:
     assert all(m.get("env/errors", 0) == 0 for m in metrics)
     samples = [e for e in read_jsonl(run_dir / "trajectories.jsonl") if e["type"] == "sample"]
     assert samples and all("verifiers_task" in s["messages"][0] for s in samples)
+    assert all(m["tools/calls_per_sample"] > 0 and m["tools/call_rate"] > 0 for m in metrics if "rewards/train" in m)
+    ran = []  # (sample, the call's two operands and operator, the sandbox's reply)
+    for s in samples:
+        for call, reply in zip(s["messages"], s["messages"][1:]):
+            code = re.search(r'"code": "print\((\d+) ([+*]) (\d+)\)"', call["content"] if call["role"] == "assistant" else "")
+            if code and reply["role"] == "tool" and not reply["error"]:
+                ran.append((s, code.groups(), reply["content"]))
+    assert ran, "no logged conversation has a python call answered by the sandbox"
+    sample, (a, op, b), reply = ran[0]
+    assert reply == str(int(a) + int(b) if op == "+" else int(a) * int(b))  # the sandbox ran the model's code
+    assert [e["type"] for e in sample["events"]][:1] == ["tool"]
     assert any((run_dir / "wandb").glob("offline-run-*")), "wandb (offline) logged nothing"
 
 

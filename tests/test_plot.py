@@ -64,3 +64,15 @@ def test_main_keys_and_file_argument(tmp_path):
 
 def test_main_missing_file(tmp_path):
     assert main([str(tmp_path / "none.jsonl")]) == 1
+
+
+def test_summary_holds_the_chosen_keys(tmp_path):
+    """--keys picks the summary's panels too (in the given order), even keys outside the default set."""
+    from matplotlib.image import imread
+
+    path = tmp_path / "metrics.jsonl"
+    _write_metrics(path)
+    assert main([str(path), "--keys", "rewards/test", "actor/grad_norm", "-o", str(tmp_path / "two")]) == 0
+    assert main([str(path), "-o", str(tmp_path / "default")]) == 0
+    width = {name: imread(tmp_path / name / "summary.png").shape[1] for name in ("two", "default")}
+    assert width == {"two": 2 * 500, "default": 3 * 500}  # 5 inches per column at 100 dpi

@@ -291,3 +291,24 @@ def test_rollout_metrics_trajectory_and_turn_lengths():
     assert m["turn_length/turn1"] == pytest.approx((4 + 5 + 3 + 2) / 4)
     assert m["turn_length/turn2"] == pytest.approx((2 + 7) / 2) and m["turn_length/turn3"] == 6
     assert m["dynamic_filtering_ratio"] == 0.5  # the second group is all 1.0
+
+
+def test_rollout_metrics_count_tool_calls_and_errors():
+    """tools/* count the environment's tool replies as the rollout records them (events of type
+    "tool"), with `"error": true` replies counted apart; single-turn runs have no tools/* keys."""
+    def sample(*turn_replies):
+        events = [{"type": "tool", "turn": k, "messages": [{"role": "tool", "content": c, "error": e}
+                                                           for c, e in replies]}
+                  for k, replies in enumerate(turn_replies)]
+        events.append({"type": "context_overflow", "turn": len(turn_replies), "env_tokens": 9, "room": 1})
+        return Sample(0, [], None, [1, 2, 3], [0, 1, 1], [0.0] * 3, n_turns=len(turn_replies) + 1,
+                      prompt_length=1, turn_lengths=[2], events=events)
+
+    samples = [sample([("42", False)], [("Error: bad JSON", True), ("7", False)]), sample(),
+               sample([("Error: unknown tool 'calc'", True)]), sample()]
+    m = st.rollout_metrics(samples, 2, 2, cfg(**{"rollout.max_turns": 3}), CTX)
+    assert m["tools/calls_per_sample"] == pytest.approx(4 / 4)
+    assert m["tools/call_rate"] == pytest.approx(2 / 4)
+    assert m["tools/errors"] == 2
+    single = st.rollout_metrics(samples, 2, 2, cfg(**{"rollout.max_turns": 1}), CTX)
+    assert not any(k.startswith("tools/") for k in single)

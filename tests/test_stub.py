@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STUB = ROOT / "stub"
 MODEL_DIR = STUB / "model"
 DATA_DIR = STUB / "data"
-TASKS = ("math", "code", "language", "tool", "arith")
+TASKS = ("math", "code", "language", "tool", "arith", "calc")
 SPLITS = ("train", "test")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 

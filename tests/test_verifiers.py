@@ -141,7 +141,7 @@ def test_math_python_rows_splits_and_tools(math_env):
     assert len(train) == 32 and 0 < len(evals) <= 32
     keys_train = {r["verifiers"]["key"] for r in load_rows("verifiers:train")}
     keys_eval = {r["verifiers"]["key"] for r in load_rows("verifiers:eval")}
-    assert not keys_train & keys_eval and len(keys_train | keys_eval) == 130
+    assert not keys_train & keys_eval and len(keys_train | keys_eval) == 480  # stub/data/calc
     assert all(split_of(k, 0.1) == "eval" for k in keys_eval)
     row = train[0]
     assert [m["role"] for m in row["messages"]] == ["system", "user"]
@@ -187,12 +187,14 @@ def test_math_python_tool_flow_and_scoring(math_env):
         msgs.append(assistant(call("python", {"code": "print(6 * 7)"})))
         out = await env.interact(msgs)
         assert [m["content"] for m in out] == ["42"] and out[0]["role"] == "tool"
+        assert out[0]["error"] is False  # what feeds the trainer's tools/errors metric
         msgs.extend(out)
         msgs.append(assistant(call("python", {"cod": 1}) + "<tool_call>{oops</tool_call>" + call("nope")))
         out = await env.interact(msgs)
         assert "code" in out[0]["content"] and "Field required" in out[0]["content"]  # bad arguments
         assert out[1]["content"].startswith("Error: invalid JSON")
         assert out[2]["content"].startswith("Error: unknown tool 'nope'")
+        assert [m["error"] for m in out] == [True, True, True], [m["content"] for m in out]
         assert len({m["verifiers_conversation"] for m in out}) == 1
         msgs.extend(out)
         assert env.ADAPTER.live_conversations() == 1

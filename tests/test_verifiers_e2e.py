@@ -1,20 +1,17 @@
 """A real trainer run on a verifiers taskset with tools (the seed's launch command itself runs in
-tests/test_design_guide.py), marked slow (`pytest -m slow tests/test_verifiers_e2e.py`): a
-tool-calling copy of the tiny model (a short supervised tuning makes it call the `python` tool),
-whose trajectories show tool calls and sandbox replies. The default suite checks the tool
-plumbing and loss masks with a scripted engine (tests/test_verifiers.py)."""
+tests/test_design_guide.py), marked slow (`pytest -m slow tests/test_verifiers_e2e.py`): the
+shipped tool-calling stub (stub/tool_model) on 2 ranks for 2 steps, whose trajectories show tool
+calls and sandbox replies. The default suite checks the tool plumbing and loss masks with a
+scripted engine (tests/test_verifiers.py)."""
 from __future__ import annotations
 
 import json
 
 import pytest
-import torch
 
-from conftest import STUB_MODEL, read_jsonl, run_trainer
-from train.datasets.loading import load_rows
-from train.datasets.tokenize import tokenize_messages
+from conftest import ROOT, read_jsonl, run_trainer
 
-TOOL_CALL = '<tool_call>\n{"name": "python", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>'
+TOOL_MODEL = ROOT / "stub" / "tool_model"
 
 
 def launch(save, model: str, steps: int = 2) -> list[str]:
@@ -34,45 +31,13 @@ def _default_taskset(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
-def make_tool_model(out_dir, steps: int = 240, n_rows: int = 16) -> None:
-    """Tune the stub model until it answers the taskset's prompts with TOOL_CALL (the reply does
-    not depend on the prompt, so a few rows suffice)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(STUB_MODEL)
-    model = AutoModelForCausalLM.from_pretrained(STUB_MODEL)
-    rows = load_rows(f"verifiers:all?limit={n_rows}")
-    batches = []
-    for row in rows:
-        ids, mask = tokenize_messages(tok, row["messages"] + [{"role": "assistant", "content": TOOL_CALL}],
-                                      row["tools"])
-        batches.append((torch.tensor(ids), torch.tensor(mask)))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    for step in range(steps):
-        ids, mask = batches[step % len(batches)]
-        logits = model(ids[None]).logits[0, :-1]
-        loss = torch.nn.functional.cross_entropy(logits[mask[1:] == 1], ids[1:][mask[1:] == 1])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if loss.item() < 0.002 and step >= 80:  # near-certain at temperature 1, not just greedy
-            break
-    model.eval()
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-
-
 @pytest.mark.slow
 def test_tool_calls_and_replies_in_a_real_run(tmp_path, request):
     expr = request.config.getoption("markexpr") or ""
     if "slow" not in expr or "not slow" in expr:
         pytest.skip("slow (a minute or more on 2 cores): run with -m slow")
-    model_dir = tmp_path / "tool_model"
-    make_tool_model(model_dir)
     save = tmp_path / "run"
-    run_trainer(launch(save, str(model_dir)), nproc=2, config="grpo", timeout=400)
+    run_trainer(launch(save, str(TOOL_MODEL)), nproc=2, config="grpo", timeout=400)
     metrics = read_jsonl(save / "metrics.jsonl")
     assert all(m.get("env/errors", 0) == 0 for m in metrics)
     assert max(m.get("n_turns/train", 0) for m in metrics) > 1
@@ -82,7 +47,7 @@ def test_tool_calls_and_replies_in_a_real_run(tmp_path, request):
     samples = [e for e in events if e["type"] == "sample"]
     with_tools = [s for s in samples if s["events"]]
     assert with_tools, "no sampled conversation called a tool"
-    s = next((s for s in with_tools if any(m["role"] == "tool" and m["content"] == "42" for m in s["messages"])),
+    s = next((s for s in with_tools if any(m["role"] == "tool" and not m["error"] for m in s["messages"])),
              with_tools[0])  # prefer one where the sandbox ran the model's code; T=1 garbles some calls
     roles = [m["role"] for m in s["messages"]]
     assert "tool" in roles and roles.index("tool") > roles.index("assistant")

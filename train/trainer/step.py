@@ -40,11 +40,12 @@ def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, cfg: 
         float(sum(bool(s.env_error) for s in samples)),
         float(dropped), float(n_groups),
         float(sum(len(s.ids) for s in samples)), float(sum(s.prompt_length for s in samples)),
+        *tool_sums(samples),
         *per_turn,
         *per_source_sums(samples, sources, lambda s: float(s.n_action_tokens)),
     ]
-    reward, count, tokens, clipped, overflow, turns, errors, dropped, n_groups, traj, prompt, *rest = \
-        all_reduce_sum(values, ctx.device)
+    reward, count, tokens, clipped, overflow, turns, errors, dropped, n_groups, traj, prompt, \
+        tool_calls, tool_errors, with_tools, *rest = all_reduce_sum(values, ctx.device)
     per_turn, by_source = rest[:2 * max_turns], rest[2 * max_turns:]
     longest = all_reduce_max(float(max((len(s.ids) for s in samples), default=0)), ctx.device)
     count = max(count, 1.0)
@@ -69,10 +70,22 @@ def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, cfg: 
             out[f"rewards/train/{source}"] = reward_sum / n
             out[f"response_length/train/{source}"] = length_sum / n
     if max_turns > 1:
+        out["tools/calls_per_sample"] = tool_calls / count
+        out["tools/call_rate"] = with_tools / count  # share of samples that called a tool at least once
+        out["tools/errors"] = tool_errors  # tool replies flagged `"error": true` by the environment
         for k in range(max_turns):
             if per_turn[2 * k + 1] > 0:
                 out[f"turn_length/turn{k + 1}"] = per_turn[2 * k] / per_turn[2 * k + 1]
     return out
+
+
+def tool_sums(samples: list[Sample]) -> list[float]:
+    """(tool replies, tool replies flagged as errors, samples with at least one tool reply): the
+    environment's messages that went into each conversation, as `RolloutWorker` records them."""
+    replies = [[m for e in s.events if e["type"] == "tool" for m in e["messages"] if m.get("role") == "tool"]
+               for s in samples]
+    return [float(sum(map(len, replies))), float(sum(bool(m.get("error")) for r in replies for m in r)),
+            float(sum(bool(r) for r in replies))]
 
 
 def per_source_sums(samples: list[Sample], sources: Sequence[str],

@@ -29,6 +29,7 @@ SUMMARY_KEYS = (
     "actor/grad_norm",
     "response_length/train",
     "time/step_s",
+    "tools/call_rate",  # multi-turn runs only
 )
 
 Series = dict[str, tuple[list[float], list[float]]]
@@ -113,7 +114,7 @@ def plot_metrics(metrics_path: Path, out_dir: Path, keys: list[str] | None = Non
         fig.savefig(path, dpi=100)
         written.append(path)
 
-    summary = [k for k in SUMMARY_KEYS if k in series]
+    summary = list(series) if keys else [k for k in SUMMARY_KEYS if k in series]  # --keys: those, in order
     if summary:
         cols = min(3, len(summary))
         rows = math.ceil(len(summary) / cols)

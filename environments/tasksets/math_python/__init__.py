@@ -1,9 +1,11 @@
-"""`math_python`: a verifiers (0.4.0, `verifiers.v1`) taskset of arithmetic word problems with a
+"""`math_python`: a verifiers (0.4.0, `verifiers.v1`) taskset of arithmetic problems with a
 sandboxed `python` tool.
 
-* Tasks: the stub word problems (`stub/data/tool/{train,test}.jsonl` of this repository, 130 in
-  all; `data_files` in the taskset config picks others in the same format). The prompt is the
-  problem; the system prompt asks for `<answer>N</answer>`.
+* Tasks: `stub/data/calc/{train,test}.jsonl` of this repository, 480 in all: two-digit sums the
+  tiny stub model can do in its head alternating with products (3 digits x 2 digits) it needs the
+  tool for. `data_files` in the taskset config picks others in the same format, e.g. the word
+  problems of `stub/data/tool`. The prompt is the problem; the system prompt asks for
+  `<answer>N</answer>`.
 * Tool: `python(code)` runs the code in the project's bubblewrap sandbox (the service at
   `SANDBOX_URL` if set, else in-process) and returns what it prints (stdout, then stderr),
   cut to `max_output_chars`. The toolset is per rollout (`Task.toolsets`) and allows `max_calls`
@@ -25,7 +27,7 @@ from pathlib import Path
 import verifiers.v1 as vf
 
 REPO = Path(__file__).resolve().parents[3]
-STUB_TOOL_DATA = REPO / "stub" / "data" / "tool"
+STUB_CALC_DATA = REPO / "stub" / "data" / "calc"
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 SYSTEM_PROMPT = "Solve the problem. You may run Python with the python tool. Give the final number as <answer>N</answer>."
 
@@ -102,7 +104,7 @@ class MathPythonTask(vf.Task[MathPythonData, vf.State, MathPythonTaskConfig]):
 
 class MathPythonConfig(vf.TasksetConfig):
     task: MathPythonTaskConfig = MathPythonTaskConfig()
-    data_files: list[str] = [str(STUB_TOOL_DATA / "train.jsonl"), str(STUB_TOOL_DATA / "test.jsonl")]
+    data_files: list[str] = [str(STUB_CALC_DATA / "train.jsonl"), str(STUB_CALC_DATA / "test.jsonl")]
     """JSONL files of rows {"messages": [..., {"role": "user", "content": problem}], "answer": "N"}."""
     prompt_system: str = SYSTEM_PROMPT
 
