@@ -15,9 +15,9 @@ TOOL_SHARE of them the reply is a Hermes tool call, then the answer copied from 
     <answer>9716</answer>
 
 and on the rest a direct `<answer>N</answer>`. So the model sometimes calls the tool and mostly
-answers in its head, where it gets sums right about half the time and products almost never: RL
-then has something to learn (call the tool, read its reply). The plain `stub/model` is untouched, so
-every figure of the math demo stays what it is.
+answers in its head, where it gets products never and, under the long tool prompt, few sums right
+(`warmstart_eval.json`): RL then has something to learn (call the tool, read its reply). The plain
+`stub/model` is untouched, so every figure of the math demo stays what it is.
 
 Deterministic like build_stub.py: fixed seeds, 2 threads, deterministic torch algorithms, a fixed
 number of steps; a rebuild on the same machine and package versions gives the same bytes.
