@@ -25,7 +25,6 @@ number of steps; a rebuild on the same machine and package versions gives the sa
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import random
@@ -36,18 +35,11 @@ from pathlib import Path
 
 STUB = Path(__file__).resolve().parent
 REPO = STUB.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # the trainer's tokenization and the verifiers data source
+for folder in (REPO, STUB):  # the trainer's tokenization and verifiers data source; build_stub.py
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
-
-def _load_build_stub():
-    spec = importlib.util.spec_from_file_location("build_stub", STUB / "build_stub.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bs = _load_build_stub()
+import build_stub as bs  # noqa: E402  (after the path is set)
 
 SEED = bs.SEED + 7
 TOOL_SHARE = 0.3  # of the warm-start replies that call the tool (sums and products alike)

@@ -1,6 +1,7 @@
 """Shared test helpers: the bundled stub model and a launcher for real trainer runs."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -49,6 +50,15 @@ def stub_train_slice(path: Path, n: int) -> Path:
     """The first `n` rows of the stub math training set written to `path` (short epochs, revisits)."""
     path.write_text("".join((STUB_MATH / "train.jsonl").read_text().splitlines(keepends=True)[:n]))
     return path
+
+
+def load_file(path: Path | str):
+    """A Python file that is not in a package (a stub build script, an env module), imported by path."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def read_jsonl(path: Path) -> list[dict]:

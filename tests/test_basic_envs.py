@@ -3,19 +3,15 @@ reply (`environments/last_number.py`) and the design guide's minimal verifiers e
 (`environments/verifiers_math.py`)."""
 from __future__ import annotations
 
-import importlib.util
 import threading
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, load_file
 
 
 def load_env(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "environments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(ROOT / "environments" / f"{name}.py")
 
 
 def reply(text: str) -> list[dict]:

@@ -5,18 +5,14 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.conftest import read_jsonl, run_trainer
+from tests.conftest import ROOT, load_file, read_jsonl, run_trainer
 from tests.test_search_service import search_service
 
 
 @pytest.fixture(scope="session")
 def search_tiny(request):
     """stub/model taught the protocol's shapes (stub/data/search/warm_model.py), cached."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("warm_model", "stub/data/search/warm_model.py")
-    warm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(warm)
+    warm = load_file(ROOT / "stub" / "data" / "search" / "warm_model.py")
     return str(warm.cached(request.config.cache.mkdir("search-tiny")))
 
 

@@ -5,13 +5,14 @@ it runs only when selected, e.g. `pytest -m slow tests/test_stub.py`.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 STUB = ROOT / "stub"
@@ -22,14 +23,7 @@ SPLITS = ("train", "test")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def _load_build_stub():
-    spec = importlib.util.spec_from_file_location("build_stub", STUB / "build_stub.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bs = _load_build_stub()
+bs = load_file(STUB / "build_stub.py")
 
 
 def _rows(task: str, split: str) -> list[dict]:

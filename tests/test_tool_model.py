@@ -3,7 +3,6 @@
 really calls the tool in the seed's launch command is tests/test_design_guide.py::test_launch_command."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import re
@@ -12,20 +11,13 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, load_file
 
 STUB = ROOT / "stub"
 TOOL_MODEL = STUB / "tool_model"
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, STUB / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-btm = _load("build_tool_model")
+btm = load_file(STUB / "build_tool_model.py")
 bs = btm.bs
 CALL = re.compile(r"print\((\d+) ([+*]) (\d+)\)")
 
