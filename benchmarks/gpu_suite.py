@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -168,6 +169,20 @@ def measured_matmul_tflops(device, dtype) -> float:
     return 2 * n**3 / best / 1e12
 
 
+def profiled(fn, path: Path, rows: int = 30) -> None:
+    """Run `fn` once under torch.profiler and write its top ops (by device time on GPU, else CPU)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=rows))
+
+
 # ------------------------------------------------------------------------------------------ sections
 
 
@@ -253,34 +268,46 @@ def section_decode(args, work: Path, shapes: Shapes, info: dict) -> dict:
     bw = info["datasheet_hbm_tb_s"] or measured_bw
     head_dim = shapes.hidden // shapes.heads
     kv_bytes_per_token = 2 * shapes.layers * shapes.kv_heads * head_dim * model.dtype.itemsize
-    engine = HFEngine(model, eos_token_ids=[], max_batch_size=max(shapes.decode_batches), copy_model=False)
     rows = []
-    try:
-        for i, batch in enumerate((min(shapes.decode_batches),) + shapes.decode_batches):
-            g = torch.Generator().manual_seed(batch)
-            prompts = [torch.randint(3, shapes.vocab, (shapes.decode_prompt,), generator=g).tolist()
-                       for _ in range(batch)]
-            new = 4 if i == 0 else shapes.decode_new  # the first pass warms up
-            sp = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True)
-            sync()
-            start = time.perf_counter()
-            out = asyncio.run(generate_all(engine, prompts, sp))
-            sync()
-            seconds = time.perf_counter() - start
-            if i == 0:
-                continue
-            tokens = sum(len(o.token_ids) for o in out)
-            # Mean context over the decode steps: the prompt and half the new tokens.
-            kv_bytes = batch * (shapes.decode_prompt + new / 2) * kv_bytes_per_token
-            bound = batch * bw * 1e12 / (weight_bytes + kv_bytes)
-            rows.append({"batch": batch, "new_tokens": new, "tokens": tokens, "seconds": seconds,
-                         "tokens_per_s": tokens / seconds, "bound_tokens_per_s": bound,
-                         "fraction_of_bound": tokens / seconds / bound})
-    finally:
-        engine.close()
-        del model, engine
-        if info["cuda"]:
-            torch.cuda.empty_cache()
+    # The engine's path on this device (static cache + CUDA graphs on GPU), then the dynamic-cache
+    # path it replaced (on the largest batch only: it is the slow one) for the before/after.
+    for path, static, batches in (("static", None if info["cuda"] else True, shapes.decode_batches),
+                                  ("dynamic", False, shapes.decode_batches[-1:])):
+        engine = HFEngine(model, eos_token_ids=[], max_batch_size=max(shapes.decode_batches), copy_model=False,
+                          static_cache=static)
+        try:
+            for batch in batches:
+                g = torch.Generator().manual_seed(batch)
+                prompts = [torch.randint(3, shapes.vocab, (shapes.decode_prompt,), generator=g).tolist()
+                           for _ in range(batch)]
+                # An untimed pass first: graph captures and allocator warm-up, as every RL step after the first.
+                warm = shapes.decode_new if path == "static" else 4
+                asyncio.run(generate_all(engine, prompts, SamplingParams(max_new_tokens=warm, ignore_eos=True)))
+                new = shapes.decode_new
+                sp = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True)
+                sync()
+                start = time.perf_counter()
+                out = asyncio.run(generate_all(engine, prompts, sp))
+                sync()
+                seconds = time.perf_counter() - start
+                tokens = sum(len(o.token_ids) for o in out)
+                # Mean context over the decode steps: the prompt and half the new tokens.
+                kv_bytes = batch * (shapes.decode_prompt + new / 2) * kv_bytes_per_token
+                bound = batch * bw * 1e12 / (weight_bytes + kv_bytes)
+                if path == "static" and batch == max(shapes.decode_batches):
+                    short = SamplingParams(max_new_tokens=32, temperature=1.0, ignore_eos=True)
+                    # The batch the queue would form, run in this thread so the profiler sees its CPU side too.
+                    profiled(lambda: engine._generate_batch([(p, short) for p in prompts]), work / "decode_profile.txt")
+                rows.append({"path": path, "batch": batch, "new_tokens": new, "tokens": tokens, "seconds": seconds,
+                             "tokens_per_s": tokens / seconds, "bound_tokens_per_s": bound,
+                             "fraction_of_bound": tokens / seconds / bound, "cuda_graphs": engine.stats["cuda_graphs"],
+                             "graph_error": engine.static_error})
+        finally:
+            engine.close()
+            del engine
+    del model
+    if info["cuda"]:
+        torch.cuda.empty_cache()
     return {"params": params, "weight_bytes": weight_bytes, "bandwidth_tb_s": bw,
             "bandwidth_source": "datasheet" if info["datasheet_hbm_tb_s"] else "measured copy",
             "measured_copy_tb_s": measured_bw, "batches": rows}
@@ -336,9 +363,16 @@ def section_mfu(args, work: Path, shapes: Shapes, info: dict, model_dir: Path) -
     source = "datasheet"
     if peak is None:
         peak, source = measured_matmul_tflops(device, torch.bfloat16 if info["cuda"] else torch.float32), "measured matmul"
+    from train.parallel.fused_logprobs import FusedLogprobHead
+
     actor, ctx = build_actor(model_dir, max(shapes.mfu_tokens), info)
     rows = []
-    for tokens in shapes.mfu_tokens:
+    # The default LM head (logits of the action tokens, then log-softmax) and the fused one
+    # (actor.use_liger_kernel: chunked, no [tokens, vocab] logits kept).
+    for fused, tokens in [(f, t) for f in (False, True) for t in shapes.mfu_tokens]:
+        actor.fused_head = FusedLogprobHead(actor.model) if fused else None
+        if info["cuda"]:
+            torch.cuda.reset_peak_memory_stats()
         # 2 groups of 4 samples, each tokens/8 long (a quarter prompt), packed into one micro-batch
         ids, masks, adv, sampler, max_new = fixed_batch(tokens, shapes.vocab)
         index = exchange_index([len(x) for x in ids], list(range(len(ids))), [0.0] * len(ids), ctx.device)
@@ -355,10 +389,12 @@ def section_mfu(args, work: Path, shapes: Shapes, info: dict, model_dir: Path) -
             if i:
                 times.append(time.perf_counter() - start)
         seconds = statistics.median(times)
+        if tokens == max(shapes.mfu_tokens):
+            profiled(lambda: actor.update(batch, max_new), work / f"mfu_profile_{tokens}{'_fused' if fused else ''}.txt")
         gflop = update_gflop(str(model_dir), len(ids), total / len(ids), actions / len(ids))
         tflops = gflop / seconds / 1e3
         peak_mem = torch.cuda.max_memory_allocated() / 2**30 if info["cuda"] else None
-        rows.append({"tokens": total, "seconds": seconds, "tflops": tflops, "mfu": tflops / peak,
+        rows.append({"lm_head": "fused" if fused else "plain", "tokens": total, "seconds": seconds, "tflops": tflops, "mfu": tflops / peak,
                      "peak_gpu_gib": peak_mem})
     return {"peak_tflops": peak, "peak_source": source, "micro_batches": rows, "_actor": actor}
 
@@ -373,15 +409,19 @@ def section_push(args, work: Path, info: dict, actor) -> dict:
     engine = HFEngine.from_pretrained(args.model_dir, device=torch.device("cuda" if info["cuda"] else "cpu"),
                                       eos_token_ids=[])
     try:
-        push = PolicySync(actor.model, engine, 512, None, {"actor": actor}, log=None)
-        params = sum(t.numel() for _, t in unique_state(actor.model))
-        push.push()  # warm-up
-        times = [push.push() for _ in range(3)]
+        out = {}
+        for verify in (True, False):  # trainer.verify_push on (the default) and off
+            push = PolicySync(actor.model, engine, 512, None, {"actor": actor}, log=None, verify=verify)
+            params = sum(t.numel() for _, t in unique_state(actor.model))
+            push.push()  # warm-up
+            times = [push.push() for _ in range(3)]
+            profiled(push.push, work / f"push_profile_verify_{verify}.txt")
+            seconds = statistics.median(times)
+            out.update({f"seconds{'' if verify else '_unverified'}": seconds,
+                        f"s_per_billion{'' if verify else '_unverified'}": seconds / params * 1e9})
     finally:
         engine.close()
-    seconds = statistics.median(times)
-    return {"params": params, "seconds": seconds, "s_per_billion": seconds / params * 1e9,
-            "engine_dtype": str(engine.dtype)}
+    return {"params": params, **out, "engine_dtype": str(engine.dtype)}
 
 
 def section_step(args, work: Path, shapes: Shapes, model_dir: Path) -> dict:
@@ -417,13 +457,14 @@ def markdown(result: dict) -> str:
     cell("demo", lambda r: f"test reward {' -> '.join(f'{v:.3f} (step {k})' for k, v in r['test_reward'])}; "
                            f"{r['steps']} steps in {r['wall_s']:.0f} s")
     cell("decode", lambda r: "; ".join(
-        f"batch {b['batch']}: {b['tokens_per_s']:,.0f} tok/s = {100 * b['fraction_of_bound']:.2g}% of the bound "
-        f"({b['bound_tokens_per_s']:,.0f})" for b in r["batches"])
+        f"{b.get('path', 'static')} batch {b['batch']}: {b['tokens_per_s']:,.0f} tok/s = "
+        f"{100 * b['fraction_of_bound']:.2g}% of the bound ({b['bound_tokens_per_s']:,.0f})" for b in r["batches"])
         + f" (bandwidth {r['bandwidth_tb_s']:.2f} TB/s, {r['bandwidth_source']}; measured copy {r['measured_copy_tb_s']:.2f})")
     cell("mfu", lambda r: "; ".join(
-        f"{m['tokens']} tokens: {m['seconds']:.3f} s, {m['tflops']:.3g} TFLOP/s = MFU {100 * m['mfu']:.1f}%"
+        f"{m.get('lm_head', 'plain')} head, {m['tokens']} tokens: {m['seconds']:.3f} s, {m['tflops']:.3g} TFLOP/s = MFU {100 * m['mfu']:.1f}%"
         for m in r["micro_batches"]) + f" (peak {r['peak_tflops']:.3g} TFLOP/s, {r['peak_source']})")
-    cell("push", lambda r: f"{r['seconds']:.4g} s for {r['params'] / 1e6:.3g}M params = {r['s_per_billion']:.3g} s per billion")
+    cell("push", lambda r: f"{r['seconds']:.4g} s for {r['params'] / 1e6:.3g}M params = {r['s_per_billion']:.3g} s per "
+                           f"billion (verified); {r['s_per_billion_unverified']:.3g} s per billion with verify_push off")
     cell("step", lambda r: ", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in r.items() if k.startswith("time/")))
     return "\n".join(lines) + "\n"
 
@@ -474,6 +515,12 @@ def main(argv: list[str] | None = None) -> int:
                         actor, _ = build_actor(model_dir, max(shapes.mfu_tokens), info)
                     out = section_push(args, work, info, actor)
                 else:
+                    actor = None  # the step runs in its own process: give it this one's GPU memory
+                    gc.collect()
+                    if info["cuda"]:
+                        import torch
+
+                        torch.cuda.empty_cache()
                     out = section_step(args, work, shapes, model_dir)
             except Exception as exc:  # one section's failure is recorded; the others still run
                 traceback.print_exc()

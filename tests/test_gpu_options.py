@@ -35,7 +35,7 @@ def test_defaults_are_valid_and_give_engine_arguments():
     ctx = SimpleNamespace(rank=1, world_size=2, local_rank=1, local_world_size=2, device=torch.device("cpu"))
     hf = engine_kwargs(cfg.rollout, ctx, model_path="m", tokenizer="tok", seed=42)
     assert hf == {"path": "m", "tokenizer": "tok", "device": torch.device("cpu"), "dtype": None,
-                  "max_batch_size": cfg.rollout.max_batch_size, "seed": 43, "lora": None}
+                  "max_batch_size": cfg.rollout.max_batch_size, "static_cache": None, "seed": 43, "lora": None}
     cfg = load(["rollout.engine=sglang", "rollout.tp_size=2", "rollout.gpu_memory_utilization=0.6",
                 "rollout.bucket_size_mb=256", "+rollout.sglang_kwargs.context_length=4096"])
     validate(cfg, world_size=2)
@@ -58,6 +58,7 @@ def test_defaults_are_valid_and_give_engine_arguments():
     (["rollout.sglang_kwargs=5"], "rollout.sglang_kwargs.*mapping"),
     (["actor.use_liger_kernel=yes"], "actor.use_liger_kernel.*true or false"),
     (["rollout.offload_weights=1"], "rollout.offload_weights.*true or false"),
+    (["rollout.static_cache=auto"], "rollout.static_cache.*true, false or null"),
 ])
 def test_bad_gpu_keys_fail_with_the_key_name(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):

@@ -22,13 +22,22 @@ def test_gpu_suite_tiny_runs_every_section(tmp_path):
     # the gpu-marked tests were found and, without CUDA, skipped
     assert s["tests"]["files"] and s["tests"]["skipped"] >= 2 and s["tests"]["passed"] == 0
     assert s["demo"]["test_reward"] and all(0.0 <= r <= 1.0 for _, r in s["demo"]["test_reward"])
-    for row in s["decode"]["batches"]:
+    # the static-cache path at every batch (on CPU without graphs), then the dynamic one at the largest
+    decode = s["decode"]["batches"]
+    assert [(r["path"], r["batch"]) for r in decode] == (
+        [("static", b) for b in result["shapes"]["decode_batches"]] + [("dynamic", result["shapes"]["decode_batches"][-1])])
+    for row in decode:
         assert row["tokens"] == row["batch"] * row["new_tokens"]  # ignore_eos: every row runs to the end
-        assert 0 < row["fraction_of_bound"] and row["tokens_per_s"] > 0
+        assert 0 < row["fraction_of_bound"] and row["tokens_per_s"] > 0 and row["cuda_graphs"] == 0
     for row in s["mfu"]["micro_batches"]:
         assert 0 < row["mfu"] < 1.5 and row["seconds"] > 0
-    assert [m["tokens"] for m in s["mfu"]["micro_batches"]] == result["shapes"]["mfu_tokens"]
-    assert s["push"]["s_per_billion"] > 0 and s["push"]["params"] > 0
+    # the plain LM head at each size, then the fused one
+    assert [(m["lm_head"], m["tokens"]) for m in s["mfu"]["micro_batches"]] == [
+        (head, t) for head in ("plain", "fused") for t in result["shapes"]["mfu_tokens"]]
+    assert s["push"]["s_per_billion"] > 0 and s["push"]["s_per_billion_unverified"] > 0 and s["push"]["params"] > 0
+    for name in ("decode_profile.txt", f"mfu_profile_{max(result['shapes']['mfu_tokens'])}_fused.txt",
+                 "push_profile_verify_True.txt"):
+        assert "Self CPU" in (tmp_path / name).read_text()  # the profiles the GPU run is read by
     assert s["step"]["steps"] == 3 and s["step"]["time/step_s"] > 0 and "time/rollout_s" in s["step"]
     table = (tmp_path / "gpu_suite.md").read_text()
     assert result["device"]["device"] in table and "FAILED" not in table

@@ -75,6 +75,7 @@ def engine_kwargs(rollout: DictConfig, ctx: Any, *, model_path: str, tokenizer: 
         "device": ctx.device,
         "dtype": rollout.dtype,  # None: bfloat16 on CUDA, float32 on CPU
         "max_batch_size": rollout.max_batch_size,
+        "static_cache": rollout.get("static_cache"),  # None: on CUDA (train/engines/static_decode.py)
         "seed": seed + ctx.rank,
         "lora": lora,  # the actor's LoRA layers (None: a full model); pushes then send adapters only
     }

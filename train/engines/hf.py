@@ -26,8 +26,11 @@ On CUDA (docs/gpu.md):
   at `wake()`.
 - A pushed tensor that already is the engine's storage (an engine sharing its weights with the
   trainer: same device, dtype and memory) is not copied at all.
-- The cache stays a `DynamicCache` with finished rows evicted: a static (CUDA-graph) cache has a
-  fixed batch, so it would keep decoding finished rows, which is what eviction saves.
+- Decoding runs over a preallocated KV cache with CUDA graphs (`static_cache`,
+  train/engines/static_decode.py): an eager step is bound by Python launching its kernels. Rows
+  are padded to power-of-two buckets and finished rows leave when the live ones fit a smaller one;
+  the `DynamicCache` path (finished rows evicted at once) remains for CPU, for models with
+  sliding-window or other special cache layers, and when the buffers would not fit.
 - `stats["generated_tokens"] / stats["generation_seconds"]` is the decode throughput
   (`tokens_per_second()`); benchmarks/hf_engine_throughput.py measures it.
 """
@@ -47,6 +50,8 @@ import torch
 from transformers import DynamicCache
 
 from train.engines.base import Generation, SamplingParams
+from train.engines.static_decode import (StaticDecoder, column_bucket, install_grouped_decode_attention, row_bucket,
+                                         supports_static_decode)
 from train.utils.checksum import tensor_checksum
 
 
@@ -87,11 +92,15 @@ class HFEngine:
         seed: int = 0,
         copy_model: bool = True,
         share_prefill: bool = True,
+        static_cache: bool | None = None,
     ) -> None:
         """`model` is copied (unless `copy_model=False`) so training the caller's model never
         changes the engine's weights behind its back; only `update_weights` does. `tokenizer` is
         only used to decode responses for stop strings and may be None when none are used.
-        `share_prefill`: requests of a batch with the same prompt (a GRPO group) share one prefill."""
+        `share_prefill`: requests of a batch with the same prompt (a GRPO group) share one prefill.
+        `static_cache` (train/engines/static_decode.py): decode over a preallocated KV cache, with
+        CUDA graphs on GPU; None = on CUDA for models whose layers all use full attention, False =
+        always the dynamic cache, True = also on CPU (no graphs there; tests compare the two paths)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = copy.deepcopy(model) if copy_model else model
@@ -105,6 +114,13 @@ class HFEngine:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_batch_size = int(max_batch_size)
         self.share_prefill = share_prefill
+        if static_cache is None:
+            static_cache = self.device.type == "cuda"
+        self.static_cache = bool(static_cache) and supports_static_decode(self.model)
+        if self.static_cache:
+            install_grouped_decode_attention(self.model)
+        self._static: StaticDecoder | None = None  # kept across batches while its shapes fit
+        self.static_error: str | None = None  # why the last static batch could not capture graphs
         config = getattr(self.model, "config", None)
         self.vocab_size: int | None = getattr(config, "vocab_size", None)
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
@@ -133,6 +149,8 @@ class HFEngine:
             "forward_rows": 0,
             "max_batch_rows": 0,
             "prefill_rows_shared": 0,  # requests whose prompt was prefilled once for several of them
+            "static_batches": 0,  # batches decoded over the preallocated cache (static_decode.py)
+            "cuda_graphs": 0,  # decode graphs captured
         }
 
     @classmethod
@@ -264,6 +282,7 @@ class HFEngine:
                 return
             self._asleep = True
             if self.device.type != "cpu":
+                self._static = None  # its KV buffers and graphs: captured again after waking
                 pin = self.device.type == "cuda"
                 with torch.no_grad():
                     for tensor in self._named_targets().values():
@@ -428,16 +447,30 @@ class HFEngine:
             self.stats["prefill_rows_shared"] += n - len(prefill)
         if any(sp.uses_penalties for sp in params):
             penalties = Penalties(prompts, params, logits.shape[-1], dev)
+        static = self._static_decoder(cache, n, width + max(budgets[i] for i in rows))
+        if static is not None:
+            static.start(cache, attention, next_pos)
+            del cache  # its rows now live in the decoder's buffers
+            captured = static.captures
+        uniforms = uniforms.to(dev)  # once: no host-to-device copy per step
+        live = None  # device index of the active rows (None: all of them)
+        flags = None  # (any row sampled, any row filtered) of the active rows
         while True:
             step = len(tokens[active[0]])  # every active row has sampled as many tokens
-            u = uniforms[active, step].to(dev) if len(active) < n else uniforms[:, step].to(dev)
+            u = uniforms[:, step] if live is None else uniforms[live, step]
             if penalties is not None:
                 logits = penalties.apply(logits)
-            tok, lp = sample_tokens(logits, temp, top_p, top_k, u, min_p)
+            if flags is None:  # per row on the host, so sampling never waits for the GPU to decide
+                flags = (any(params[j].temperature > 0 for j in active),
+                         any(params[j].top_p < 1 or 0 < params[j].top_k < logits.shape[-1] for j in active))
+            tok, lp = sample_tokens(logits, temp, top_p, top_k, u, min_p, any_sampled=flags[0], any_filtered=flags[1])
             if penalties is not None:
                 penalties.record(tok)
             keep: list[int] = []
-            for b, (j, t, l) in enumerate(zip(active, tok.tolist(), lp.tolist())):
+            # One device-to-host copy per step for both (token ids are exact in float64).
+            sampled_tok, sampled_lp = torch.stack((tok.double(), lp.double())).tolist()
+            for b, (j, t, l) in enumerate(zip(active, sampled_tok, sampled_lp)):
+                t = int(t)
                 tokens[j].append(t)
                 logprobs[j].append(l)
                 reason = self._finish_reason(tokens[j], params[j], budgets[rows[j]], stop_ids[j])
@@ -451,13 +484,24 @@ class HFEngine:
             if len(keep) < len(active):
                 # Drop finished rows so they cost nothing from here on.
                 idx = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(idx)
-                attention, next_pos, tok = attention[idx], next_pos[idx], tok[idx]
+                if static is not None:
+                    static.select(idx)
+                else:
+                    cache.batch_select_indices(idx)
+                    attention, next_pos = attention[idx], next_pos[idx]
+                tok = tok[idx]
                 temp, top_p, top_k = temp[idx], top_p[idx], top_k[idx]
                 min_p = min_p[idx] if min_p is not None else None
                 if penalties is not None:
                     penalties.select(idx)
                 active = [active[b] for b in keep]
+                live = torch.tensor(active, device=dev)
+                flags = None
+            if static is not None:
+                logits = static.step(tok)
+                self.stats["forward_passes"] += 1
+                self.stats["forward_rows"] += static.bucket
+                continue
             attention = torch.cat([attention, attention.new_ones(len(active), 1)], dim=1)
             logits = self._forward(
                 input_ids=tok[:, None],
@@ -466,7 +510,35 @@ class HFEngine:
                 **{self._cache_arg: cache},
             )
             next_pos = next_pos + 1
+        if static is not None:
+            self.stats["cuda_graphs"] += static.captures - captured
+            self.static_error = static.capture_error
         return results  # type: ignore[return-value]
+
+    def _static_decoder(self, prefill: DynamicCache, rows: int, columns: int) -> StaticDecoder | None:
+        """The engine's static decoder, (re)built to hold `rows` x `columns`; None where this batch
+        takes the dynamic path (option off, or its buffers would take over half the free GPU memory)."""
+        if not self.static_cache:
+            return None
+        weights_key = tuple(t.data_ptr() for t in self._named_targets().values())
+        old = self._static
+        if old is not None and old.fits(rows, columns) and old.weights_key == weights_key:
+            self.stats["static_batches"] += 1
+            return old
+        self._static = None  # graphs of moved weights or smaller shapes: dropped
+        rows = max(row_bucket(rows), old.rows if old is not None else 0)
+        columns = max(column_bucket(columns), old.columns if old is not None else 0)
+        kv_shapes = [(layer.keys.shape[1], layer.keys.shape[3]) for layer in prefill.layers]
+        dtype = prefill.layers[0].keys.dtype
+        need = rows * columns * sum(2 * h * d for h, d in kv_shapes) * dtype.itemsize
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if need > free / 2:
+                return None
+        self._static = StaticDecoder(self.model, self._cache_arg, self._logits_to_keep, rows, columns, kv_shapes,
+                                     dtype, self.device, self.device.type == "cuda", weights_key)
+        self.stats["static_batches"] += 1
+        return self._static
 
     def _uniforms(self, params: list[SamplingParams], budgets: list[int]) -> torch.Tensor:
         """[rows, longest budget] uniforms in (0, 1]: entry t is what the row's t-th token draws."""
@@ -559,6 +631,9 @@ def sample_tokens(
     top_k: torch.Tensor,
     uniforms: torch.Tensor,
     min_p: torch.Tensor | None = None,
+    *,
+    any_sampled: bool | None = None,
+    any_filtered: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return (tokens, log-probs of those tokens).
 
@@ -567,21 +642,24 @@ def sample_tokens(
     from the full distribution at the row's temperature (T = 1 for greedy rows), which is what a
     trainer recomputes from `log_softmax(logits / T)`; truncation (top-p, top-k, min-p) is not
     renormalised into it. Penalties, when used, are already applied to `logits`.
+
+    `any_sampled` (some row has temperature > 0) and `any_filtered` (some row has top-p < 1 or
+    0 < top-k < vocab), when the caller knows them, spare the device-to-host reads that would
+    otherwise decide them (each one waits for the GPU).
     """
     logits = logits.float()
     greedy = temperature <= 0
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
     logp = torch.log_softmax(logits / scale[:, None], dim=-1)
     chosen = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
+    if any_sampled if any_sampled is not None else not bool(greedy.all()):
         probs = logp.exp()
         vocab = probs.shape[-1]
         if min_p is not None and bool((min_p > 0).any()):
             floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
             probs = torch.where(probs >= floor, probs, torch.zeros((), dtype=probs.dtype, device=probs.device))
             probs = probs / probs.sum(dim=-1, keepdim=True)  # top-p then sees the truncated distribution
-        filtered = (top_p < 1) | ((top_k > 0) & (top_k < vocab))
-        if bool(filtered.any()):
+        if any_filtered if any_filtered is not None else bool(((top_p < 1) | ((top_k > 0) & (top_k < vocab))).any()):
             probs, order = probs.sort(dim=-1, descending=True)
             rank = torch.arange(vocab, device=probs.device)
             mass_before = probs.cumsum(-1) - probs

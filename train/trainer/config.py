@@ -535,7 +535,7 @@ def _validate_lora(cfg: DictConfig) -> None:
 
 def _validate_gpu_keys(cfg: DictConfig, world_size: int) -> None:
     """rollout.dtype/tp_size/gpu_memory_utilization/bucket_size_mb/base_port/offload_weights/
-    sglang_kwargs and actor.use_liger_kernel (docs/gpu.md). Absent keys keep their defaults."""
+    sglang_kwargs/static_cache and actor.use_liger_kernel (docs/gpu.md). Absent keys keep their defaults."""
     if _get(cfg, "rollout.dtype") is not None:
         _choice(cfg, "rollout.dtype", ("bfloat16", "float32", "float16"))
     _positive_int(cfg, "rollout.tp_size", allow_none=True)
@@ -559,6 +559,9 @@ def _validate_gpu_keys(cfg: DictConfig, world_size: int) -> None:
     offload = _get(cfg, "rollout.offload_weights")
     if offload is not None and not isinstance(offload, bool):
         _fail("rollout.offload_weights", f"expected true or false, got {offload!r}", "rollout.offload_weights=true")
+    static = _get(cfg, "rollout.static_cache")
+    if static is not None and not isinstance(static, bool):
+        _fail("rollout.static_cache", f"expected true, false or null, got {static!r}", "rollout.static_cache=false")
     liger = _get(cfg, "actor.use_liger_kernel")
     if liger is not None and not isinstance(liger, bool):
         _fail("actor.use_liger_kernel", f"expected true or false, got {liger!r}", "actor.use_liger_kernel=true")

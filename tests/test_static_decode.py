@@ -1,0 +1,158 @@
+"""The hf engine's static-cache decoding (train/engines/static_decode.py) against its dynamic path.
+
+On CPU the static path runs without CUDA graphs (`static_cache=True`), so the buffers, masks,
+column writes, row buckets and compaction are checked here against the `DynamicCache` path on the
+same requests: the same tokens and the same log-probs. On a GPU the same comparison runs with the
+graphs captured and replayed (marked `gpu`)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from train.engines.base import SamplingParams
+from train.engines.hf import HFEngine
+from train.engines.static_decode import COLUMN_BLOCK, column_bucket, row_bucket, supports_static_decode
+
+VOCAB = 100
+
+
+def llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # sharp logits: no near-ties between the two paths
+    return model
+
+
+def qwen2(seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
+                         tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(4.0)
+    return model
+
+
+def requests(seed: int = 1) -> list[tuple[list[int], SamplingParams]]:
+    """Groups sharing a prompt (shared prefill), ragged prompt lengths (left padding), budgets from
+    3 to 40 tokens and an EOS token, so rows finish at many different steps (compaction), greedy,
+    seeded and sampled rows, top-p/top-k and a repetition penalty."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(9):
+        prompt = torch.randint(3, VOCAB, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        for j in range(4):
+            sp = SamplingParams(max_new_tokens=3 + (7 * i + 5 * j) % 38, temperature=(0.0 if i % 3 == 0 else 1.0),
+                                top_p=0.9 if i == 4 else 1.0, top_k=20 if i == 5 else 0,
+                                repetition_penalty=1.3 if i == 7 else 1.0, seed=100 * i + j if i % 2 else None)
+            out.append((prompt, sp))
+    return out
+
+
+def generate(engine: HFEngine, reqs):
+    async def main():
+        return await asyncio.gather(*(engine.generate(p, sp) for p, sp in reqs))
+
+    return asyncio.run(main())
+
+
+def compare(model, device: str = "cpu", rounds: int = 2):
+    dynamic = HFEngine(model, eos_token_ids=[2], device=device, static_cache=False, seed=5)
+    static = HFEngine(model, eos_token_ids=[2], device=device, static_cache=True, seed=5)
+    assert static.static_cache and not dynamic.static_cache
+    for r in range(rounds):  # the second round reuses the decoder's buffers (and graphs on GPU)
+        reqs = requests(seed=r + 1)
+        want, got = generate(dynamic, reqs), generate(static, reqs)
+        assert [g.finish_reason for g in got] == [w.finish_reason for w in want]
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=2e-4)
+        assert {len(g.token_ids) for g in got} >= {3, 10}  # rows really finished at different steps
+    assert static.stats["static_batches"] == rounds and dynamic.stats["static_batches"] == 0
+    return static
+
+
+@pytest.mark.parametrize("make", [llama, qwen2], ids=["llama", "qwen2-gqa-tied"])
+def test_static_decoding_matches_the_dynamic_path_on_cpu(make) -> None:
+    engine = compare(make())
+    decoder = engine._static
+    assert decoder is not None and decoder.compactions > 0  # finished rows were moved out
+    assert engine.stats["cuda_graphs"] == 0  # no graphs on CPU
+    assert decoder.rows == row_bucket(36) and decoder.columns % COLUMN_BLOCK == 0
+
+
+def test_buckets() -> None:
+    assert [row_bucket(n) for n in (1, 2, 3, 4, 5, 64, 65, 256)] == [1, 2, 4, 4, 8, 64, 128, 256]
+    assert column_bucket(1) == COLUMN_BLOCK and column_bucket(COLUMN_BLOCK + 1) == 2 * COLUMN_BLOCK
+    assert column_bucket(COLUMN_BLOCK + 1, limit=COLUMN_BLOCK + 7) == COLUMN_BLOCK + 7
+
+
+def test_static_decoding_is_off_on_cpu_by_default_and_for_sliding_window_models() -> None:
+    assert not HFEngine(llama(), eos_token_ids=[2]).static_cache  # CPU default: the dynamic path
+    assert supports_static_decode(llama())
+    torch.manual_seed(0)
+    sliding = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
+                                           sliding_window=8, max_window_layers=0))
+    assert not supports_static_decode(sliding)
+    assert not HFEngine(sliding, eos_token_ids=[2], static_cache=True).static_cache
+
+
+def test_a_weight_push_keeps_the_decoder_and_a_moved_weight_drops_it() -> None:
+    model = llama()
+    engine = HFEngine(model, eos_token_ids=[2], static_cache=True)
+    reqs = requests()[:8]
+    generate(engine, reqs)
+    first = engine._static
+    engine.update_weights({n: p.detach() * 0.5 for n, p in model.named_parameters()})  # copies in place
+    generate(engine, reqs)
+    assert engine._static is first
+    with torch.no_grad():
+        layer = engine.model.model.layers[0].mlp.up_proj
+        layer.weight.data = layer.weight.data.clone()  # new storage: captured graphs would read the old
+    generate(engine, reqs)
+    assert engine._static is not first
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+@pytest.mark.parametrize("make", [llama, qwen2], ids=["llama", "qwen2-gqa-tied"])
+def test_cuda_graph_decoding_matches_the_dynamic_path(make) -> None:
+    engine = compare(make(), device="cuda")  # float32 weights: the two paths agree to rounding
+    assert engine.static_error is None and engine.stats["cuda_graphs"] > 0
+
+
+def test_grouped_decode_attention_against_a_float64_reference() -> None:
+    """One-token queries, 6 query heads over 2 key/value heads, an additive padding mask: each query
+    head h attends with key/value head h // 3, as softmax(q k^T * scale + mask) v."""
+    from train.engines.static_decode import grouped_decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, length, dim = 3, 6, 2, 9, 8
+    q, k, v = (torch.randn(*shape, generator=g) for shape in
+               ((b, heads, 1, dim), (b, kv_heads, length, dim), (b, kv_heads, length, dim)))
+    mask = torch.zeros(b, 1, 1, length)
+    mask[0, ..., :4] = torch.finfo(torch.float32).min  # row 0: four padding columns
+    out, _ = grouped_decode_attention(torch.nn.Module(), q, k, v, mask, scaling=0.3)
+    assert out.shape == (b, 1, heads, dim)  # transformers' layout: [batch, query, heads, dim]
+    for row in range(b):
+        for h in range(heads):
+            kh = h // (heads // kv_heads)
+            scores = (k[row, kh].double() @ q[row, h, 0].double()) * 0.3 + mask[row, 0, 0].double()
+            want = torch.softmax(scores, dim=0) @ v[row, kh].double()
+            torch.testing.assert_close(out[row, 0, h].double(), want, rtol=0, atol=1e-5)
+
+
+def test_the_static_engine_uses_grouped_decode_attention() -> None:
+    from train.engines.static_decode import DECODE_ATTENTION
+
+    engine = HFEngine(llama(), eos_token_ids=[2], static_cache=True)
+    assert engine.model.config._attn_implementation == DECODE_ATTENTION
+    assert HFEngine(llama(), eos_token_ids=[2]).model.config._attn_implementation == "sdpa"
