@@ -1,7 +1,8 @@
-"""Does one-step-off training learn as fast per step, and per second? The stub demo, synchronous
-against `rollout.max_staleness=1`, one run each, on this machine.
+"""Does training on stale rollouts learn as fast per step, and per second? The stub demo, synchronous
+against `rollout.max_staleness=1` (and any other `--staleness`), one run each, on this machine.
 
     .venv/bin/python benchmarks/async_learning.py                       # 2 ranks, 300 steps, eval every 25
+    .venv/bin/python benchmarks/async_learning.py --staleness 0 1 2     # also two versions old
     .venv/bin/python benchmarks/async_learning.py --nproc 1 --target 0.6 --png runs/async_learning.png
 
 Reported per run: the greedy test reward (256 test rows) every `--test-freq` steps, the first step
@@ -33,10 +34,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--png", default=None)
+    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1], help="rollout.max_staleness values to run")
     args = p.parse_args()
     curves = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for staleness in (0, 1):
+        for staleness in args.staleness:
             curves[staleness] = test_curve(run(args, Path(tmp) / f"s{staleness}", staleness))
     print(f"stub demo, {args.nproc} rank(s), seed {args.seed}, greedy test reward every {args.test_freq} steps")
     print("| max_staleness | step s (mean) | first step >= target | training s to target | final test reward |")

@@ -1,4 +1,4 @@
-"""One-step-off rollouts (rollout.max_staleness=1, issue 17): the staleness bound, version tags,
+"""Rollouts ahead of the update (rollout.max_staleness=1 and 2, issue 17): the staleness bound, version tags,
 importance sampling against the sampler's log-probs, exact resume (also across an epoch boundary and
 onto another world size without losing or repeating prompts), and waits that time out with a message."""
 import threading
@@ -37,17 +37,22 @@ def test_a_stuck_rollout_side_times_out_naming_the_step():
     prefetch.close()
 
 
-def test_the_prefetcher_hands_over_each_step_once():
+def test_the_prefetcher_hands_over_each_step_once_in_order():
     prefetch = RolloutPrefetcher(fake_rollout, timeout_s=10)
     assert prefetch.take(1) is None  # nothing prepared: the trainer rolls out itself
     prefetch.start(2)
-    with pytest.raises(RuntimeError, match="while step 2's is not taken"):
+    with pytest.raises(RuntimeError, match="while step 2's is in flight"):
         prefetch.start(3)
-    assert prefetch.pending().step == 2  # what a checkpoint keeps (drained)
+    assert [r.step for r in prefetch.pending()] == [2]  # what a checkpoint keeps (drained)
+    prefetch.start(3)  # several finished rollouts queue up (rollout.max_staleness > 1)
+    assert prefetch.queued() == [2, 3]
     with pytest.raises(RuntimeError, match="step 2's, step 3 asked"):
         prefetch.take(3)
-    prefetch.restore(fake_rollout(4))
-    assert prefetch.take(4).step == 4 and prefetch.take(5) is None
+    assert prefetch.take(2).step == 2 and prefetch.take(3).step == 3 and prefetch.take(4) is None
+    prefetch.restore([fake_rollout(4), fake_rollout(5)])
+    with pytest.raises(RuntimeError, match="started after step 5's"):
+        prefetch.start(7)
+    assert prefetch.take(4).step == 4 and prefetch.take(5).step == 5 and prefetch.take(6) is None
     assert staleness([[3, 4], [4], []], 4) == [1, 0, 0]
     prefetch.close()
 
@@ -112,11 +117,62 @@ def test_async_resume_on_another_world_size_rolls_the_pending_prompts_out_again(
     assert metrics[4]["async/staleness_max"] == 0.0  # rolled out again with the resumed weights
 
 
-def test_staleness_beyond_one_is_refused():
+@pytest.fixture(scope="module")
+def two_off_run(tmp_path_factory, small_data):
+    """6 steps at staleness 2 on 1 rank over 2.4 epochs, checkpoints at 3 and 6."""
+    run = tmp_path_factory.mktemp("async2")
+    run_trainer([f"trainer.save_dir={run}", f"data.train_data_path={small_data}", "trainer.total_steps=6",
+                 "trainer.save_freq=3", *ASYNC, "rollout.max_staleness=2"], nproc=1)
+    return run
+
+
+def test_staleness_two_samples_are_two_versions_old(two_off_run):
+    """Step M's rollout ran during step M-2 with the weights of step M-3: steps 1 and 2 are rolled
+    out with the start weights (0 and 1 version old), every later step exactly 2 versions old."""
+    metrics = {m["step"]: m for m in read_jsonl(two_off_run / "metrics.jsonl")}
+    assert [metrics[s]["async/staleness_max"] for s in range(1, 7)] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    samples = [e for e in read_jsonl(two_off_run / "trajectories.jsonl") if e["type"] == "sample"]
+    assert samples and all(s["turn_versions"] == [max(s["step"] - 3, 0)] * s["n_turns"] for s in samples)
+    assert all("actor/tis_clipped" in metrics[s] for s in range(1, 7))
+
+
+def test_staleness_two_resume_is_exact_and_keeps_both_pending_rollouts(two_off_run, small_data, tmp_path):
+    """The step-3 checkpoint holds the finished rollouts of steps 4 and 5; 3 + resume + 3 steps give
+    the weights of 6 straight bit for bit, with the same prompts at every step (across epochs)."""
+    import torch
+
+    state = torch.load(two_off_run / "step3" / "trainer_state.pt", weights_only=False)
+    assert state["pending_rollout"]["steps"] == [4, 5] and state["pending_rollout"]["max_staleness"] == 2
+    resumed = tmp_path / "resumed2"
+    run_trainer([f"trainer.save_dir={resumed}", f"data.train_data_path={small_data}", "trainer.total_steps=6",
+                 "trainer.save_freq=3", f"trainer.load_ckpt_from={two_off_run / 'step3'}", *ASYNC,
+                 "rollout.max_staleness=2"], nproc=1)
+    assert_same(consolidate(str(two_off_run / "step6")), consolidate(str(resumed / "step6")))
+    straight, again = prompts_by_step(two_off_run), prompts_by_step(resumed)
+    assert sorted(again) == [4, 5, 6] and all(again[s] == straight[s] for s in (4, 5, 6))
+    metrics = {m["step"]: m for m in read_jsonl(resumed / "metrics.jsonl")}
+    assert [metrics[s]["async/staleness_max"] for s in (4, 5, 6)] == [2.0, 2.0, 2.0]  # trained as generated
+
+
+def test_a_resume_at_another_staleness_rolls_the_pending_prompts_out_again(two_off_run, small_data, tmp_path):
+    """Rollouts queued at staleness 2 would be too old for a staleness-1 run: their prompts are drawn
+    again with the resumed weights; none is lost or repeated."""
+    resumed = tmp_path / "one_off"
+    run_trainer([f"trainer.save_dir={resumed}", f"data.train_data_path={small_data}", "trainer.total_steps=5",
+                 f"trainer.load_ckpt_from={two_off_run / 'step3'}", *ASYNC], nproc=1)
+    straight, again = prompts_by_step(two_off_run), prompts_by_step(resumed)
+    assert sorted(again) == [4, 5] and again[4] == straight[4] and again[5] == straight[5]
+    metrics = {m["step"]: m for m in read_jsonl(resumed / "metrics.jsonl")}
+    assert metrics[4]["async/staleness_max"] == 0.0 and metrics[5]["async/staleness_max"] == 1.0
+
+
+def test_bad_staleness_is_refused():
     from conftest import stub_config
     from train.trainer.config import ConfigError, validate
 
-    with pytest.raises(ConfigError, match="rollout.max_staleness"):
-        validate(stub_config(["rollout.max_staleness=2"]))
+    for bad in ("-1", "1.5", "true"):
+        with pytest.raises(ConfigError, match="rollout.max_staleness.*integer >= 0"):
+            validate(stub_config([f"rollout.max_staleness={bad}"]))
+    validate(stub_config(["rollout.max_staleness=3"]))
     with pytest.raises(ConfigError, match="dynamic_sampling"):
-        validate(stub_config(["rollout.max_staleness=1", "rollout.dynamic_sampling=true"]))
+        validate(stub_config(["rollout.max_staleness=2", "rollout.dynamic_sampling=true"]))

@@ -173,8 +173,8 @@ class StaticDecoder:
         if row_bucket(live) >= self.bucket:
             return
         used = self.next_column
-        for buf in self.keys + self.values:
-            buf[:live, :, :used] = buf.index_select(0, self.slots)[:, :, :used]
+        for buf in self.keys + self.values:  # only the columns written so far
+            buf[:live, :, :used] = buf[:, :, :used].index_select(0, self.slots)
         self.mask[:live] = self.mask.index_select(0, self.slots)
         self.positions[:live] = self.positions.index_select(0, self.slots)
         self.slots = torch.arange(live, device=self.device)

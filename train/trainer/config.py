@@ -202,12 +202,12 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     _number(cfg, "rollout.async_timeout_s", 0.0, low_open=True, example="rollout.async_timeout_s=1800")
     _validate_curriculum(cfg)
     staleness = _get(cfg, "rollout.max_staleness")
-    if isinstance(staleness, bool) or staleness not in (0, 1):
-        _fail("rollout.max_staleness", f"expected 0 (synchronous) or 1 (the next step's rollout overlaps this step's "
-              f"update), got {staleness!r}; more steps of staleness are not implemented", "rollout.max_staleness=1")
+    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+        _fail("rollout.max_staleness", f"expected an integer >= 0 (0: synchronous; k: step N+k's rollout overlaps "
+              f"step N's update, samples k weight versions old), got {staleness!r}", "rollout.max_staleness=1")
     if staleness and _get(cfg, "rollout.dynamic_sampling"):
-        _fail("rollout.max_staleness", "1 cannot be combined with rollout.dynamic_sampling=true (its refill rounds "
-              "need all ranks between the rollout and the update)", "rollout.max_staleness=0")
+        _fail("rollout.max_staleness", f"{staleness} cannot be combined with rollout.dynamic_sampling=true (its refill "
+              "rounds need all ranks between the rollout and the update)", "rollout.max_staleness=0")
     for key in ("trainer.async_save", "trainer.save_on_signal", "trainer.overwrite", "trainer.verify_push",
                 "actor.share_prompt"):
         if not isinstance(_get(cfg, key), bool):

@@ -174,7 +174,7 @@ class Trainer:
         self.test_history: list[tuple[int, float]] = []
         self.checkpointer = ckpt.Checkpointer(cfg.trainer.save_dir, ctx, async_save=cfg.trainer.async_save,
                                               keep_last_n=cfg.trainer.keep_last_n)
-        # rollout.max_staleness=1: the next step's rollout runs while this one trains (train/trainer/prefetch.py).
+        # rollout.max_staleness=k: step N+k's rollout runs while step N trains (train/trainer/prefetch.py).
         self.prefetch = (RolloutPrefetcher(self._rollout, cfg.rollout.async_timeout_s)
                          if cfg.rollout.max_staleness > 0 else None)
         resumed = self._maybe_resume()
@@ -252,12 +252,16 @@ class Trainer:
         if "curriculum" in state:
             self.curriculum.load_state_dict(state["curriculum"])
         self.loader.load_state_dict(state["dataloader"])  # global: any world size resumes at the same prompts
-        pending = state.get("pending_rollout")  # an asynchronous run's finished, untrained next rollout
+        pending = state.get("pending_rollout")  # an asynchronous run's finished, untrained rollouts
         if pending is not None:
             mine = rank_state.get("pending_rollout") if rank_state is not None else None
-            if self.prefetch is not None and pending["world_size"] == self.ctx.world_size and mine is not None:
-                self.prefetch.restore(mine)  # trained as it was generated: bit-exact
-            else:  # another world size or a synchronous resume: its prompts are drawn and rolled out again
+            if isinstance(mine, StepRollout):  # saved before several could be pending
+                mine = [mine]
+            same = (pending["world_size"] == self.ctx.world_size
+                    and pending.get("max_staleness", 1) == self.cfg.rollout.max_staleness)
+            if self.prefetch is not None and same and mine:
+                self.prefetch.restore(mine)  # trained as they were generated: bit-exact
+            else:  # another world size or staleness, or a synchronous resume: those prompts are rolled out again
                 self.loader.load_state_dict(pending["loader_before"])
         if rank_state is not None:
             ckpt.set_rng_state(rank_state["rng"])
@@ -276,10 +280,11 @@ class Trainer:
         if self.ctx.is_main:
             self.curriculum.stats.dump(os.path.join(self.cfg.trainer.save_dir, "prompt_stats.jsonl"))
         rank_state = {"rng": ckpt.rng_state()}
-        pending = self.prefetch.pending() if self.prefetch is not None else None
-        if pending is not None:  # generated with the weights before this step's: kept, not regenerated
-            state["pending_rollout"] = {"step": pending.step, "world_size": self.ctx.world_size,
-                                        "loader_before": pending.loader_before}
+        pending = self.prefetch.pending() if self.prefetch is not None else []
+        if pending:  # generated with earlier weights: kept, not regenerated
+            state["pending_rollout"] = {"steps": [p.step for p in pending], "world_size": self.ctx.world_size,
+                                        "max_staleness": self.cfg.rollout.max_staleness,
+                                        "loader_before": pending[0].loader_before}
             rank_state["pending_rollout"] = pending
         path = self.checkpointer.save(step, self.workers, state, rank_state)
         self.log.event("checkpoint", step, {"path": path, "async": self.checkpointer.async_save})
@@ -371,7 +376,7 @@ class Trainer:
             first = self.prefetch.take(step) if self.prefetch is not None else None
             samples, _, kept, kept_r, metrics = self.collect(step, first or self._rollout(step))
         if self.prefetch is not None and step < self.total_steps:
-            self.prefetch.start(step + 1)  # with the weights of step - 1, while this step trains
+            self._roll_ahead(step)
         else:
             self.engine.sleep()  # free the engine's accelerator memory for the update (no-op on CPU)
         metrics.update(self._log_samples(step, samples))
@@ -410,12 +415,25 @@ class Trainer:
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
 
+    def _roll_ahead(self, step: int) -> None:
+        """Queue the rollouts of steps step+1 .. step+k: those missing below step+k (the first steps,
+        or a resume that kept none) are made now, with the current weights; step+k's starts in the
+        background, with the weights of step - 1, while this step trains."""
+        k = self.cfg.rollout.max_staleness
+        last = min(step + k, self.total_steps)
+        queued = set(self.prefetch.queued())
+        missing = [s for s in range(step + 1, last) if s not in queued]
+        if missing:
+            self.prefetch.restore(self.prefetch.pending() + [self._rollout(s) for s in missing])
+        if last not in queued:
+            self.prefetch.start(last)
+
     def _drain(self, metrics: dict[str, float]) -> float:
         """Wait for the prefetched rollout; log how long each side waited for the other."""
         with self.watchdog.phase("rollout drain"):
             start = time.monotonic()
             wait = self.prefetch.drain()
-            done = self.prefetch.pending()
+            done = self.prefetch.last_finished()
         metrics["async/trainer_wait_s"] = metrics.get("async/trainer_wait_s", 0.0) + wait
         if done is not None:  # the rollout side sat idle from its end until now
             metrics["async/rollout_idle_s"] = max(0.0, start - done.finished_at)
