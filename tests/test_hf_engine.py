@@ -180,6 +180,21 @@ def test_seed_independent_of_batch() -> None:
     assert different.token_ids != alone.token_ids
 
 
+def test_a_seeded_row_does_not_depend_on_other_rows_filtering() -> None:
+    """A seeded row without top-p/top-k/min-p samples the same tokens alone and next to rows that
+    filter (top-p, top-k, min-p): the filtered rows' truncation must not change its sampling."""
+    engine = HFEngine(tiny_model(), eos_token_ids=[])
+    target = prompts((6,))[0]
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0, seed=77)
+    alone = run_all(engine, [(target, sp)])[0]
+    for other in (SamplingParams(max_new_tokens=5, temperature=1.0, top_p=0.5),
+                  SamplingParams(max_new_tokens=30, temperature=1.0, top_k=3),
+                  SamplingParams(max_new_tokens=30, temperature=1.0, min_p=0.2)):
+        batched = run_all(engine, [(prompts((9,), seed=4)[0], other), (target, sp)])[1]
+        assert batched.token_ids == alone.token_ids, other
+        assert max(abs(a - b) for a, b in zip(batched.logprobs, alone.logprobs)) < 1e-5
+
+
 def test_concurrent_requests_are_batched() -> None:
     engine = HFEngine(tiny_model(), eos_token_ids=[], max_batch_size=3)
     ps = prompts((3, 4, 5, 6, 7, 8, 9))

@@ -156,3 +156,27 @@ def test_the_static_engine_uses_grouped_decode_attention() -> None:
     engine = HFEngine(llama(), eos_token_ids=[2], static_cache=True)
     assert engine.model.config._attn_implementation == DECODE_ATTENTION
     assert HFEngine(llama(), eos_token_ids=[2]).model.config._attn_implementation == "sdpa"
+
+
+def test_a_batch_larger_than_the_memory_limit_is_decoded_in_parts() -> None:
+    """With room for 8 rows of this batch's columns, 36 requests are decoded as 8 + 8 + 8 + 8 + 4;
+    seeded and greedy rows sample the same tokens as one dynamic batch. With room for no row at all,
+    the dynamic path decodes them."""
+    from train.engines.static_decode import kv_bytes_per_token
+
+    model = llama()
+    reqs = [(p, SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                               top_k=sp.top_k, repetition_penalty=sp.repetition_penalty,
+                               seed=sp.seed if sp.seed is not None else (None if sp.temperature == 0 else 7 + i)))
+            for i, (p, sp) in enumerate(requests())]
+    row = COLUMN_BLOCK * kv_bytes_per_token(model.config, torch.float32)  # every request fits one block
+    want = generate(HFEngine(model, eos_token_ids=[2], static_cache=False), reqs)
+    parts = HFEngine(model, eos_token_ids=[2], static_cache=True, static_cache_max_bytes=8 * row + row // 2)
+    got = generate(parts, reqs)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=2e-4)
+    assert parts.stats["static_parts"] == 5 and parts._static.rows == 8
+    none_fit = HFEngine(model, eos_token_ids=[2], static_cache=True, static_cache_max_bytes=row // 2)
+    assert [g.token_ids for g in generate(none_fit, reqs)] == [w.token_ids for w in want]
+    assert none_fit.stats["static_batches"] == 0 and none_fit._static is None

@@ -50,8 +50,8 @@ import torch
 from transformers import DynamicCache
 
 from train.engines.base import Generation, SamplingParams
-from train.engines.static_decode import (StaticDecoder, column_bucket, install_grouped_decode_attention, row_bucket,
-                                         supports_static_decode)
+from train.engines.static_decode import (StaticDecoder, column_bucket, install_grouped_decode_attention,
+                                         kv_bytes_per_token, row_bucket, supports_static_decode)
 from train.utils.checksum import tensor_checksum
 
 
@@ -93,6 +93,7 @@ class HFEngine:
         copy_model: bool = True,
         share_prefill: bool = True,
         static_cache: bool | None = None,
+        static_cache_max_bytes: int | None = None,
     ) -> None:
         """`model` is copied (unless `copy_model=False`) so training the caller's model never
         changes the engine's weights behind its back; only `update_weights` does. `tokenizer` is
@@ -100,7 +101,9 @@ class HFEngine:
         `share_prefill`: requests of a batch with the same prompt (a GRPO group) share one prefill.
         `static_cache` (train/engines/static_decode.py): decode over a preallocated KV cache, with
         CUDA graphs on GPU; None = on CUDA for models whose layers all use full attention, False =
-        always the dynamic cache, True = also on CPU (no graphs there; tests compare the two paths)."""
+        always the dynamic cache, True = also on CPU (no graphs there; tests compare the two paths).
+        `static_cache_max_bytes`: the most its KV buffers may take (None: half the free GPU memory;
+        no limit on CPU); a larger batch is decoded in consecutive parts that fit."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = copy.deepcopy(model) if copy_model else model
@@ -120,6 +123,7 @@ class HFEngine:
         if self.static_cache:
             install_grouped_decode_attention(self.model)
         self._static: StaticDecoder | None = None  # kept across batches while its shapes fit
+        self.static_cache_max_bytes = static_cache_max_bytes
         self.static_error: str | None = None  # why the last static batch could not capture graphs
         config = getattr(self.model, "config", None)
         self.vocab_size: int | None = getattr(config, "vocab_size", None)
@@ -151,6 +155,7 @@ class HFEngine:
             "prefill_rows_shared": 0,  # requests whose prompt was prefilled once for several of them
             "static_batches": 0,  # batches decoded over the preallocated cache (static_decode.py)
             "cuda_graphs": 0,  # decode graphs captured
+            "static_parts": 0,  # parts of batches split to fit the static buffers' memory
         }
 
     @classmethod
@@ -370,7 +375,7 @@ class HFEngine:
                 torch.cuda.set_device(self.device)  # per thread: this worker thread's default is cuda:0
             self._wake_locked()
             start = time.perf_counter()
-            results = self._decode(requests)
+            results = self._decode_in_parts(requests)
             self.stats["generation_seconds"] += time.perf_counter() - start
             self.stats["generated_tokens"] += sum(len(g.token_ids) for g in results)
             self.stats["requests"] += len(requests)
@@ -385,6 +390,38 @@ class HFEngine:
         self.stats["forward_passes"] += 1
         self.stats["forward_rows"] += logits.shape[0]
         return logits
+
+    def _decode_in_parts(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
+        """Static decoding keeps rows x columns of keys and values: a batch with more rows than its
+        memory allows is decoded in consecutive parts of a power-of-two size that fits (each far
+        faster than the dynamic path's eager steps). Seeded requests sample the same either way."""
+        rows = self._static_rows_that_fit(requests)
+        if rows is None or len(requests) <= rows:
+            return self._decode(requests)
+        self.stats["static_parts"] += -(-len(requests) // rows)
+        return [g for start in range(0, len(requests), rows) for g in self._decode(requests[start:start + rows])]
+
+    def _static_byte_limit(self) -> float | None:
+        """The most the static KV buffers may take: `static_cache_max_bytes`, else half the free GPU
+        memory (counting the current buffers as free); None on CPU (no limit)."""
+        if self.static_cache_max_bytes is not None:
+            return float(self.static_cache_max_bytes)
+        if self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return (free + (self._static.nbytes() if self._static is not None else 0)) / 2
+
+    def _static_rows_that_fit(self, requests: list[tuple[list[int], SamplingParams]]) -> int | None:
+        """How many rows of this batch's columns the static buffers can hold (a power of two); None
+        when the static path is off, unlimited, or cannot hold even one row."""
+        config = getattr(self.model, "config", None)
+        limit = self._static_byte_limit() if self.static_cache else None
+        if limit is None or config is None:
+            return None
+        columns = column_bucket(max(len(p) + sp.max_new_tokens for p, sp in requests))
+        per_row = columns * kv_bytes_per_token(config, self.dtype)
+        fit = int(limit // per_row)
+        return row_bucket(fit + 1) // 2 if fit >= 1 else None
 
     def _decode(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
         results: list[Generation | None] = [None] * len(requests)
@@ -517,7 +554,7 @@ class HFEngine:
 
     def _static_decoder(self, prefill: DynamicCache, rows: int, columns: int) -> StaticDecoder | None:
         """The engine's static decoder, (re)built to hold `rows` x `columns`; None where this batch
-        takes the dynamic path (option off, or its buffers would take over half the free GPU memory)."""
+        takes the dynamic path (option off, or its buffers would exceed `_static_byte_limit`)."""
         if not self.static_cache:
             return None
         weights_key = tuple(t.data_ptr() for t in self._named_targets().values())
@@ -525,16 +562,19 @@ class HFEngine:
         if old is not None and old.fits(rows, columns) and old.weights_key == weights_key:
             self.stats["static_batches"] += 1
             return old
-        self._static = None  # graphs of moved weights or smaller shapes: dropped
-        rows = max(row_bucket(rows), old.rows if old is not None else 0)
-        columns = max(column_bucket(columns), old.columns if old is not None else 0)
+        limit = self._static_byte_limit()
+        old_shape = (old.rows, old.columns) if old is not None else None
+        self._static = old = None  # graphs of moved weights or smaller shapes: dropped (and their memory)
         kv_shapes = [(layer.keys.shape[1], layer.keys.shape[3]) for layer in prefill.layers]
         dtype = prefill.layers[0].keys.dtype
-        need = rows * columns * sum(2 * h * d for h, d in kv_shapes) * dtype.itemsize
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            if need > free / 2:
-                return None
+        per_cell = sum(2 * h * d for h, d in kv_shapes) * dtype.itemsize  # one row, one column
+        rows, columns = row_bucket(rows), column_bucket(columns)
+        if old_shape is not None:  # grow to cover both shapes, so alternating batches keep one set of graphs
+            wider = (max(rows, old_shape[0]), max(columns, old_shape[1]))
+            if limit is None or wider[0] * wider[1] * per_cell <= limit:
+                rows, columns = wider
+        if limit is not None and rows * columns * per_cell > limit:
+            return None
         self._static = StaticDecoder(self.model, self._cache_arg, self._logits_to_keep, rows, columns, kv_shapes,
                                      dtype, self.device, self.device.type == "cuda", weights_key)
         self.stats["static_batches"] += 1
@@ -657,22 +697,23 @@ def sample_tokens(
         vocab = probs.shape[-1]
         if min_p is not None and bool((min_p > 0).any()):
             floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-            probs = torch.where(probs >= floor, probs, torch.zeros((), dtype=probs.dtype, device=probs.device))
-            probs = probs / probs.sum(dim=-1, keepdim=True)  # top-p then sees the truncated distribution
+            truncated = torch.where(probs >= floor, probs, torch.zeros((), dtype=probs.dtype, device=probs.device))
+            # Renormalised (top-p then sees the truncated distribution), on the rows that asked only:
+            # the others keep their values bit for bit, so their samples do not depend on the batch.
+            probs = torch.where(min_p[:, None] > 0, truncated / truncated.sum(dim=-1, keepdim=True), probs)
         if any_filtered if any_filtered is not None else bool(((top_p < 1) | ((top_k > 0) & (top_k < vocab))).any()):
-            probs, order = probs.sort(dim=-1, descending=True)
+            ranked, order = probs.sort(dim=-1, descending=True)
             rank = torch.arange(vocab, device=probs.device)
-            mass_before = probs.cumsum(-1) - probs
+            mass_before = ranked.cumsum(-1) - ranked
             keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
             keep &= (top_k[:, None] <= 0) | (rank < top_k[:, None])
             keep[:, 0] = True  # the most likely token always survives
-            probs = probs * keep
-        else:
-            order = None
+            # Back in vocabulary order: every row inverts the same ordering of its CDF, so a row
+            # without top-p/top-k samples the same token whether or not another row of its batch filters.
+            probs = torch.zeros_like(probs).scatter_(1, order, ranked * keep)
         cdf = probs.cumsum(-1)
         target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
-        pos = torch.searchsorted(cdf, target).clamp(max=vocab - 1)
-        sampled = (order.gather(1, pos) if order is not None else pos).squeeze(1)
+        sampled = torch.searchsorted(cdf, target).clamp(max=vocab - 1).squeeze(1)
         chosen = torch.where(greedy, chosen, sampled)
     return chosen, logp.gather(1, chosen[:, None]).squeeze(1)
 

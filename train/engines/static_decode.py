@@ -83,6 +83,14 @@ def install_grouped_decode_attention(model: torch.nn.Module) -> bool:
     return True
 
 
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token takes over all layers (the static buffers' row size per column)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+
+
 def supports_static_decode(model: torch.nn.Module) -> bool:
     """True when every layer of the model's cache is a plain full-attention `DynamicLayer` (no
     sliding window, linear or quantised layers: those keep the dynamic path)."""
