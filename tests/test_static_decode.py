@@ -180,3 +180,17 @@ def test_a_batch_larger_than_the_memory_limit_is_decoded_in_parts() -> None:
     none_fit = HFEngine(model, eos_token_ids=[2], static_cache=True, static_cache_max_bytes=row // 2)
     assert [g.token_ids for g in generate(none_fit, reqs)] == [w.token_ids for w in want]
     assert none_fit.stats["static_batches"] == 0 and none_fit._static is None
+
+
+def test_static_decoding_of_a_lora_engine_matches_the_dynamic_path() -> None:
+    """The engine of a LoRA run holds peft layers (train/workers/lora.py); with nonzero adapters the
+    static path samples what the dynamic one does."""
+    from train.workers.lora import LoraSettings, apply_lora
+
+    model = llama()
+    apply_lora(model, LoraSettings(rank=4, alpha=8.0))
+    with torch.no_grad():
+        for name, value in model.named_parameters():
+            if ".lora_B." in name:
+                value.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    compare(model, rounds=1)
