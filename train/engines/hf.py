@@ -30,7 +30,8 @@ On CUDA (docs/gpu.md):
   train/engines/static_decode.py): an eager step is bound by Python launching its kernels. Rows
   are padded to power-of-two buckets and finished rows leave when the live ones fit a smaller one;
   the `DynamicCache` path (finished rows evicted at once) remains for CPU, for models with
-  sliding-window or other special cache layers, and when the buffers would not fit.
+  sliding-window or other special cache layers, and when not even one row's buffers fit (a batch
+  larger than the buffers' memory limit is decoded in parts that fit).
 - `stats["generated_tokens"] / stats["generation_seconds"]` is the decode throughput
   (`tokens_per_second()`); benchmarks/hf_engine_throughput.py measures it.
 """
