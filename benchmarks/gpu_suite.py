@@ -410,9 +410,9 @@ def section_push(args, work: Path, info: dict, actor) -> dict:
                                       eos_token_ids=[])
     try:
         out = {}
+        params = sum(t.numel() for _, t in unique_state(actor.model))
         for verify in (True, False):  # trainer.verify_push on (the default) and off
             push = PolicySync(actor.model, engine, 512, None, {"actor": actor}, log=None, verify=verify)
-            params = sum(t.numel() for _, t in unique_state(actor.model))
             push.push()  # warm-up
             times = [push.push() for _ in range(3)]
             profiled(push.push, work / f"push_profile_verify_{verify}.txt")

@@ -16,6 +16,17 @@ ASYNC = ["rollout.max_staleness=1", "data.prompts_per_rollout=4", "data.response
          "rollout.dynamic_filtering=false", "trainer.test_freq=null", "trainer.log_samples=100"]
 
 
+def run_async(save, data, steps: int, *overrides: str, nproc: int = 1):
+    """`steps` asynchronous steps (the ASYNC settings, then `overrides`) on `data` into `save`."""
+    run_trainer([f"trainer.save_dir={save}", f"data.train_data_path={data}", f"trainer.total_steps={steps}", *ASYNC,
+                 *overrides], nproc=nproc)
+    return save
+
+
+def metrics_by_step(run) -> dict:
+    return {m["step"]: m for m in read_jsonl(run / "metrics.jsonl")}
+
+
 def fake_rollout(step: int) -> StepRollout:
     return StepRollout(step, [], [], [], 0.0, (0.0, 0.0), {"epoch": 0, "cursor": 0})
 
@@ -66,14 +77,11 @@ def small_data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory, small_data):
     """6 one-step-off steps on 2 ranks over 2.4 epochs, checkpoints at 3 and 6."""
-    run = tmp_path_factory.mktemp("async")
-    run_trainer([f"trainer.save_dir={run}", f"data.train_data_path={small_data}", "trainer.total_steps=6",
-                 "trainer.save_freq=3", *ASYNC], nproc=2)
-    return run
+    return run_async(tmp_path_factory.mktemp("async"), small_data, 6, "trainer.save_freq=3", nproc=2)
 
 
 def test_samples_are_one_version_old_and_importance_weighted(async_run):
-    metrics = {m["step"]: m for m in read_jsonl(async_run / "metrics.jsonl")}
+    metrics = metrics_by_step(async_run)
     assert sorted(metrics) == [1, 2, 3, 4, 5, 6]
     # Step 1 is rolled out with the start weights; every later step's rollout ran during the step
     # before and used that step's starting weights: exactly one version old, never more.
@@ -92,9 +100,8 @@ def test_samples_are_one_version_old_and_importance_weighted(async_run):
 def test_async_resume_is_exact_across_an_epoch_boundary(async_run, small_data, tmp_path):
     """3 steps + resume + 3 steps == 6 steps straight (weights and Adam moments bit for bit): the
     checkpoint holds step 4's finished rollout; no prompt is repeated or lost across epochs 1-2."""
-    resumed = tmp_path / "resumed"
-    run_trainer([f"trainer.save_dir={resumed}", f"data.train_data_path={small_data}", "trainer.total_steps=6",
-                 "trainer.save_freq=3", f"trainer.load_ckpt_from={async_run / 'step3'}", *ASYNC], nproc=2)
+    resumed = run_async(tmp_path / "resumed", small_data, 6, "trainer.save_freq=3",
+                        f"trainer.load_ckpt_from={async_run / 'step3'}", nproc=2)
     a, b = consolidate(str(async_run / "step6")), consolidate(str(resumed / "step6"))
     assert_same(a, b)
     assert any("exp_avg_sq" in k for k in _flatten(a["actor"]["optimizer"]))
@@ -108,28 +115,28 @@ def test_async_resume_is_exact_across_an_epoch_boundary(async_run, small_data, t
 def test_async_resume_on_another_world_size_rolls_the_pending_prompts_out_again(async_run, small_data, tmp_path):
     """The pending rollout belongs to the saving ranks; on 1 rank its prompts are drawn again (no
     prompt lost or repeated), with the resumed weights."""
-    resumed = tmp_path / "one_rank"
-    run_trainer([f"trainer.save_dir={resumed}", f"data.train_data_path={small_data}", "trainer.total_steps=5",
-                 f"trainer.load_ckpt_from={async_run / 'step3'}", *ASYNC], nproc=1)
-    straight, again = prompts_by_step(async_run), prompts_by_step(resumed)
+    resumed = run_async(tmp_path / "one_rank", small_data, 5, f"trainer.load_ckpt_from={async_run / 'step3'}")
+    assert_redrawn(async_run, resumed)
+    assert metrics_by_step(resumed)[4]["async/staleness_max"] == 0.0  # rolled out again with the resumed weights
+
+
+def assert_redrawn(straight_run, resumed) -> None:
+    """The resumed run (steps 4 and 5 after the step-3 checkpoint) trained on the prompts the straight
+    run trained on at those steps: none lost or repeated."""
+    straight, again = prompts_by_step(straight_run), prompts_by_step(resumed)
     assert sorted(again) == [4, 5] and again[4] == straight[4] and again[5] == straight[5]
-    metrics = {m["step"]: m for m in read_jsonl(resumed / "metrics.jsonl")}
-    assert metrics[4]["async/staleness_max"] == 0.0  # rolled out again with the resumed weights
 
 
 @pytest.fixture(scope="module")
 def two_off_run(tmp_path_factory, small_data):
     """6 steps at staleness 2 on 1 rank over 2.4 epochs, checkpoints at 3 and 6."""
-    run = tmp_path_factory.mktemp("async2")
-    run_trainer([f"trainer.save_dir={run}", f"data.train_data_path={small_data}", "trainer.total_steps=6",
-                 "trainer.save_freq=3", *ASYNC, "rollout.max_staleness=2"], nproc=1)
-    return run
+    return run_async(tmp_path_factory.mktemp("async2"), small_data, 6, "trainer.save_freq=3", "rollout.max_staleness=2")
 
 
 def test_staleness_two_samples_are_two_versions_old(two_off_run):
     """Step M's rollout ran during step M-2 with the weights of step M-3: steps 1 and 2 are rolled
     out with the start weights (0 and 1 version old), every later step exactly 2 versions old."""
-    metrics = {m["step"]: m for m in read_jsonl(two_off_run / "metrics.jsonl")}
+    metrics = metrics_by_step(two_off_run)
     assert [metrics[s]["async/staleness_max"] for s in range(1, 7)] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
     samples = [e for e in read_jsonl(two_off_run / "trajectories.jsonl") if e["type"] == "sample"]
     assert samples and all(s["turn_versions"] == [max(s["step"] - 3, 0)] * s["n_turns"] for s in samples)
@@ -143,26 +150,21 @@ def test_staleness_two_resume_is_exact_and_keeps_both_pending_rollouts(two_off_r
 
     state = torch.load(two_off_run / "step3" / "trainer_state.pt", weights_only=False)
     assert state["pending_rollout"]["steps"] == [4, 5] and state["pending_rollout"]["max_staleness"] == 2
-    resumed = tmp_path / "resumed2"
-    run_trainer([f"trainer.save_dir={resumed}", f"data.train_data_path={small_data}", "trainer.total_steps=6",
-                 "trainer.save_freq=3", f"trainer.load_ckpt_from={two_off_run / 'step3'}", *ASYNC,
-                 "rollout.max_staleness=2"], nproc=1)
+    resumed = run_async(tmp_path / "resumed2", small_data, 6, "trainer.save_freq=3",
+                        f"trainer.load_ckpt_from={two_off_run / 'step3'}", "rollout.max_staleness=2")
     assert_same(consolidate(str(two_off_run / "step6")), consolidate(str(resumed / "step6")))
     straight, again = prompts_by_step(two_off_run), prompts_by_step(resumed)
     assert sorted(again) == [4, 5, 6] and all(again[s] == straight[s] for s in (4, 5, 6))
-    metrics = {m["step"]: m for m in read_jsonl(resumed / "metrics.jsonl")}
+    metrics = metrics_by_step(resumed)
     assert [metrics[s]["async/staleness_max"] for s in (4, 5, 6)] == [2.0, 2.0, 2.0]  # trained as generated
 
 
 def test_a_resume_at_another_staleness_rolls_the_pending_prompts_out_again(two_off_run, small_data, tmp_path):
     """Rollouts queued at staleness 2 would be too old for a staleness-1 run: their prompts are drawn
     again with the resumed weights; none is lost or repeated."""
-    resumed = tmp_path / "one_off"
-    run_trainer([f"trainer.save_dir={resumed}", f"data.train_data_path={small_data}", "trainer.total_steps=5",
-                 f"trainer.load_ckpt_from={two_off_run / 'step3'}", *ASYNC], nproc=1)
-    straight, again = prompts_by_step(two_off_run), prompts_by_step(resumed)
-    assert sorted(again) == [4, 5] and again[4] == straight[4] and again[5] == straight[5]
-    metrics = {m["step"]: m for m in read_jsonl(resumed / "metrics.jsonl")}
+    resumed = run_async(tmp_path / "one_off", small_data, 5, f"trainer.load_ckpt_from={two_off_run / 'step3'}")
+    assert_redrawn(two_off_run, resumed)
+    metrics = metrics_by_step(resumed)
     assert metrics[4]["async/staleness_max"] == 0.0 and metrics[5]["async/staleness_max"] == 1.0
 
 
