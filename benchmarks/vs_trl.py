@@ -296,7 +296,9 @@ def torchrun(nproc: int) -> list[str]:
 
 def run_ours(a, work: Path, threads_per_proc: int) -> dict:
     save_dir = work / "ours"
-    cmd = torchrun(a.nproc) + [
+    if a.rollout_ranks:  # the same cores over more processes: trainer ranks and dedicated rollout ranks
+        threads_per_proc = max(1, a.threads // (a.nproc + a.rollout_ranks))
+    cmd = torchrun(a.nproc + a.rollout_ranks) + [
         "-m", "train.trainer.grpo", "--config-name", "stub",
         f"actor.model_name={a.model}", f"data.train_data_path={a.data}", f"rollout.env_path={a.env}",
         f"data.prompts_per_rollout={a.prompts}", f"data.responses_per_prompt={a.responses}",
@@ -311,7 +313,7 @@ def run_ours(a, work: Path, threads_per_proc: int) -> dict:
         f"data.test_data_path={a.test_data}", f"rollout.test_sampling_params.max_new_tokens={a.max_new_tokens}",
         f"rollout.max_staleness={a.max_staleness}", f"actor.share_prompt={a.share_prompt}", "trainer.save_freq=null",
         "trainer.progress_bar=false", f"trainer.save_dir={save_dir}", f"trainer.num_threads={threads_per_proc}",
-        f"trainer.seed={a.seed}",
+        f"trainer.seed={a.seed}", f"rollout.ranks={a.rollout_ranks}",
     ]
     wall, others = launch(cmd, offline_env(threads_per_proc), work / "ours.log", a.timeout)
     all_rows = [json.loads(l) for l in (save_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
@@ -469,6 +471,9 @@ def main() -> None:
     p.add_argument("--test-freq", type=int, default=25)
     p.add_argument("--target", type=float, default=0.6)
     p.add_argument("--max-staleness", type=int, default=0, help="ours: rollout.max_staleness")
+    p.add_argument("--rollout-ranks", type=int, default=0,
+                   help="ours: rollout.ranks (dedicated rollout processes besides --nproc trainer processes; "
+                        "--threads is then split over all of ours)")
     p.add_argument("--share-prompt", choices=["true", "false"], default="true",
                    help="ours: actor.share_prompt (each group's prompt laid out once in the training passes)")
     p.add_argument("--png", default=None, help="--learning-curve: test reward against training seconds, both trainers")
@@ -510,6 +515,7 @@ def main() -> None:
         "samples_per_step": samples, "max_new_tokens": a.max_new_tokens, "lr": a.lr,
         "max_grad_norm": a.max_grad_norm, "steps": a.steps, "warmup": a.warmup, "seed": a.seed,
         "nproc": a.nproc, "threads_per_proc": threads_per_proc, "OMP_NUM_THREADS": threads_per_proc,
+        "ours_max_staleness": a.max_staleness, "ours_rollout_ranks": a.rollout_ranks,
     }
     print("settings: " + " ".join(f"{k}={v}" for k, v in settings.items()), flush=True)
 

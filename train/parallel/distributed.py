@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from train.parallel.rollout_bridge import Bridge, WorldSplit, split_world
+
 
 @dataclass
 class DistContext:
@@ -23,12 +25,18 @@ class DistContext:
     local_rank: int
     local_world_size: int
     device: torch.device
-    mesh: DeviceMesh  # 1-D data-parallel mesh ("dp"); TP/SP meshes slot in beside it
+    mesh: DeviceMesh | None  # 1-D data-parallel mesh ("dp"); TP/SP meshes slot in beside it (None: a rollout rank)
     collective_timeout_s: float = 1800.0  # every process group's (trainer.collective_timeout_s)
+    split: WorldSplit | None = None  # with rollout.ranks > 0: trainer ranks and rollout ranks
+    bridge: Bridge | None = None  # messages between the two sides (train/parallel/rollout_bridge.py)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def is_rollout_rank(self) -> bool:
+        return self.split is not None and self.split.is_rollout
 
 
 def _free_port() -> int:
@@ -37,9 +45,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(timeout_s: float = 1800) -> DistContext:
+def init_distributed(timeout_s: float = 1800, rollout_ranks: int = 0, bridge_timeout_s: float = 1800) -> DistContext:
     """Join the torchrun process group (gloo on CPU, nccl on GPU); a plain `python -m`
-    launch becomes a one-rank group so the same code path runs everywhere."""
+    launch becomes a one-rank group so the same code path runs everywhere. With `rollout_ranks` K > 0
+    the last K ranks become rollout ranks: the default group (and `world_size`, the mesh) spans the
+    trainer ranks only, and a rollout rank gets no mesh (train/parallel/rollout_bridge.py)."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -52,10 +62,18 @@ def init_distributed(timeout_s: float = 1800) -> DistContext:
         backend, device_type = "nccl", "cuda"
     else:
         device, backend, device_type = torch.device("cpu"), "gloo", "cpu"
-    if not dist.is_initialized():
+    if rollout_ranks:
+        split, bridge = split_world(rollout_ranks, backend, bridge_timeout_s)
+        if split.is_rollout:
+            return DistContext(rank, world, local_rank, local_world, device, None, float(timeout_s), split, bridge)
+        world = split.trainers
+    elif not dist.is_initialized():
+        split, bridge = None, None
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    else:
+        split, bridge = None, None
     mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
-    return DistContext(rank, world, local_rank, local_world, device, mesh, float(timeout_s))
+    return DistContext(rank, world, local_rank, local_world, device, mesh, float(timeout_s), split, bridge)
 
 
 def mesh_overrides(device_type: str, dim_names: tuple[str, ...], timeout_s: float | None) -> dict | None:

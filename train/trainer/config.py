@@ -166,6 +166,26 @@ def collective_timeout_s(cfg: DictConfig) -> float:
     return float(cfg.trainer.collective_timeout_s)
 
 
+def rollout_ranks(cfg: DictConfig, world_size: int) -> int:
+    """`rollout.ranks` checked against the torchrun world (needed before the process groups exist):
+    K rollout ranks leave world - K trainer ranks, each rollout rank serving at least one of them."""
+    k = _get(cfg, "rollout.ranks")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        _fail("rollout.ranks", f"expected an integer >= 0 (0: every rank trains and generates), got {k!r}",
+              "rollout.ranks=1")
+    if k == 0:
+        return 0
+    if k > world_size // 2:
+        _fail("rollout.ranks", f"{k} rollout ranks need at least as many trainer ranks, and torchrun started "
+              f"{world_size} rank(s) in all", f"torchrun --nproc_per_node={2 * k} ... rollout.ranks={k}")
+    if _get(cfg, "rollout.engine") != "hf":
+        _fail("rollout.ranks", "dedicated rollout ranks run the hf engine only for now", "rollout.engine=hf")
+    if (_get(cfg, "actor.lora.rank") or 0) > 0:
+        _fail("rollout.ranks", "dedicated rollout ranks do not take LoRA adapters yet", "rollout.ranks=0")
+    _number(cfg, "rollout.async_timeout_s", 0.0, low_open=True, example="rollout.async_timeout_s=1800")
+    return k
+
+
 def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = None) -> ModelPaths:
     """Raise ConfigError for the first missing or inconsistent key; return the local folders of
     every model. `resolve` turns model names into folders (default: `hub.resolve_all` in this

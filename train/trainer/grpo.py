@@ -46,11 +46,12 @@ from train.parallel.collectives import (all_gather_flat, all_reduce_max_many, al
                                         gather_to_main)
 from train.parallel.distributed import DistContext, cleanup, init_distributed
 from train.parallel.layout import Layout, layout_for
+from train.parallel.rollout_bridge import BridgeError
 from train.parallel.step_batch import BatchIndex, StepBatch, dispatch, exchange_index, transfer
 from train.trainer.advantages import compute_advantages
 from train.trainer.config import (ConfigError, collective_timeout_s, data_sources, env_paths,
-                                  quote_values_with_equals, resolve_aliases, role_config, sampling_params,
-                                  useless_settings, validate)
+                                  quote_values_with_equals, resolve_aliases, role_config, rollout_ranks,
+                                  sampling_params, useless_settings, validate)
 from train.trainer.governor import Governor
 from train.trainer.policy_sync import PolicySync
 from train.trainer.prefetch import RolloutPrefetcher, RolloutTimeout, StepRollout, staleness
@@ -73,7 +74,9 @@ from train.workers.env_routing import EnvRouter
 from train.workers.environment import EnvLoadError
 from train.workers.lora import LoraTargetError
 from train.workers.model_init import CheckpointError
+from train.workers.remote_rollout import RemoteEngine, RemoteRollout
 from train.workers.rollout import RolloutWorker, Sample, sample_seed
+from train.workers.rollout_server import serve
 
 
 # The sync probe's text: any fixed sequence works; the engine and the trainer score the same tokens.
@@ -165,11 +168,18 @@ class Trainer:
         gov = cfg.trainer.governor
         self.governor = (Governor(gov.watch, gov.window, gov.k_sigma, gov.min_history, gov.min_panics,
                                   gov.rel_std_floor, gov.max_weight_change) if gov.enable else None)
-        self.engine = build_engine(cfg.rollout, ctx, model_path=paths.rollout, tokenizer=self.rollout_tokenizer,
-                                   seed=cfg.trainer.seed, lora=self.actor.lora if self.actor.lora.enabled else None)
         max_len = cfg.rollout.max_total_length or getattr(self.actor.model.config, "max_position_embeddings", 4096)
-        self.rollout = RolloutWorker(self.engine, self.env, self.rollout_tokenizer, max_turns=cfg.rollout.max_turns,
-                                     env_error_reward=cfg.rollout.env_error_reward, max_total_length=max_len)
+        if ctx.bridge is not None:  # rollout.ranks > 0: a dedicated rollout rank generates and scores for this rank
+            self.engine = RemoteEngine(ctx.bridge, ctx.rank, max(1, int(cfg.rollout.bucket_size_mb * (1 << 20))))
+            names = {"model_name": cfg.rollout.model_name or cfg.actor.model_name,
+                     "tokenizer_name": cfg.rollout.tokenizer_name or cfg.actor.tokenizer_name or cfg.actor.model_name}
+            self.rollout = RemoteRollout(self.engine, {"model": paths.rollout, "tokenizer": paths.rollout_tokenizer,
+                                                       "max_total_length": max_len, **names})
+        else:
+            self.engine = build_engine(cfg.rollout, ctx, model_path=paths.rollout, tokenizer=self.rollout_tokenizer,
+                                       seed=cfg.trainer.seed, lora=self.actor.lora if self.actor.lora.enabled else None)
+            self.rollout = RolloutWorker(self.engine, self.env, self.rollout_tokenizer, max_turns=cfg.rollout.max_turns,
+                                         env_error_reward=cfg.rollout.env_error_reward, max_total_length=max_len)
         self.start_step = 0
         self.test_history: list[tuple[int, float]] = []
         self.checkpointer = ckpt.Checkpointer(cfg.trainer.save_dir, ctx, async_save=cfg.trainer.async_save,
@@ -220,9 +230,15 @@ class Trainer:
         ref = None if isinstance(self.ref, AdapterFreeReference) else self.ref
         models = {"actor": self.actor, "ref_actor": ref, "critic": self.critic}
         layouts = {role: vars(m.layout.sizes) for role, m in models.items() if m is not None}
-        nodes = self.ctx.world_size // max(self.ctx.local_world_size, 1)
-        self.log.event("layout", self.start_step, {"world_size": self.ctx.world_size, "nodes": nodes, **layouts})
+        split = self.ctx.split
+        every = split.world_size if split is not None else self.ctx.world_size
+        nodes = max(1, every // max(self.ctx.local_world_size, 1))
+        rollout_ranks = split.rollout_ranks if split is not None else 0
+        self.log.event("layout", self.start_step, {"world_size": self.ctx.world_size, "nodes": nodes,
+                                                   "rollout_ranks": rollout_ranks, **layouts})
         parts = [f"{role} " + " ".join(f"{k}={v}" for k, v in sizes.items()) for role, sizes in layouts.items()]
+        if rollout_ranks:
+            parts.append(f"{rollout_ranks} dedicated rollout rank(s) (rollout.ranks)")
         self.log.write(f"{self.ctx.world_size} ranks on {nodes} node(s); " + "; ".join(parts))
         for role, worker in self.workers.items():
             if worker.lora.enabled:
@@ -301,7 +317,7 @@ class Trainer:
         # round 0 keeps the seeds of a plain step; refills draw fresh ones
         seed = sample_seed(self.train_seed, step, (round_ * ctx.world_size + ctx.rank) * len(rows) * n)
         before = self._engine_counters()
-        samples, rollout_s = self.rollout.rollout(rows, n, self.train_sampling, seed)
+        samples, rollout_s = self.rollout.rollout(rows, n, self.train_sampling, seed, what=f"step {step}'s rollout")
         counters = tuple(a - b for a, b in zip(self._engine_counters(), before))
         rewards, penalties = shaped_rewards(samples, cfg)
         return StepRollout(step, samples, rewards, penalties, rollout_s, counters, loader_before,
@@ -533,7 +549,7 @@ class Trainer:
     def _engine_metrics(self, step: int, counters: list[float]) -> dict[str, float]:
         """Decode throughput of this step's rollout (`counters`: its engine tokens and seconds), summed
         over ranks (engines that count it), and the env calls stuck past their timeout."""
-        tokens, seconds, stuck = all_reduce_sum([*counters, float(self.env.stuck_calls)], self.ctx.device)
+        tokens, seconds, stuck = all_reduce_sum([*counters, float(self.rollout.stuck_calls)], self.ctx.device)
         if stuck and not self._warned_stuck:
             self._warned_stuck = True
             self._warn(step, f"{stuck:.0f} sync env call(s) still running past rollout.env_timeout_s, each holding "
@@ -550,7 +566,7 @@ class Trainer:
         shown = [{"messages": s.messages, "answer": s.answer, "source": s.source, "reward": s.reward,
                   "finish_reason": s.finish_reason,
                   "n_turns": s.n_turns, "turn_versions": s.turn_versions, "events": s.events} for s in samples[:k]]
-        calls = self.env.pop_api_calls()
+        calls = self.rollout.pop_api_calls()
         gathered = gather_to_main({"errors": errors, "samples": shown, "calls": calls}, self.ctx)
         if gathered is None:
             return {}
@@ -572,7 +588,8 @@ class Trainer:
         ctx = self.ctx
         self.engine.wake()
         rows = self.test_rows[ctx.rank::ctx.world_size]
-        samples, _ = self.rollout.rollout(rows, 1, self.test_sampling, sample_seed(self.test_seed, -1, ctx.rank))
+        samples, _ = self.rollout.rollout(rows, 1, self.test_sampling, sample_seed(self.test_seed, -1, ctx.rank),
+                                          what=f"step {step}'s evaluation")
         total, count, errors, *by_source = all_reduce_sum(
             [sum(s.reward for s in samples), float(len(samples)), float(sum(bool(s.env_error) for s in samples)),
              *per_source_sums(samples, self.test_sources, lambda s: float(bool(s.env_error)))], ctx.device)
@@ -659,8 +676,12 @@ def run(cfg: DictConfig) -> None:
     transformers.utils.logging.disable_progress_bar()  # our own bar is the one to watch
     stop = StopRequest()
     stop.install()
-    ctx = init_distributed(collective_timeout_s(cfg))
+    ranks = rollout_ranks(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    ctx = init_distributed(collective_timeout_s(cfg), ranks, cfg.rollout.async_timeout_s)
     try:
+        if ctx.is_rollout_rank:  # rollout.ranks > 0: this rank only generates and scores, for the trainer ranks
+            serve(cfg, ctx)
+            return
         trainer = Trainer(cfg, ctx)
         try:
             trainer.fit(stop)
@@ -682,7 +703,7 @@ def main(cfg: DictConfig) -> None:
         run(cfg)
     except USER_ERRORS as e:
         fail(f"error: {e}", 2, every_rank=False)
-    except (WeightSyncError, DiskFullError, RolloutTimeout) as e:  # each rank says what its own engine / disk holds
+    except (WeightSyncError, DiskFullError, RolloutTimeout, BridgeError) as e:  # each rank says what its own engine / disk holds
         fail(f"error: rank {os.environ.get('RANK', '0')}: {e}", 4)
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):

@@ -117,12 +117,32 @@ class RolloutWorker:
         return list(await asyncio.gather(*jobs))
 
     def rollout(self, rows: list[dict], responses_per_prompt: int, sampling: SamplingParams,
-                base_seed: int) -> tuple[list[Sample], float]:
+                base_seed: int, what: str = "a rollout") -> tuple[list[Sample], float]:
         """All samples of `rows` (each repeated `responses_per_prompt` times, contiguous) and the
-        wall time. Order is deterministic whatever order the samples finish in."""
+        wall time. Order is deterministic whatever order the samples finish in. (`what` names the
+        request where it crosses ranks: train/workers/remote_rollout.py.)"""
+        (samples,), seconds = self.rollout_many([(rows, responses_per_prompt, sampling, base_seed)])
+        return samples, seconds
+
+    def rollout_many(self, requests: list[tuple[list[dict], int, SamplingParams, int]]
+                     ) -> tuple[list[list[Sample]], float]:
+        """Several `rollout` requests in flight together (one engine batch across them: a rollout
+        rank serving several trainer ranks); each one's samples, and the wall time of all."""
         start = time.perf_counter()
-        samples = self.loop.run_until_complete(self._run_all(rows, responses_per_prompt, sampling, base_seed))
-        return samples, time.perf_counter() - start
+
+        async def run_all() -> list[list[Sample]]:
+            return list(await asyncio.gather(*(self._run_all(*request) for request in requests)))
+
+        return self.loop.run_until_complete(run_all()), time.perf_counter() - start
+
+    def pop_api_calls(self) -> list[dict]:
+        """External calls the environments made since the last pop (latency statistics)."""
+        return self.envs.pop_api_calls()
+
+    @property
+    def stuck_calls(self) -> int:
+        """Sync env calls still running past their timeout, each holding a thread."""
+        return self.envs.stuck_calls
 
     def close(self) -> None:
         # Background tasks (the engine's batcher) end with the loop, not after it.

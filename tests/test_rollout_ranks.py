@@ -1,0 +1,107 @@
+"""Dedicated rollout ranks (rollout.ranks=K, issue 17): the last K torchrun ranks only generate and score,
+the others only train; weights are broadcast to them in flat buckets and samples streamed back.
+
+A run with one trainer rank and one rollout rank trains exactly as one rank with its engine in-process
+(the same samples, weights and Adam moments, bit for bit); two trainer ranks served by one rollout rank
+train one-step-off and resume bit-exactly across an epoch boundary; a stuck side times out naming the
+step; config mistakes are refused."""
+import pytest
+
+from conftest import read_jsonl, run_trainer, stub_config, stub_train_slice
+from test_async import metrics_by_step
+from test_trainer import assert_same, prompts_by_step
+from train.utils.checkpoint import consolidate
+
+SMALL = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",
+         "trainer.test_freq=2", "trainer.log_samples=100", "trainer.num_threads=1"]
+
+
+def run(save, data, steps: int, *overrides: str, nproc: int = 1):
+    run_trainer([f"trainer.save_dir={save}", f"data.train_data_path={data}", f"trainer.total_steps={steps}",
+                 *SMALL, *overrides], nproc=nproc)
+    return save
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    """10 prompts: with 4 per step an epoch ends inside step 3 and again inside step 5."""
+    return stub_train_slice(tmp_path_factory.mktemp("data") / "train.jsonl", 10)
+
+
+def test_one_trainer_and_one_rollout_rank_train_as_one_rank_with_its_own_engine(small_data, tmp_path):
+    """The rollout rank receives every push (checksums verified: trainer.verify_push), tags samples
+    with the pushed version, and serves the evaluations; nothing differs from the in-process engine."""
+    alone = run(tmp_path / "alone", small_data, 4, "trainer.save_freq=4", "trainer.sync_probe_every=2")
+    split = run(tmp_path / "split", small_data, 4, "trainer.save_freq=4", "trainer.sync_probe_every=2",
+                "rollout.ranks=1", nproc=2)
+    assert_same(consolidate(str(alone / "step4")), consolidate(str(split / "step4")))
+    a, b = metrics_by_step(alone), metrics_by_step(split)
+    for step in range(1, 5):
+        assert b[step]["rewards/train"] == a[step]["rewards/train"]
+        assert b[step]["actor/sampler_kl"] == a[step]["actor/sampler_kl"]
+        assert b[step]["rollout/tokens"] == a[step]["rollout/tokens"] > 0
+        assert "time/weight_sync_s" in b[step]
+    assert [b[s]["rewards/test"] for s in (0, 2, 4)] == [a[s]["rewards/test"] for s in (0, 2, 4)]
+    # the sync probe: the rollout rank's engine scores it as the in-process engine does
+    assert b[2]["engine/probe_abs_diff"] == a[2]["engine/probe_abs_diff"] < 1e-3
+    samples = [e for e in read_jsonl(split / "trajectories.jsonl") if e["type"] == "sample"]
+    assert samples and all(s["turn_versions"] == [s["step"] - 1] * s["n_turns"] for s in samples)
+    layout = next(e for e in read_jsonl(split / "trajectories.jsonl") if e["type"] == "layout")
+    assert layout["world_size"] == 1 and layout["rollout_ranks"] == 1
+
+
+SERVED = ["trainer.save_freq=3", "rollout.ranks=1", "rollout.max_staleness=1", "rollout.bucket_size_mb=0.5"]
+
+
+@pytest.fixture(scope="module")
+def served_async(tmp_path_factory, small_data):
+    """Two trainer ranks served by one rollout rank, one-step-off, 6 steps over 2.4 epochs; pushes in
+    buckets of 0.5 MB (the stub's 3.2 MB of weights: several broadcasts per push)."""
+    return run(tmp_path_factory.mktemp("served"), small_data, 6, *SERVED, nproc=3)
+
+
+def test_two_trainer_ranks_one_step_off_on_one_rollout_rank(served_async):
+    metrics = metrics_by_step(served_async)
+    assert [metrics[s]["async/staleness_max"] for s in range(1, 7)] == [0.0] + [1.0] * 5
+    samples = [e for e in read_jsonl(served_async / "trajectories.jsonl") if e["type"] == "sample"]
+    assert {s["rank"] for s in samples} == {0, 1}  # both trainer ranks' samples came back
+    assert all(s["turn_versions"] == [max(s["step"] - 2, 0)] * s["n_turns"] for s in samples)
+    assert all(metrics[s]["actor/sampler_kl"] > 1e-5 for s in range(2, 7))
+
+
+def test_a_resume_with_rollout_ranks_is_exact_across_an_epoch_boundary(served_async, small_data, tmp_path):
+    resumed = run(tmp_path / "resumed", small_data, 6, *SERVED, f"trainer.load_ckpt_from={served_async / 'step3'}",
+                  nproc=3)
+    assert_same(consolidate(str(served_async / "step6")), consolidate(str(resumed / "step6")))
+    straight, again = prompts_by_step(served_async), prompts_by_step(resumed)
+    assert sorted(again) == [4, 5, 6] and all(again[s] == straight[s] for s in (4, 5, 6))
+
+
+def test_a_stuck_rollout_rank_times_out_naming_the_step(small_data, tmp_path):
+    env = tmp_path / "slow_env.py"
+    # stuck for 10 s, past the 3 s timeout; then the rollout rank finds its trainer gone and exits too
+    # (a rollout rank keeps serving through torchrun's SIGTERM: trainer ranks may need it to finish a step)
+    env.write_text("import time\n\ndef reward_fn(messages, answer):\n    time.sleep(10)\n    return 0.0\n")
+    proc = run_trainer([f"trainer.save_dir={tmp_path / 'run'}", f"data.train_data_path={small_data}",
+                        "trainer.total_steps=2", *SMALL, "trainer.test_freq=null", f"rollout.env_path={env}",
+                        "rollout.env_timeout_s=120", "rollout.async_timeout_s=3", "rollout.ranks=1"],
+                       nproc=2, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert ("trainer rank 0 waited 3 s (rollout.async_timeout_s) for the samples of step 1's rollout from rank 1"
+            in proc.stderr), proc.stderr[-3000:]
+
+
+def test_bad_rollout_ranks_are_refused():
+    from train.trainer.config import ConfigError, rollout_ranks
+
+    assert rollout_ranks(stub_config([]), 1) == 0
+    assert rollout_ranks(stub_config(["rollout.ranks=2"]), 4) == 2
+    for bad in ("-1", "1.5", "true"):
+        with pytest.raises(ConfigError, match="rollout.ranks.*integer >= 0"):
+            rollout_ranks(stub_config([f"rollout.ranks={bad}"]), 2)
+    with pytest.raises(ConfigError, match="need at least as many trainer ranks.*--nproc_per_node=4"):
+        rollout_ranks(stub_config(["rollout.ranks=2"]), 3)
+    with pytest.raises(ConfigError, match="hf engine only"):
+        rollout_ranks(stub_config(["rollout.ranks=1", "rollout.engine=sglang"]), 2)
+    with pytest.raises(ConfigError, match="LoRA"):
+        rollout_ranks(stub_config(["rollout.ranks=1", "actor.lora.rank=4"]), 2)

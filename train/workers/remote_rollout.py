@@ -1,0 +1,112 @@
+"""A trainer rank's side of a dedicated rollout rank (`rollout.ranks=K`, train/parallel/rollout_bridge.py).
+
+`RemoteEngine` and `RemoteRollout` stand where the in-process engine and `RolloutWorker` stand, with
+the same methods the trainer calls, so the step loop, the asynchronous prefetch, the weight push and
+its verification, evaluation and checkpoints run unchanged:
+
+- a rollout request (the rows, the sampling parameters, the seed, the weight version) goes to the
+  rollout rank, which generates and scores it (with the requests of the other trainer ranks it
+  serves, in one engine batch) and sends the samples back;
+- a weight push: every trainer rank announces it; trainer rank 0 broadcasts the full tensors to the
+  rollout ranks in flat byte buckets of `rollout.bucket_size_mb` (one broadcast per bucket), while
+  the others take part in gathering them (FSDP), as for an in-process engine;
+- `weight_checksums` asks the rollout rank for the checksums of what it holds (`trainer.verify_push`),
+  `score` for its engine's log-probs of the sync probe (`trainer.sync_probe_every`).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from train.engines.base import SamplingParams
+from train.engines.weight_buckets import iter_buckets
+from train.parallel.rollout_bridge import Bridge
+from train.workers.rollout import Sample
+
+
+class RemoteEngine:
+    """The trainer's handle on the engine of its rollout rank."""
+
+    def __init__(self, bridge: Bridge, trainer_rank: int, bucket_bytes: int) -> None:
+        self.bridge, self.rank, self.bucket_bytes = bridge, trainer_rank, bucket_bytes
+        self.server = bridge.split.server_of(trainer_rank)
+        self.stats: dict[str, float] = {"generated_tokens": 0.0, "generation_seconds": 0.0}
+        self.weight_version = 0  # sent with every request; the rollout rank tags its samples with it
+        self.dtype: torch.dtype = torch.float32  # the rollout rank's, learned at set-up
+
+    def request(self, message: dict, what: str) -> dict:
+        """Send `message`, wait for the reply (`what` names it in a timeout); an error on the rollout
+        rank comes back as one and is raised here."""
+        self.bridge.send(message, self.server, f"the {message['kind']} request")
+        reply = self.bridge.recv(self.server, what)
+        if "error" in reply:
+            raise RuntimeError(f"rollout rank {self.server}: {reply['error']}")
+        return reply
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Every trainer rank announces the push and gathers; trainer rank 0 broadcasts the buckets."""
+        self.bridge.send({"kind": "weights"}, self.server, "the weights request")
+        if self.rank != 0:
+            for _ in named_tensors:  # the full tensors are gathered collectively: take part, send nothing
+                pass
+            return
+        for i, bucket in enumerate(iter_buckets(named_tensors, self.bucket_bytes)):
+            meta = [(name, tuple(t.shape)) for name, t in bucket.named_tensors]
+            self.bridge.broadcast_object({"dtype": bucket.dtype, "tensors": meta}, f"to broadcast bucket {i}")
+            flat = torch.cat([t.detach().reshape(-1).to("cpu") for _, t in bucket.named_tensors])
+            self.bridge.broadcast(flat.view(torch.uint8), f"to broadcast bucket {i}'s {bucket.nbytes} bytes")
+        self.bridge.broadcast_object({"end": True}, "to end the push")
+
+    def weight_checksums(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        return self.request({"kind": "checksums", "names": list(names)},
+                            "the checksums of the weights just pushed")["checksums"]
+
+    def score(self, token_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+        """The rollout rank's engine's log-probs of `token_ids` (the sync probe)."""
+        return self.request({"kind": "score", "ids": list(token_ids), "temperature": temperature},
+                            "the engine's log-probs of the sync probe")["logprobs"]
+
+    def wake(self) -> None:  # the rollout rank's engine keeps its memory: it never trains
+        pass
+
+    def sleep(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RemoteRollout:
+    """`RolloutWorker`'s methods, served by the rollout rank."""
+
+    def __init__(self, engine: RemoteEngine, setup: dict) -> None:
+        self.engine = engine
+        self._calls: list[dict] = []
+        self._stuck = 0
+        reply = engine.request({"kind": "hello", **setup}, "the rollout rank to load its engine and environment")
+        engine.dtype = reply["dtype"]
+
+    def rollout(self, rows: list[dict], responses_per_prompt: int, sampling: SamplingParams,
+                base_seed: int, what: str = "a rollout") -> tuple[list[Sample], float]:
+        reply = self.engine.request(
+            {"kind": "rollout", "what": what, "rows": rows, "n": responses_per_prompt, "sampling": sampling,
+             "seed": base_seed, "version": self.engine.weight_version},
+            f"the samples of {what}")
+        self.engine.stats["generated_tokens"] += reply["tokens"]
+        self.engine.stats["generation_seconds"] += reply["engine_seconds"]
+        self._calls += reply["api_calls"]
+        self._stuck = reply["stuck_calls"]
+        return reply["samples"], reply["seconds"]
+
+    def pop_api_calls(self) -> list[dict]:
+        calls, self._calls = self._calls, []
+        return calls
+
+    @property
+    def stuck_calls(self) -> int:
+        return self._stuck
+
+    def close(self) -> None:
+        """Tell the rollout rank the run is over (it then exits)."""
+        self.engine.bridge.send({"kind": "stop"}, self.engine.server, "the stop request")
