@@ -105,3 +105,9 @@ def test_bad_rollout_ranks_are_refused():
         rollout_ranks(stub_config(["rollout.ranks=1", "rollout.engine=sglang"]), 2)
     with pytest.raises(ConfigError, match="LoRA"):
         rollout_ranks(stub_config(["rollout.ranks=1", "actor.lora.rank=4"]), 2)
+    # the pre-flight check (launch_grpo.sh) validates for the trainer ranks: 3 prompts fit 1 trainer rank
+    from train.trainer.config import check
+
+    check("stub", ["trainer.save_dir=unused", "rollout.ranks=1", "data.prompts_per_rollout=3"], 2)
+    with pytest.raises(ConfigError, match="not divisible by the 2 data-parallel ranks"):
+        check("stub", ["trainer.save_dir=unused", "data.prompts_per_rollout=3"], 2)

@@ -624,7 +624,7 @@ def check(config_name: str, overrides: Sequence[str], world_size: int) -> list[s
     does not exist or an override it cannot parse."""
     cfg = compose(config_name, overrides)
     resolve_aliases(cfg)
-    validate(cfg, world_size)
+    validate(cfg, world_size - rollout_ranks(cfg, world_size))  # the trainer ranks (rollout.ranks)
     return useless_settings(cfg)
 
 
