@@ -237,67 +237,66 @@ def _build_shared(units: list[Unit], ids: list[torch.Tensor], masks: list[torch.
                   device: torch.device, sp_rank: int, sp_size: int, multiple: int) -> PackedMicroBatch:
     """`build_packed` with shared prefixes. A unit sharing s tokens is laid out as its prefix (positions
     0..s-1, labels the next prefix token), then each member's tokens from s on (positions continuing
-    from s). Sample i's entry t sits at the prefix's row position t for t < s, else in its own part."""
-    pieces, positions, labels, label_mask = [], [], [], []
+    from s). Sample i's entry t sits at the prefix's row position t for t < s, else in its own part.
+    Built in Python lists and turned into tensors once (per-sample small tensor ops cost more)."""
+    tokens: list[int] = []
+    positions: list[int] = []
+    labels: list[int] = []
+    label_mask: list[float] = []
+    segments: list[int] = []
     whole: list[tuple[int, int]] = []  # (start, length): attended on their own
     tails: list[tuple[int, int, int]] = []  # (prompt start, prompt length, own start)
-    entries: list[torch.Tensor] = []  # per sample: the row position of each of its len - 1 entries
+    entries: list[list[int]] = []  # per sample: the row position of each of its len - 1 entries
     index: list[int] = []
-    zero = torch.zeros(1, dtype=torch.int64)
-    at = 0
 
-    def lay(tokens: torch.Tensor, first_position: int, next_labels: torch.Tensor, acts: torch.Tensor) -> int:
+    def lay(run: list[int], first_position: int, next_labels: list[int], acts: list[float]) -> int:
         """Append a run to the row; its start."""
-        nonlocal at
-        pieces.append(tokens)
-        positions.append(torch.arange(first_position, first_position + int(tokens.numel())))
-        labels.append(next_labels)
-        label_mask.append(acts)
-        at += int(tokens.numel())
-        return at - int(tokens.numel())
+        start = len(tokens)
+        tokens.extend(run)
+        positions.extend(range(first_position, first_position + len(run)))
+        labels.extend(next_labels)
+        label_mask.extend(acts)
+        segments.append(len(run))
+        return start
 
     for unit in units:
         s = unit.shared
         if s == 0:
             for i in unit.members:
-                seq = ids[i]
-                start = lay(seq, 0, torch.cat([seq[1:], zero]), torch.cat([masks[i].float(), torch.zeros(1)]))
-                whole.append((start, int(seq.numel())))
-                entries.append(torch.arange(start, start + int(seq.numel()) - 1))
+                seq = ids[i].tolist()
+                start = lay(seq, 0, seq[1:] + [0], masks[i].float().tolist() + [0.0])
+                whole.append((start, len(seq)))
+                entries.append(list(range(start, start + len(seq) - 1)))
                 index.append(i)
             continue
-        first = ids[unit.members[0]]
+        first = ids[unit.members[0]].tolist()
         # the prefix: labels are the next prefix token (the same for every member), an action where
         # any member's is (the prefix may reach into identical first response tokens)
-        prefix_acts = torch.stack([masks[i][:s].float() for i in unit.members]).amax(0)
+        prefix_acts = torch.stack([masks[i][:s].float() for i in unit.members]).amax(0).tolist()
         prefix_start = lay(first[:s], 0, first[1:s + 1], prefix_acts)
         whole.append((prefix_start, s))
         for i in unit.members:
-            seq = ids[i]
-            start = lay(seq[s:], s, torch.cat([seq[s + 1:], zero]), torch.cat([masks[i][s:].float(), torch.zeros(1)]))
+            seq = ids[i].tolist()
+            start = lay(seq[s:], s, seq[s + 1:] + [0], masks[i][s:].float().tolist() + [0.0])
             tails.append((prefix_start, s, start))
-            entries.append(torch.cat([torch.arange(prefix_start, prefix_start + s),
-                                      torch.arange(start, start + int(seq.numel()) - 1 - s)]))
+            entries.append(list(range(prefix_start, prefix_start + s)) + list(range(start, start + len(seq) - 1 - s)))
             index.append(i)
+    at = len(tokens)
     total = -(-at // multiple) * multiple
     pad = total - at
     if pad:
-        whole.append((lay(torch.full((pad,), pad_id, dtype=torch.int64), 0, torch.zeros(pad, dtype=torch.int64),
-                          torch.zeros(pad)), pad))
-    input_ids, position_ids = torch.cat(pieces), torch.cat(positions)
-    label_ids, loss = torch.cat(labels), torch.cat(label_mask)
-    longest = max(int(e.numel()) for e in entries)
-    row_valid = torch.zeros(len(entries), longest)
-    row_index = torch.zeros(len(entries), longest, dtype=torch.int64)
-    for row, e in enumerate(entries):
-        row_valid[row, :e.numel()] = 1.0
-        row_index[row, :e.numel()] = e
+        whole.append((lay([pad_id] * pad, 0, [0] * pad, [0.0] * pad), pad))
+    input_ids, position_ids = torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
+    label_ids, loss = torch.tensor(labels, dtype=torch.int64), torch.tensor(label_mask, dtype=torch.float32)
+    longest = max(len(e) for e in entries)
+    row_valid = torch.tensor([[1.0] * len(e) + [0.0] * (longest - len(e)) for e in entries])
+    row_index = torch.tensor([e + [0] * (longest - len(e)) for e in entries], dtype=torch.int64)
     action = torch.nn.utils.rnn.pad_sequence([masks[i].float() for i in index], batch_first=True)
     chunk = total // sp_size
     lo, hi = sp_rank * chunk, (sp_rank + 1) * chunk
     return PackedMicroBatch(
         index=index, input_ids=input_ids[lo:hi].to(device)[None], position_ids=position_ids[lo:hi].to(device)[None],
-        segments=[int(p.numel()) for p in pieces], segment_slots=shared_slots(whole, tails, total, device),
+        segments=segments, segment_slots=shared_slots(whole, tails, total, device),
         labels=label_ids[lo:hi].to(device), loss_positions=loss[lo:hi].to(device) > 0, row_index=row_index.to(device),
         row_valid=row_valid.to(device), action_mask=action[:, :longest].to(device),
         laid_out=at - pad, represented=sum(int(ids[i].numel()) for i in index))
