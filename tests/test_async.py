@@ -27,14 +27,14 @@ def metrics_by_step(run) -> dict:
     return {m["step"]: m for m in read_jsonl(run / "metrics.jsonl")}
 
 
-def fake_rollout(step: int) -> StepRollout:
+def fake_rollout(step: int, generated=None) -> StepRollout:
     return StepRollout(step, [], [], [], 0.0, (0.0, 0.0), {"epoch": 0, "cursor": 0})
 
 
 def test_a_stuck_rollout_side_times_out_naming_the_step():
     release = threading.Event()
 
-    def stuck(step: int) -> StepRollout:
+    def stuck(step: int, generated) -> StepRollout:
         release.wait(30)
         return fake_rollout(step)
 
@@ -46,6 +46,72 @@ def test_a_stuck_rollout_side_times_out_naming_the_step():
     assert time.monotonic() - start < 5 and "rollout.async_timeout_s" in str(e.value)
     release.set()
     prefetch.close()
+
+
+def test_a_push_waits_for_the_generation_not_for_the_rewards():
+    """`wait_generated` (before a weight push) returns once the rollout no longer uses the engine, while
+    its rewards are still computing; `take` waits for them. A rollout that never says so counts as
+    generated when it returns; one stuck generating times out naming the step."""
+    scoring = threading.Event()
+
+    def slow_judge(step: int, generated) -> StepRollout:
+        generated()
+        scoring.wait(30)
+        return fake_rollout(step)
+
+    prefetch = RolloutPrefetcher(slow_judge, timeout_s=5)
+    prefetch.start(2)
+    assert prefetch.wait_generated() < 4 and prefetch.in_flight
+    scoring.set()
+    assert prefetch.take(2).step == 2 and not prefetch.in_flight
+    prefetch.close()
+
+    silent = RolloutPrefetcher(fake_rollout, timeout_s=5)
+    silent.start(3)
+    silent.wait_generated()
+    assert silent.take(3).step == 3
+    silent.close()
+
+    release = threading.Event()
+    stuck = RolloutPrefetcher(lambda step, generated: release.wait(30) and fake_rollout(step), timeout_s=0.3)
+    stuck.start(4)
+    with pytest.raises(RolloutTimeout, match="finish generating step 4's rollout"):
+        stuck.wait_generated()
+    release.set()
+    stuck.close()
+
+
+def test_the_worker_says_generated_before_the_rewards_are_in(tmp_path, stub_tokenizer):
+    """RolloutWorker.rollout calls on_generated once, after every sample's last engine call and before
+    a slow (async) reward_fn has finished any sample: the push may overlap the scoring."""
+    import asyncio
+
+    from train.engines.base import Generation, SamplingParams
+    from train.workers.environment import Environment
+    from train.workers.rollout import RolloutWorker
+
+    class OneTokenEngine:
+        weight_version = 0
+
+        async def generate(self, prompt_ids, sampling):
+            await asyncio.sleep(0.01)
+            return Generation([stub_tokenizer.eos_token_id], [-0.5], "stop")
+
+        def close(self):
+            pass
+
+    env_file = tmp_path / "slow_judge.py"
+    env_file.write_text("import asyncio\nEVENTS = []\n\nasync def reward_fn(messages, answer):\n"
+                        "    await asyncio.sleep(0.3)\n    EVENTS.append('reward')\n    return 1.0\n")
+    env = Environment(str(env_file), timeout_s=30, max_workers=2, max_turns=1)
+    worker = RolloutWorker(OneTokenEngine(), env, stub_tokenizer, max_turns=1, env_error_reward=0.0,
+                           max_total_length=64)
+    events = env.module.EVENTS
+    rows = [{"messages": [{"role": "user", "content": f"{i} + 1 ="}], "answer": "x"} for i in range(3)]
+    samples, _ = worker.rollout(rows, 2, SamplingParams(max_new_tokens=4), 0,
+                                on_generated=lambda: events.append("generated"))
+    assert events == ["generated"] + ["reward"] * 6 and [s.reward for s in samples] == [1.0] * 6
+    worker.close()
 
 
 def test_the_prefetcher_hands_over_each_step_once_in_order():

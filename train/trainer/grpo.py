@@ -185,7 +185,8 @@ class Trainer:
         self.checkpointer = ckpt.Checkpointer(cfg.trainer.save_dir, ctx, async_save=cfg.trainer.async_save,
                                               keep_last_n=cfg.trainer.keep_last_n)
         # rollout.max_staleness=k: step N+k's rollout runs while step N trains (train/trainer/prefetch.py).
-        self.prefetch = (RolloutPrefetcher(self._rollout, cfg.rollout.async_timeout_s)
+        self.prefetch = (RolloutPrefetcher(lambda step, generated: self._rollout(step, on_generated=generated),
+                                           cfg.rollout.async_timeout_s)
                          if cfg.rollout.max_staleness > 0 else None)
         resumed = self._maybe_resume()
         self.trainer_version = self.start_step  # the step whose update made the actor's weights
@@ -307,9 +308,9 @@ class Trainer:
         return time.perf_counter() - start
 
     # -- one step --------------------------------------------------------------------------
-    def _rollout(self, step: int, round_: int = 0) -> StepRollout:
+    def _rollout(self, step: int, round_: int = 0, on_generated=None) -> StepRollout:
         """One rollout of this rank's next prompts. No collective: with rollout.max_staleness=1 it runs
-        on the prefetch thread while the main thread trains."""
+        on the prefetch thread while the main thread trains (`on_generated`: see RolloutWorker.rollout)."""
         cfg, ctx = self.cfg, self.ctx
         loader_before = self.loader.state_dict()
         rows = self.loader.next_batch()
@@ -317,7 +318,8 @@ class Trainer:
         # round 0 keeps the seeds of a plain step; refills draw fresh ones
         seed = sample_seed(self.train_seed, step, (round_ * ctx.world_size + ctx.rank) * len(rows) * n)
         before = self._engine_counters()
-        samples, rollout_s = self.rollout.rollout(rows, n, self.train_sampling, seed, what=f"step {step}'s rollout")
+        samples, rollout_s = self.rollout.rollout(rows, n, self.train_sampling, seed, what=f"step {step}'s rollout",
+                                                  on_generated=on_generated)
         counters = tuple(a - b for a, b in zip(self._engine_counters(), before))
         rewards, penalties = shaped_rewards(samples, cfg)
         return StepRollout(step, samples, rewards, penalties, rollout_s, counters, loader_before,
@@ -383,15 +385,23 @@ class Trainer:
             mask_truncated(kept)
         return all_samples, all_rewards, kept, kept_r, metrics
 
-    def train_step(self, step: int) -> dict[str, float]:
+    def train_step(self, step: int, boundary: bool = True) -> dict[str, float]:
+        """One step. With `boundary` (an evaluation or the run's end follows) nothing is left in flight;
+        otherwise the next rollout may still be computing rewards when it returns."""
         cfg, ctx = self.cfg, self.ctx
         t0 = time.perf_counter()
         n = cfg.data.responses_per_prompt
         with self.watchdog.phase("rollout"):
             self.engine.wake()  # a no-op on CPU; SGLang takes its GPU memory back for the rollout
+            waited: dict[str, float] = {}
+            if self.prefetch is not None and self.prefetch.in_flight and self.prefetch.queued() == [step]:
+                self._drain(waited)  # this step's rollout: generated before the last push, rewards maybe not yet
             first = self.prefetch.take(step) if self.prefetch is not None else None
             samples, _, kept, kept_r, metrics = self.collect(step, first or self._rollout(step))
+            metrics.update(waited)
         if self.prefetch is not None and step < self.total_steps:
+            if self.prefetch.in_flight:  # (k >= 2) the previous one may still be computing rewards
+                self._drain(metrics)
             self._roll_ahead(step)
         else:
             self.engine.sleep()  # free the engine's accelerator memory for the update (no-op on CPU)
@@ -418,14 +428,14 @@ class Trainer:
                                      f"(> trainer.governor.max_weight_change={limit:g}): actor.lr too high? "
                                      "trainer.governor.enable=true rolls such updates back")
                 if self.prefetch is not None:  # the next step's samples all come from the weights before this update
-                    wait = self._drain(metrics)
+                    wait = self._drain(metrics, generation_only=True)
                 metrics.update(self.sync.after_update(step, metrics, push=not frozen))
             if not frozen and not metrics.get("governor/rollback"):
                 self.trainer_version = step
             every = cfg.trainer.sync_probe_every
             if every and step % every == 0 and "time/weight_sync_s" in metrics:
                 metrics["engine/probe_abs_diff"] = self.probe_sync(step)
-        if self.prefetch is not None and self.prefetch.in_flight:  # the step boundary has nothing in flight
+        if boundary and self.prefetch is not None and self.prefetch.in_flight:  # evaluation uses the engine
             wait += self._drain(metrics)
         metrics["time/update_s"] = time.perf_counter() - t1 - metrics.get("time/weight_sync_s", 0.0) - wait
         metrics["time/step_s"] = time.perf_counter() - t0
@@ -444,12 +454,13 @@ class Trainer:
         if last not in queued:
             self.prefetch.start(last)
 
-    def _drain(self, metrics: dict[str, float]) -> float:
-        """Wait for the prefetched rollout; log how long each side waited for the other."""
+    def _drain(self, metrics: dict[str, float], generation_only: bool = False) -> float:
+        """Wait for the prefetched rollout (`generation_only`: until it no longer uses the engine, before
+        a push); log how long each side waited for the other."""
         with self.watchdog.phase("rollout drain"):
             start = time.monotonic()
-            wait = self.prefetch.drain()
-            done = self.prefetch.last_finished()
+            wait = self.prefetch.wait_generated() if generation_only else self.prefetch.drain()
+            done = None if generation_only else self.prefetch.last_finished()
         metrics["async/trainer_wait_s"] = metrics.get("async/trainer_wait_s", 0.0) + wait
         if done is not None:  # the rollout side sat idle from its end until now
             metrics["async/rollout_idle_s"] = max(0.0, start - done.finished_at)
@@ -613,8 +624,9 @@ class Trainer:
             self.log.log_metrics(0, scores)
             self.log.write(f"step 0: {test_line(scores)}")
         for step in range(self.start_step + 1, self.total_steps + 1):
-            metrics = self.train_step(step)
-            if test_freq and (step % test_freq == 0 or step == self.total_steps):
+            eval_due = bool(test_freq and (step % test_freq == 0 or step == self.total_steps))
+            metrics = self.train_step(step, boundary=eval_due or step == self.total_steps)
+            if eval_due:
                 t = time.perf_counter()
                 with self.watchdog.phase("evaluation"):
                     scores = self.evaluate(step)
@@ -662,12 +674,12 @@ class Trainer:
         self.log.write(f"stopped by {signal_name} after step {step}; {how}")
 
     def close(self) -> None:
-        if self.prefetch is not None:
-            self.prefetch.close()
+        idle = self.prefetch.close() if self.prefetch is not None else True
         self.watchdog.close()
         self.checkpointer.close()
         self.log.close()
-        self.rollout.close()
+        if idle:  # (a rollout still running holds the worker's event loop: the process ends with it)
+            self.rollout.close()
         if self.run_folder is not None:
             self.run_folder.close()
 

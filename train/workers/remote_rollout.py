@@ -88,7 +88,8 @@ class RemoteRollout:
         engine.dtype = reply["dtype"]
 
     def rollout(self, rows: list[dict], responses_per_prompt: int, sampling: SamplingParams,
-                base_seed: int, what: str = "a rollout") -> tuple[list[Sample], float]:
+                base_seed: int, what: str = "a rollout", on_generated=None) -> tuple[list[Sample], float]:
+        """(The rollout rank answers when its rewards are in: `on_generated` is called then.)"""
         reply = self.engine.request(
             {"kind": "rollout", "what": what, "rows": rows, "n": responses_per_prompt, "sampling": sampling,
              "seed": base_seed, "version": self.engine.weight_version},
@@ -97,6 +98,8 @@ class RemoteRollout:
         self.engine.stats["generation_seconds"] += reply["engine_seconds"]
         self._calls += reply["api_calls"]
         self._stuck = reply["stuck_calls"]
+        if on_generated is not None:
+            on_generated()
         return reply["samples"], reply["seconds"]
 
     def pop_api_calls(self) -> list[dict]:

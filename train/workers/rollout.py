@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -57,7 +58,9 @@ class RolloutWorker:
         self.loop = asyncio.new_event_loop()
 
     async def _run_one(self, row: dict, ids: list[int], group: int, sampling: SamplingParams,
-                       seed: int) -> Sample:
+                       seed: int, generated: Callable[[], None]) -> Sample:
+        """One sample; `generated()` is called once, when it will not use the engine again (before
+        its reward, which may still take long: a judge, a sandbox)."""
         tok = self.tokenizer
         messages = [dict(m) for m in row["messages"]]
         tools = row.get("tools")
@@ -66,72 +69,93 @@ class RolloutWorker:
         sample = Sample(group, messages, row.get("answer"), list(ids), [0] * len(ids), [0.0] * len(ids),
                         prompt_length=len(ids), source=None if source is None else str(source))
         try:
-            for turn in range(self.max_turns):
-                room = self.max_total_length - len(sample.ids)
-                if room <= 0:
-                    sample.finish_reason = "length"
-                    break
-                params = replace(sampling, seed=seed + turn, max_new_tokens=min(sampling.max_new_tokens, room))
-                version = getattr(self.engine, "weight_version", 0)  # engines that cannot tag their outputs
-                gen = await self.engine.generate(sample.ids, params)
-                sample.turn_versions.append(int(gen.extra.get("weight_version", version)))
-                sample.ids += gen.token_ids
-                sample.action_mask += [1] * len(gen.token_ids)
-                sample.sampler_logprobs += list(gen.logprobs)
-                sample.turn_lengths.append(len(gen.token_ids))
-                sample.finish_reason = gen.finish_reason
-                sample.n_turns = turn + 1
-                ended_with_eos = bool(gen.token_ids) and gen.token_ids[-1] == tok.eos_token_id
-                text_ids = gen.token_ids[:-1] if ended_with_eos else gen.token_ids
-                messages.append({"role": "assistant", "content": tok.decode(text_ids, skip_special_tokens=True)})
-                if gen.finish_reason != "stop" or turn == self.max_turns - 1:
-                    break
-                new = await env.interact(messages)
-                if not new:
-                    break
-                extra = continuation_ids(tok, messages, new, tools, ended_with_eos=ended_with_eos)
-                if len(sample.ids) + len(extra) >= self.max_total_length:
-                    # The env's messages do not fit the context (with room for one more token): the
-                    # episode ends here and is scored without them, never holding more than the context.
-                    sample.finish_reason = "context"
-                    sample.events += [{"type": "context_overflow", "turn": turn, "env_tokens": len(extra),
-                                       "room": self.max_total_length - len(sample.ids)}]
-                    break
-                sample.events += [{"type": "tool", "turn": turn, "messages": new}]
-                messages += new
-                sample.ids += extra
-                sample.action_mask += [0] * len(extra)
-                sample.sampler_logprobs += [0.0] * len(extra)
+            try:
+                await self._turns(sample, messages, tools, env, sampling, seed)
+            finally:
+                generated()
             sample.reward = await env.reward(messages, sample.answer)
         except EnvCallError as e:
             sample.reward = self.env_error_reward
             sample.env_error = str(e)
         return sample
 
+    async def _turns(self, sample: Sample, messages: list[dict], tools, env: Environment, sampling: SamplingParams,
+                     seed: int) -> None:
+        """Generate, let the env answer, again, up to max_turns; `sample` and `messages` grow in place."""
+        tok = self.tokenizer
+        for turn in range(self.max_turns):
+            room = self.max_total_length - len(sample.ids)
+            if room <= 0:
+                sample.finish_reason = "length"
+                break
+            params = replace(sampling, seed=seed + turn, max_new_tokens=min(sampling.max_new_tokens, room))
+            version = getattr(self.engine, "weight_version", 0)  # engines that cannot tag their outputs
+            gen = await self.engine.generate(sample.ids, params)
+            sample.turn_versions.append(int(gen.extra.get("weight_version", version)))
+            sample.ids += gen.token_ids
+            sample.action_mask += [1] * len(gen.token_ids)
+            sample.sampler_logprobs += list(gen.logprobs)
+            sample.turn_lengths.append(len(gen.token_ids))
+            sample.finish_reason = gen.finish_reason
+            sample.n_turns = turn + 1
+            ended_with_eos = bool(gen.token_ids) and gen.token_ids[-1] == tok.eos_token_id
+            text_ids = gen.token_ids[:-1] if ended_with_eos else gen.token_ids
+            messages.append({"role": "assistant", "content": tok.decode(text_ids, skip_special_tokens=True)})
+            if gen.finish_reason != "stop" or turn == self.max_turns - 1:
+                break
+            new = await env.interact(messages)
+            if not new:
+                break
+            extra = continuation_ids(tok, messages, new, tools, ended_with_eos=ended_with_eos)
+            if len(sample.ids) + len(extra) >= self.max_total_length:
+                # The env's messages do not fit the context (with room for one more token): the
+                # episode ends here and is scored without them, never holding more than the context.
+                sample.finish_reason = "context"
+                sample.events += [{"type": "context_overflow", "turn": turn, "env_tokens": len(extra),
+                                   "room": self.max_total_length - len(sample.ids)}]
+                break
+            sample.events += [{"type": "tool", "turn": turn, "messages": new}]
+            messages += new
+            sample.ids += extra
+            sample.action_mask += [0] * len(extra)
+            sample.sampler_logprobs += [0.0] * len(extra)
+
     async def _run_all(self, rows: list[dict], n: int, sampling: SamplingParams, base_seed: int,
-                       ) -> list[Sample]:
+                       generated: Callable[[], None]) -> list[Sample]:
         # The prompt is templated once per row, not once per sample.
         prompts = [prompt_ids(self.tokenizer, row["messages"], row.get("tools")) for row in rows]
-        jobs = [self._run_one(row, prompts[g], g, sampling, base_seed + (g * n + k) * 7919)
+        jobs = [self._run_one(row, prompts[g], g, sampling, base_seed + (g * n + k) * 7919, generated)
                 for g, row in enumerate(rows) for k in range(n)]
         return list(await asyncio.gather(*jobs))
 
     def rollout(self, rows: list[dict], responses_per_prompt: int, sampling: SamplingParams,
-                base_seed: int, what: str = "a rollout") -> tuple[list[Sample], float]:
+                base_seed: int, what: str = "a rollout", on_generated: Callable[[], None] | None = None,
+                ) -> tuple[list[Sample], float]:
         """All samples of `rows` (each repeated `responses_per_prompt` times, contiguous) and the
-        wall time. Order is deterministic whatever order the samples finish in. (`what` names the
-        request where it crosses ranks: train/workers/remote_rollout.py.)"""
-        (samples,), seconds = self.rollout_many([(rows, responses_per_prompt, sampling, base_seed)])
+        wall time. Order is deterministic whatever order the samples finish in. `on_generated()` is
+        called (from this thread) once no sample will use the engine again, while rewards may still
+        be computing: a weight push may go ahead from then on. (`what` names the request where it
+        crosses ranks: train/workers/remote_rollout.py.)"""
+        (samples,), seconds = self.rollout_many([(rows, responses_per_prompt, sampling, base_seed)], on_generated)
         return samples, seconds
 
-    def rollout_many(self, requests: list[tuple[list[dict], int, SamplingParams, int]]
-                     ) -> tuple[list[list[Sample]], float]:
+    def rollout_many(self, requests: list[tuple[list[dict], int, SamplingParams, int]],
+                     on_generated: Callable[[], None] | None = None) -> tuple[list[list[Sample]], float]:
         """Several `rollout` requests in flight together (one engine batch across them: a rollout
         rank serving several trainer ranks); each one's samples, and the wall time of all."""
         start = time.perf_counter()
+        generating = [sum(len(rows) * n for rows, n, _, _ in requests)]
+
+        def generated() -> None:
+            generating[0] -= 1
+            if generating[0] == 0 and on_generated is not None:
+                on_generated()
+
+        if generating[0] == 0 and on_generated is not None:
+            on_generated()
 
         async def run_all() -> list[list[Sample]]:
-            return list(await asyncio.gather(*(self._run_all(*request) for request in requests)))
+            return list(await asyncio.gather(*(self._run_all(*request, generated) for request in requests)))
 
         return self.loop.run_until_complete(run_all()), time.perf_counter() - start
 
