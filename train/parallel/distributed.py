@@ -62,18 +62,22 @@ def init_distributed(timeout_s: float = 1800, rollout_ranks: int = 0, bridge_tim
         backend, device_type = "nccl", "cuda"
     else:
         device, backend, device_type = torch.device("cpu"), "gloo", "cpu"
+    split, bridge = None, None
     if rollout_ranks:
         split, bridge = split_world(rollout_ranks, backend, bridge_timeout_s)
         if split.is_rollout:
             return DistContext(rank, world, local_rank, local_world, device, None, float(timeout_s), split, bridge)
         world = split.trainers
     elif not dist.is_initialized():
-        split, bridge = None, None
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    else:
-        split, bridge = None, None
     mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
     return DistContext(rank, world, local_rank, local_world, device, mesh, float(timeout_s), split, bridge)
+
+
+def set_cpu_threads(ctx: DistContext, num_threads: int | None) -> None:
+    """Torch threads of a CPU rank: `trainer.num_threads`, else the cores shared by the node's ranks."""
+    if ctx.device.type == "cpu":
+        torch.set_num_threads(num_threads or max(1, (os.cpu_count() or 1) // ctx.local_world_size))
 
 
 def mesh_overrides(device_type: str, dim_names: tuple[str, ...], timeout_s: float | None) -> dict | None:

@@ -60,6 +60,14 @@ def _store(rank: int, timeout: datetime.timedelta) -> dist.Store:
     return dist.PrefixStore(f"infinite_rl/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
 
 
+def _to_bytes(obj: object) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+
+
+def _from_bytes(payload: torch.Tensor) -> object:
+    return pickle.loads(payload.numpy().tobytes())
+
+
 class Bridge:
     """Messages between trainer ranks and rollout ranks, and the weight broadcast."""
 
@@ -87,7 +95,7 @@ class Bridge:
 
     def send(self, obj: object, dst: int, what: str) -> None:
         """Send a picklable object to global rank `dst`."""
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        payload = _to_bytes(obj)
         self._wait(self.pg.send([torch.tensor([payload.numel()], dtype=torch.int64)], dst, 0), None,
                    f"to send {what} to rank {dst}")
         self._wait(self.pg.send([payload], dst, 0), None, f"to send {what} to rank {dst}")
@@ -98,7 +106,7 @@ class Bridge:
         self._wait(self.pg.recv([size], src, 0), timeout_s, f"for {what} from rank {src}")
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
         self._wait(self.pg.recv([payload], src, 0), timeout_s, f"for {what} from rank {src}")
-        return pickle.loads(payload.numpy().tobytes())
+        return _from_bytes(payload)
 
     def broadcast(self, tensor: torch.Tensor, what: str) -> None:
         """Broadcast a CPU tensor from trainer rank 0 over the push group (in place on the others)."""
@@ -108,17 +116,13 @@ class Bridge:
 
     def broadcast_object(self, obj: object | None, what: str) -> object:
         """`obj` from trainer rank 0 to the rollout ranks (pass None on the receiving side)."""
-        size = torch.tensor([0], dtype=torch.int64)
-        payload = None
-        if obj is not None:
-            payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
-                                       dtype=torch.uint8)
-            size[0] = payload.numel()
+        payload = _to_bytes(obj) if obj is not None else None
+        size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
         self.broadcast(size, what)
         if payload is None:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
         self.broadcast(payload, what)
-        return pickle.loads(payload.numpy().tobytes())
+        return _from_bytes(payload)
 
 
 def split_world(rollout_ranks: int, backend: str, timeout_s: float) -> tuple[WorldSplit, Bridge]:

@@ -44,7 +44,7 @@ from train.datasets.tokenize import TokenizationError, encode
 from train.engines import build_engine
 from train.parallel.collectives import (all_gather_flat, all_reduce_max_many, all_reduce_sum, broadcast_from_main,
                                         gather_to_main)
-from train.parallel.distributed import DistContext, cleanup, init_distributed
+from train.parallel.distributed import DistContext, cleanup, init_distributed, set_cpu_threads
 from train.parallel.layout import Layout, layout_for
 from train.parallel.rollout_bridge import BridgeError
 from train.parallel.step_batch import BatchIndex, StepBatch, dispatch, exchange_index, transfer
@@ -99,8 +99,7 @@ class Trainer:
                                       resolve=lambda names: hub.resolve_on_node(names, ctx.local_rank, timeout))
         # The folder is this run's (or the resumed run's) before anything loads or is written into it.
         self.run_folder, moved = claim(cfg.trainer.save_dir, cfg.trainer.load_ckpt_from, cfg.trainer.overwrite, ctx)
-        if ctx.device.type == "cpu":
-            torch.set_num_threads(cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // ctx.local_world_size))
+        set_cpu_threads(ctx, cfg.trainer.num_threads)
         seed_everything(cfg.trainer.seed, ctx.rank)
 
         self.tokenizer = AutoTokenizer.from_pretrained(paths.tokenizer)

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from train.engines import build_engine
-from train.parallel.distributed import DistContext
+from train.parallel.distributed import DistContext, set_cpu_threads
 from train.parallel.rollout_bridge import Bridge
 from train.trainer.config import env_paths
 from train.utils import hub
@@ -70,8 +70,7 @@ class RolloutServer:
 
     def setup(self, hello: dict) -> None:
         cfg = self.cfg
-        if self.ctx.device.type == "cpu":
-            torch.set_num_threads(cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // self.ctx.local_world_size))
+        set_cpu_threads(self.ctx, cfg.trainer.num_threads)
         model_dir, tokenizer_dir = (local_folder(hello[key], hello[f"{key}_name"], kind)
                                     for key, kind in (("model", "model"), ("tokenizer", "tokenizer")))
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
