@@ -13,8 +13,12 @@ when no `SANDBOX_URL` is set. One program run:
   secret either) and the program gets `--clearenv` plus PATH/HOME/LANG;
 * limits (set by a tiny launcher *inside* the new user namespace, so the process count is the
   sandbox's own): CPU seconds, address space, processes, open files, file size, core dumps 0;
-  a wall-clock timeout and an output cap each kill the whole process tree (SIGKILL to bwrap's
-  process group; the pid namespace takes every descendant down with its pid 1);
+  a wall-clock timeout and an output cap each kill the whole process tree (SIGKILL to the
+  sandbox's pid 1, bwrap's child: the pid namespace takes every descendant down with it, and bwrap,
+  which reaps it, exits); a call returns only once bwrap has exited and been reaped, so nothing it
+  started runs on and no zombie is left (a bwrap killed first would orphan its child to init, which
+  reaps it whenever it gets round to it); a service (`reap_orphans=True`) also adopts and reaps any
+  sandbox orphaned anyway (Linux's child subreaper);
 * a privileged caller (root) runs bwrap as an unprivileged uid (`Limits.uid`), since limits such
   as RLIMIT_NPROC do not bind root.
 
@@ -24,6 +28,7 @@ rather than run it unsandboxed.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import math
 import os
@@ -179,7 +184,11 @@ class SandboxExecutor:
     Bound to the event loop it is first used in (its semaphore is)."""
 
     def __init__(self, limits: Limits | None = None, max_concurrency: int = 4, bwrap: str | None = None,
-                 python: str | None = None):
+                 python: str | None = None, reap_orphans: bool = False):
+        """`reap_orphans` (a long-running service): make this process the child subreaper, so a
+        sandbox whose bwrap died first is re-parented here instead of to init, and reap such
+        orphans (a zombie per killed request otherwise lingers as long as init lets it). Off for
+        in-process use: a subreaper would adopt the host process's other orphans too."""
         self.limits = limits or Limits()
         self.bwrap = find_bwrap(bwrap)
         self.python = find_python(python)
@@ -189,6 +198,8 @@ class SandboxExecutor:
         self.waiting = 0
         self._drop_uid = os.geteuid() == 0
         self._mounts = _root_mounts()
+        self.reap_orphans = reap_orphans and _become_subreaper()
+        self._reaper: asyncio.Task | None = None
 
     def _command(self, code_path: str, run_timeout: float, file_fds: list[tuple[int, str]],
                  dirs: list[str]) -> list[str]:
@@ -227,6 +238,8 @@ class SandboxExecutor:
             raise SandboxRequestError(f"{code_path} holds the program; name the file differently")
         placed[code_path] = code.encode()
         run_timeout = max(0.1, min(float(run_timeout), self.limits.max_timeout_s))
+        if self.reap_orphans and self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
         self.waiting += 1
         try:
             await self._slots.acquire()
@@ -293,18 +306,20 @@ class SandboxExecutor:
                                          return_when=asyncio.FIRST_COMPLETED)
             if finished not in done:
                 reason = "output_limit" if limit_hit in done else "timeout"
-        except asyncio.CancelledError:
-            _kill_tree(proc)
-            raise
-        finally:
+        finally:  # (also on cancellation: the request's client went away)
             if reason or not finished.done():
-                _kill_tree(proc)
+                _kill_sandbox(proc)
             limit_hit.cancel()
-            # After SIGKILL every pipe closes; wait briefly so nothing outlives this call.
-            try:
-                await asyncio.wait_for(asyncio.shield(proc.wait()), 5.0)
-            except asyncio.TimeoutError:
-                pass
+            # bwrap exits once its sandbox is gone; wait for that (asyncio reaps it), so nothing the
+            # program started runs on after this call and no zombie is left behind.
+            if not await _exited(proc, 2.0):
+                _kill_tree(proc)  # bwrap itself is stuck: kill it too (its orphan goes to the reaper)
+                await _exited(proc, 5.0)
+            if self.reap_orphans:
+                # bwrap exits without reaping the sandbox's pid 1, which it found dead: that zombie is
+                # re-parented here as bwrap exits, so it is reaped now, before the request returns
+                # (the periodic reaper is for stragglers, not for every request's).
+                reap_orphaned_sandboxes()
             for task in pumps:
                 task.cancel()
             finished.cancel()
@@ -324,10 +339,18 @@ class SandboxExecutor:
             return ExecResult("Error", code, stdout, stderr, elapsed, "sandbox_error")
         return ExecResult("Finished", code, stdout, stderr, elapsed)
 
+    async def _reap_forever(self, every_s: float = 0.25) -> None:
+        """A sandbox orphaned after all (bwrap killed before it could reap its child) is re-parented
+        to this process (the subreaper): reap it within `every_s`."""
+        while True:
+            reap_orphaned_sandboxes()
+            await asyncio.sleep(every_s)
+
     def check(self) -> None:
         """Run one trivial program (synchronously); raise SandboxUnavailable if bwrap cannot start
         a sandbox here (e.g. user namespaces disabled)."""
-        result = asyncio.run(SandboxExecutor(self.limits, 1, self.bwrap, self.python).run("print('ok')", run_timeout=20))
+        probe = SandboxExecutor(self.limits, 1, self.bwrap, self.python, reap_orphans=self.reap_orphans)
+        result = asyncio.run(probe.run("print('ok')", run_timeout=20))
         if result.status != "Finished" or result.stdout.strip() != "ok":
             raise SandboxUnavailable(
                 f"bwrap at {self.bwrap} could not run a sandboxed program here (status {result.status}, "
@@ -340,6 +363,84 @@ def _parents(directory: str) -> list[str]:
         out.append(directory)
         directory = posixpath.dirname(directory)
     return out
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of process `pid`'s children (every thread's), from /proc."""
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except FileNotFoundError:  # the process is gone, or a kernel without CONFIG_PROC_CHILDREN: scan
+        if os.path.exists(f"/proc/{pid}"):
+            out = [p for p in _all_pids() if _status(p).get("PPid") == str(pid)]
+    except OSError:
+        pass
+    return out
+
+
+def _all_pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _status(pid: int) -> dict[str, str]:
+    """Fields of /proc/PID/status ({} if the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+    except OSError:
+        return {}
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _become_subreaper() -> bool:
+    """Make this process the child subreaper (Linux): orphaned descendants are re-parented here."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_orphaned_sandboxes() -> int:
+    """Reap this process's zombie children that are a sandbox's pid 1 (an inner bwrap re-parented
+    here: its NSpid ends in 1); the number reaped. Never touches a child that asyncio or
+    subprocess waits for (those are in this pid namespace only)."""
+    reaped = 0
+    for pid in _children(os.getpid()):
+        status = _status(pid)
+        if status.get("State", "").startswith("Z") and status.get("NSpid", "").split()[-1:] == ["1"]:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+                reaped += 1
+            except ChildProcessError:
+                pass
+    return reaped
+
+
+async def _exited(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
+    """Whether `proc` exited (and was reaped) within `timeout_s`."""
+    try:
+        await asyncio.wait_for(asyncio.shield(proc.wait()), timeout_s)
+        return True
+    except asyncio.TimeoutError:
+        return False
+
+
+def _kill_sandbox(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL the sandbox's pid 1 (bwrap's child): the kernel kills everything in its pid
+    namespace, and bwrap, which reaps it, exits with it, so nothing is orphaned. A bwrap that has
+    no child yet (still setting up) is killed itself."""
+    inner = _children(proc.pid)
+    for pid in inner:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if not inner:
+        _kill_tree(proc)
 
 
 def _kill_tree(proc: asyncio.subprocess.Process) -> None:

@@ -165,11 +165,12 @@ def create_app(limits: Limits, max_concurrency: int, max_queue: int = 1024,
         return JSONResponse({"detail": errors}, status_code=422)
 
     # One executor per app, created lazily inside uvicorn's event loop (its semaphore binds to it).
+    # A long-running service reaps every sandbox it starts, orphans included (reap_orphans).
     state: dict[str, SandboxExecutor] = {}
 
     def executor() -> SandboxExecutor:
         if "executor" not in state:
-            state["executor"] = SandboxExecutor(limits, max_concurrency)
+            state["executor"] = SandboxExecutor(limits, max_concurrency, reap_orphans=True)
         return state["executor"]
 
     @app.get("/health")
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
                     max_timeout_s=args.max_timeout_s, max_stdin_bytes=args.max_stdin_bytes, uid=args.uid)
     try:
         find_bwrap()
-        SandboxExecutor(limits, 1).check()  # refuse to start rather than run code unsandboxed
+        # refuse to start rather than run code unsandboxed; this process reaps the probe's sandbox too
+        SandboxExecutor(limits, 1, reap_orphans=True).check()
     except SandboxUnavailable as e:
         print(f"sandbox_service: refusing to start: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

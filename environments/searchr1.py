@@ -19,6 +19,8 @@ Settings come from environment variables, since the env contract passes no confi
   SEARCH_MAX_CHARS    characters kept per passage (default 300)
   SEARCH_INVALID_REPLY  1: answer a turn with neither tag with a hint and go on (Search-R1's
                       behaviour); default 0 ends the episode
+  SEARCH_RETRIEVAL_REWARD  partial credit (default 0) for a wrong answer when a search returned one
+                      of the row's `gold_ids`: a signal a tiny model can reach before exact match
 A search that still fails after the retries raises: the rollout scores that sample with
 `rollout.env_error_reward`, logs it, and the run goes on. Every request is timed by an
 ApiCallRecorder under the type `search` (see train/utils/api_stats.py).
@@ -168,5 +170,18 @@ def exact_match(prediction: str | None, answer: object) -> float:
     return float(any(got == normalize(t) for t in targets(answer)))
 
 
+def retrieved_gold(messages: list[dict], answer: object) -> bool:
+    """Whether any search of the episode returned one of the row's `gold_ids` (False without them)."""
+    gold = answer.get("gold_ids") if isinstance(answer, dict) else None
+    if not gold:
+        return False
+    seen = {str(i) for m in messages if m.get("role") == "tool" for i in (m.get("doc_ids") or [])}
+    return any(str(g) in seen for g in gold)
+
+
 def reward_fn(messages: list[dict], answer: object) -> float:
-    return exact_match(extract_answer(messages), answer)
+    score = exact_match(extract_answer(messages), answer)
+    credit = float(_setting("SEARCH_RETRIEVAL_REWARD", "0"))
+    if score == 0.0 and credit and retrieved_gold(messages, answer):
+        return credit  # partial credit: the right passage was found, the answer was not right
+    return score

@@ -81,6 +81,22 @@ def test_a_push_waits_for_the_generation_not_for_the_rewards():
     stuck.close()
 
 
+def test_a_failed_rollout_stops_the_push_with_its_own_error():
+    """A rollout that fails before it finishes generating (a lost rollout rank, a broken engine) ends the
+    wait before the weight push with that error: the push must not go ahead as if it had generated."""
+    class LostRolloutRank(RuntimeError):
+        pass
+
+    def broken(step: int, generated) -> StepRollout:
+        raise LostRolloutRank(f"rollout rank 1 stopped answering during step {step}'s rollout")
+
+    prefetch = RolloutPrefetcher(broken, timeout_s=5)
+    prefetch.start(3)
+    with pytest.raises(LostRolloutRank, match="step 3's rollout"):
+        prefetch.wait_generated()
+    prefetch.close()
+
+
 def test_the_worker_says_generated_before_the_rewards_are_in(tmp_path, stub_tokenizer):
     """RolloutWorker.rollout calls on_generated once, after every sample's last engine call and before
     a slow (async) reward_fn has finished any sample: the push may overlap the scoring."""
@@ -176,6 +192,22 @@ def test_async_resume_is_exact_across_an_epoch_boundary(async_run, small_data, t
     # 10 prompts, 4 per step: steps 1-5 draw exactly 2 epochs, so each prompt twice (x 4 responses)
     counts = Counter(p for step in range(1, 6) for p in straight[step])
     assert len(counts) == 10 and set(counts.values()) == {8}
+
+
+def test_extending_a_finished_run_trains_its_first_new_step_on_policy(async_run, small_data, tmp_path):
+    """docs/training.md ("Extending a finished run"): the last step rolls nothing ahead, so the final
+    checkpoint holds no pending rollout and the first new step is rolled out after the resume, with
+    the final weights (staleness 0); the pipeline then fills again."""
+    import shutil
+
+    import torch
+
+    state = torch.load(async_run / "step6" / "trainer_state.pt", weights_only=False)
+    assert "pending_rollout" not in state
+    extended = tmp_path / "extended"
+    shutil.copytree(async_run, extended)  # (the module's run stays as it is for the other tests)
+    run_async(extended, small_data, 7, "trainer.save_freq=3", "trainer.load_ckpt_from=latest", nproc=2)
+    assert metrics_by_step(extended)[7]["async/staleness_max"] == 0.0
 
 
 def test_async_resume_on_another_world_size_rolls_the_pending_prompts_out_again(async_run, small_data, tmp_path):

@@ -1,8 +1,10 @@
 """Config and data errors fail before any model loads, naming the key / file, row and field."""
+import re
+
 import pytest
 from hydra import compose, initialize_config_dir
 
-from conftest import ROOT, run_trainer
+from conftest import ROOT, run_trainer, stub_config
 from train.trainer.config import ConfigError, validate
 
 
@@ -201,7 +203,9 @@ def test_the_pre_flight_check_says_ok_or_the_error_line(capsys):
     from train.trainer.config import main
 
     assert main(["--check", "--nproc", "2", "--config-name", "stub", "trainer.save_dir=/tmp/x"]) == 0
-    assert capsys.readouterr().out.strip() == "ok"
+    assert capsys.readouterr().out.strip() == (
+        "ok (data read: the first 1000 rows of stub/data/math/train.jsonl, all 256 rows of stub/data/math/test.jsonl; "
+        "later rows are checked when the run loads them, data.check_rows=null reads them all here)")
     assert main(["--check", "--nproc", "2", "--config-name", "stub", "trainer.save_dir=/tmp/x", "actor.lr=-1"]) == 2
     assert capsys.readouterr().err.strip() == ("error: config key 'actor.lr': must be > 0, got -1. "
                                                "Example override: actor.lr=1e-6")
@@ -240,3 +244,66 @@ def test_a_rank_s_error_line_ends_the_launch(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == line
     assert "Traceback" not in proc.stderr
+
+
+def test_the_pre_flight_check_reads_the_data_and_refuses_what_the_run_would(tmp_path, capsys, in_repo_root):
+    """`--check` runs the trainer's data checks on the rows it reads (the first data.check_rows of each
+    source): an unknown source in a row, a contaminated test set under data.fail_on_contamination, a file
+    that is not UTF-8 and a prompt that fills the context are the run's own error lines, not `ok`."""
+    import json
+
+    from train.trainer.config import main
+
+    rows = [json.loads(line) for line in (ROOT / "stub/data/math/train.jsonl").read_text().splitlines()[:6]]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["--check", "--config-name", "stub", "trainer.save_dir=/tmp/x", f"data.train_data_path={train}",
+            "data.prompts_per_rollout=2"]
+
+    def error(*overrides: str) -> str:
+        assert main([*base, *overrides]) == 2
+        return capsys.readouterr().err.strip()
+
+    routed = tmp_path / "routed.jsonl"
+    routed.write_text("".join(json.dumps({**r, "source": "chem" if i == 1 else "math"}) + "\n"
+                              for i, r in enumerate(rows)))
+    assert error(f"data.train_data_path={routed}", "rollout.env_path={math: environments/eq.py}") == (
+        f"error: data.train_data_path: {routed}: row 2: field 'source': 'chem' has no environment in "
+        "rollout.env_path (sources with one: math); add 'rollout.env_path.chem'")
+
+    test = tmp_path / "test.jsonl"
+    test.write_text("".join(json.dumps({**r, "messages": [{"role": "user", "content": "Compute this sum for me "
+                                                          "please, it is the question number " + str(i) +
+                                                          " of a set of many questions here"}]}) + "\n"
+                            for i, r in enumerate(rows)))
+    contaminated = [f"data.test_data_path={test}", f"data.train_data_path={test}"]
+    assert error(*contaminated, "data.fail_on_contamination=true").startswith(
+        "error: data.fail_on_contamination: 6 of 6 test prompts")
+    assert main([*base, *contaminated]) == 0  # without the flag: the run's warning, then ok
+    out = capsys.readouterr()
+    assert "warning: 6 of 6 test prompts" in out.err and out.out.startswith("ok (data read: all 6 rows of ")
+
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(train.read_bytes() + '{"prompt": "caf\u00e9", "answer": "1"}\n'.encode("latin-1"))
+    assert error(f"data.train_data_path={latin}") == (
+        f"error: {latin}: line 7 (byte {len(train.read_bytes()) + 15}) is not UTF-8 (invalid continuation byte); "
+        "save the file as UTF-8")
+
+    long = tmp_path / "long.jsonl"
+    long.write_text(train.read_text() + json.dumps({"prompt": "x " * 2500, "answer": "1"}) + "\n")
+    assert error(f"data.train_data_path={long}", "data.overlong_prompts=fail").startswith(
+        f"error: {long}: row 7: the prompt is 5008 tokens with its chat template, as long as the 512-token context")
+    assert main([*base, f"data.train_data_path={long}"]) == 0  # skip: the run's warning, then ok
+    assert f"warning: {long}: row 7: the prompt is 5008 tokens" in capsys.readouterr().err
+
+    # Bounded: rows past data.check_rows are not read, and the ok line says so.
+    assert main([*base, f"data.train_data_path={long}", "data.overlong_prompts=fail", "data.check_rows=6"]) == 0
+    assert capsys.readouterr().out.strip().startswith(f"ok (data read: the first 6 rows of {long}, the first 6 rows "
+                                                      "of stub/data/math/test.jsonl; later rows are checked when")
+
+
+def test_the_new_data_and_rollout_keys_are_checked():
+    for override, key in [("data.overlong_prompts=drop", "data.overlong_prompts"),
+                          ("data.check_rows=0", "data.check_rows"), ("rollout.max_env_chars=0", "rollout.max_env_chars")]:
+        with pytest.raises(ConfigError, match=rf"config key '{re.escape(key)}'"):
+            validate(stub_config([override]))

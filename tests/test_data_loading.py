@@ -205,7 +205,7 @@ def test_jsonl_wrong_type_message_matches_contract(tmp_path):
 def test_json_bad_rows(tmp_path, bad, field):
     path = tmp_path / "d.json"
     path.write_text(json.dumps(_rows(2) + [bad]))
-    with pytest.raises(DataError, match=rf"d\.json: row 2: field {field}".replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(DataError, match=rf"d\.json: row 3: field {field}".replace("[", r"\[").replace("]", r"\]")):
         load_rows(str(path))
 
 
@@ -217,7 +217,7 @@ def test_json_invalid(tmp_path):
 
 def test_json_non_object_row(tmp_path):
     (tmp_path / "d.json").write_text(json.dumps([_rows(1)[0], [1, 2]]))
-    with pytest.raises(DataError, match=r"row 1: expected an object"):
+    with pytest.raises(DataError, match=r"row 2: expected an object"):
         load_rows(str(tmp_path / "d.json"))
 
 
@@ -225,13 +225,13 @@ def test_csv_bad_rows(tmp_path):
     rows = _rows(3)
     path = _write_csv(tmp_path / "d.csv", rows)
     text = path.read_text().splitlines()
-    text[3] = text[3].replace("[{", "[{{", 1)  # row 2: broken JSON in the messages cell
+    text[3] = text[3].replace("[{", "[{{", 1)  # line 4 (the header is line 1): broken JSON in the messages cell
     path.write_text("\n".join(text) + "\n")
-    with pytest.raises(DataError, match=r"d\.csv: row 2: field 'messages': invalid JSON"):
+    with pytest.raises(DataError, match=r"d\.csv: row 4: field 'messages': invalid JSON"):
         load_rows(str(path))
     no_answer = [{k: v for k, v in r.items() if k != "answer"} for r in rows]
     path = _write_csv(tmp_path / "n.csv", no_answer)
-    with pytest.raises(DataError, match=r"n\.csv: row 0: field 'answer': missing"):
+    with pytest.raises(DataError, match=r"n\.csv: row 2: field 'answer': missing"):
         load_rows(str(path))
 
 
@@ -245,7 +245,7 @@ def test_parquet_bad_row(tmp_path):
         }
     )
     pq.write_table(table, path)
-    with pytest.raises(DataError, match=r"d\.parquet: row 0: field 'messages': .* got str"):
+    with pytest.raises(DataError, match=r"d\.parquet: row 1: field 'messages': .* got str"):
         load_rows(str(path))
 
 
@@ -256,12 +256,12 @@ def test_arrow_bad_row_and_missing_field(tmp_path):
     table = pa.Table.from_pylist(rows)
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
         w.write_table(table)
-    with pytest.raises(DataError, match=r"d\.arrow: row 2: field 'messages\[0\]\.role'.*'wizard'"):
+    with pytest.raises(DataError, match=r"d\.arrow: row 3: field 'messages\[0\]\.role'.*'wizard'"):
         load_rows(str(path))
     table = pa.Table.from_pylist(_rows(2)).drop_columns(["answer"])
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
         w.write_table(table)
-    with pytest.raises(DataError, match=r"d\.arrow: row 0: field 'answer': missing"):
+    with pytest.raises(DataError, match=r"d\.arrow: row 1: field 'answer': missing"):
         load_rows(str(path))
 
 
@@ -293,7 +293,7 @@ def test_scheme_registry_is_replaceable(monkeypatch):
     assert rows == [{"prompt": "q", "answer": 1, "messages": [{"role": "user", "content": "q"}]}]
     # Rows from a scheme loader go through the same validation.
     monkeypatch.setitem(loading.SOURCE_SCHEMES, "verifiers", lambda uri: [{"prompt": "q"}])
-    with pytest.raises(DataError, match=r"verifiers:x: row 0: field 'answer': missing"):
+    with pytest.raises(DataError, match=r"verifiers:x: row 1: field 'answer': missing"):
         load_rows("verifiers:x")
 
 
@@ -310,3 +310,35 @@ def test_a_file_that_is_not_utf8_names_its_line(tmp_path, suffix, line):
     path.write_bytes(data)
     with pytest.raises(DataError, match=rf"{path}: line {line} \(byte \d+\) is not UTF-8"):
         load_rows(str(path))
+
+
+def test_a_limit_reads_only_the_first_rows_of_every_format(tmp_path):
+    """load_rows(source, limit): the pre-flight check's bounded read. JSONL and CSV stop reading at the
+    limit (a broken line after it is never seen), Parquet reads one batch, Arrow and JSON slice; a
+    folder counts across its files."""
+    rows = _rows(10)
+    jsonl = _write_jsonl(tmp_path / "a.jsonl", rows)
+    jsonl.write_text(jsonl.read_text() + "{not json\n")
+    assert load_rows(str(jsonl), limit=4) == rows[:4]
+    with pytest.raises(DataError, match="row 11: invalid JSON"):
+        load_rows(str(jsonl))
+    csv_path = _write_csv(tmp_path / "b.csv", rows)
+    csv_path.write_text(csv_path.read_text() + "1,2,3,4,5,6\n")  # more cells than columns, after the limit
+    assert [r["id"] for r in load_rows(str(csv_path), limit=3)] == ["0", "1", "2"]
+    parquet = tmp_path / "c.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet, row_group_size=2)
+    assert load_rows(str(parquet), limit=5) == rows[:5]
+    arrow = tmp_path / "d.arrow"
+    table = pa.Table.from_pylist(rows)
+    with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    assert load_rows(str(arrow), limit=2) == rows[:2]
+    (tmp_path / "e.json").write_text(json.dumps(rows))
+    assert load_rows(str(tmp_path / "e.json"), limit=1) == rows[:1]
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    _write_jsonl(folder / "1.jsonl", rows[:3])
+    _write_jsonl(folder / "2.jsonl", rows[3:])
+    (folder / "3.jsonl").write_text("{not json\n")  # never opened
+    got = load_rows(str(folder), limit=5)
+    assert got == rows[:5] and [r.where for r in got][3:] == [f"{folder / '2.jsonl'}: row {n}" for n in (1, 2)]

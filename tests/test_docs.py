@@ -41,6 +41,8 @@ ALLOWED = {
     "git": "not a Python program",
     "curl": "a request to a local service (127.0.0.1 / localhost only, checked)",
     "grep": "a filter feeding a pip command",
+    "sbatch": "SLURM's submit command, run on the cluster's login node (scripts/slurm/grpo.sbatch: overrides checked)",
+    "kubectl": "Kubernetes' client, run where the cluster is reachable (scripts/k8s/*.yaml: checked below)",
 }
 # (doc, program) pairs documented for another machine, and where that is.
 ANOTHER_MACHINE = {
@@ -294,6 +296,12 @@ def check_command(cmd: Command, problems: list[str], made: set[str]) -> None:
             problems.append(f"{cmd.where()}: -r {requirements}: no such file")
     elif program == "./launch_grpo.sh":
         check_overrides(cmd, rest, problems, cmd.env.get("CONFIG", "stub"))
+    elif program == "sbatch":  # sbatch [options] SCRIPT [overrides for launch_grpo.sh]
+        words = [w for w in rest if not w.startswith("-")]
+        if not words or not (ROOT / words[0]).is_file():
+            problems.append(f"{cmd.where()}: sbatch submits a script of the repository (scripts/slurm/...)")
+        else:
+            check_overrides(cmd, words[1:], problems, cmd.env.get("CONFIG", "stub"))
     elif program == "bash":
         if not rest or not (ROOT / rest[0]).is_file():
             problems.append(f"{cmd.where()}: bash runs a script of the repository (scripts/...)")
@@ -323,6 +331,7 @@ def test_the_checker_catches_what_it_should():
 .venv/bin/torchrun --standalone -m train.trainer.grpo algorithm=nope actor.no_such_key=1 +actor.new_key=1 \\
     rollout.env_path=environments/missing.py
 NPROC=2 ./launch_grpo.sh trainer.no_such=1
+sbatch --nodes=2 scripts/slurm/grpo.sbatch trainer.nope=1
 .venv/bin/python -m train.trainer.config --check --nproc 2 --config-name stub actor.lrr=1
 curl -s example.com:80/x
 """
@@ -332,11 +341,67 @@ curl -s example.com:80/x
     expected = ["x.md:1: `torchrun", "-m train.nothing_here: no such module", "benchmarks/no_such.py: no such",
                 "config/nope.yaml does not exist", "config/algorithm/nope.yaml does not exist",
                 "'actor.no_such_key' is not a key", "environments/missing.py: no such file",
-                "'trainer.no_such' is not a key", "'actor.lrr' is not a key", "curl only to a local service"]
+                "'trainer.no_such' is not a key", "'trainer.nope' is not a key", "'actor.lrr' is not a key",
+                "curl only to a local service"]
     for text in expected:
         assert any(text in p for p in problems), f"not reported: {text}\n" + "\n".join(problems)
     assert not any("new_key" in p for p in problems)
     assert len(problems) == len(expected), "\n".join(problems)
+
+
+SHELL_SCRIPTS = ["launch_grpo.sh", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "scripts").rglob("*")
+                                          if p.suffix in (".sh", ".sbatch"))]
+K8S_MANIFESTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "scripts").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS)
+def test_every_shell_script_parses(script):
+    import subprocess
+
+    proc = subprocess.run(["bash", "-n", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"{script}: {proc.stderr}"
+
+
+def test_the_cluster_recipes_exist_and_are_documented():
+    text = (ROOT / "docs" / "training.md").read_text()
+    for path in ("scripts/slurm/grpo.sbatch", "scripts/k8s/grpo-pytorchjob.yaml"):
+        assert (ROOT / path).is_file() and path in text, path
+    sbatch = (ROOT / "scripts/slurm/grpo.sbatch").read_text()
+    for line in ("#SBATCH --requeue", "#SBATCH --signal=TERM@120", "#SBATCH --ntasks-per-node=1"):
+        assert line in sbatch.splitlines(), line
+
+
+@pytest.mark.parametrize("manifest", K8S_MANIFESTS)
+def test_every_kubernetes_manifest_parses_and_launches_what_exists(manifest):
+    """Each container's command is checked as a documented command is (launch_grpo.sh's overrides,
+    modules, repository files), with its env as the command's."""
+    import yaml
+
+    documents = [d for d in yaml.safe_load_all((ROOT / manifest).read_text()) if d]
+    assert documents and all("apiVersion" in d and "kind" in d for d in documents), manifest
+    containers = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            containers.extend(c for c in node.get("containers", []) if isinstance(c, dict))
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(documents)
+    assert containers, f"{manifest}: no container"
+    problems: list[str] = []
+    for container in containers:
+        words = [str(w) for w in container.get("command", []) + container.get("args", [])]
+        env = {e["name"]: str(e.get("value", "")) for e in container.get("env", [])}
+        check_command(Command(manifest, 0, words, env), problems, set())
+        for value in env.values():
+            for path in REPO_PATH.findall(value):
+                if not (ROOT / path).exists():
+                    problems.append(f"{manifest}: {path}: no such file or folder in the repository")
+    assert not problems, "\n".join(problems)
 
 
 def requirement_names(lines: list[str]) -> dict[str, str]:
@@ -400,3 +465,11 @@ def test_every_page_says_how_its_commands_run(doc):
         return
     head = "\n".join(text.splitlines()[:25])
     assert "source .venv/bin/activate" in head, f"{doc}: say in its first lines how its commands run"
+
+
+def test_curricula_have_a_command_to_copy():
+    """docs/data.md described the curriculum policies in a table with nothing to run (issue 33): a
+    trainer command there sets a policy (its keys and files are checked with every other command)."""
+    found = [c for lang, lines in fenced_blocks("docs/data.md") if lang in SHELL
+             for c in commands("docs/data.md", lines) if isinstance(c, Command)]
+    assert any(TRAINER in c.words and any(w.startswith("data.curriculum.policy=") for w in c.words) for c in found)

@@ -62,7 +62,11 @@ def test_a_huge_tool_message_ends_the_episode_within_the_context(tmp_path):
     samples = [e for e in read_jsonl(run / "trajectories.jsonl") if e["type"] == "sample"]
     overflowed = [s for s in samples if s["finish_reason"] == "context"]
     assert overflowed and all(m["role"] != "tool" for s in overflowed for m in s["messages"])
-    assert all(e["type"] == "context_overflow" and e["env_tokens"] > 100_000 for s in overflowed for e in s["events"])
+    # cut to 16 characters per token of room before tokenization (rollout.max_env_chars), then still too long
+    assert all([e["type"] for e in s["events"]] == ["env_truncated", "context_overflow"] for s in overflowed)
+    assert all(s["events"][0]["chars"] == 1_000_000 and s["events"][1]["env_tokens"] > s["events"][1]["room"]
+               for s in overflowed)
+    assert all(m["env/truncated_ratio/train"] > 0 for m in metrics)
 
 
 def launch(overrides: list[str], nproc: int = 2) -> subprocess.Popen:
@@ -238,9 +242,9 @@ def test_the_export_is_replaced_in_one_atomic_step(tmp_path, monkeypatch):
 
 
 def test_runs_that_cannot_learn_say_so(tmp_path):
-    """Greedy training samples identical responses: a start-up warning, a warning once
-    `trainer.warn_skipped_steps` steps in a row made no update, and a last line saying nothing was
-    learned (these runs used to exit 0 with only `actor/skipped` in the metrics)."""
+    """Greedy training samples identical responses: a start-up warning, a warning at the first step that
+    made no update (none has yet), one once `trainer.warn_skipped_steps` steps in a row made none, and a
+    last line saying nothing was learned (these runs used to exit 0 with only `actor/skipped` in the metrics)."""
     run = tmp_path / "run"
     proc = launch([f"trainer.save_dir={run}", "rollout.train_sampling_params.temperature=0", "trainer.total_steps=3",
                    "trainer.warn_skipped_steps=2", "data.prompts_per_rollout=4", "data.responses_per_prompt=4",
@@ -248,10 +252,13 @@ def test_runs_that_cannot_learn_say_so(tmp_path):
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
     assert "warning: rollout.train_sampling_params.temperature=0 samples greedily" in out
+    # the first skipped step of a run that has not updated yet is named at once (a 1-step run's closing
+    # line used to point at warnings that only start after warn_skipped_steps steps)
+    assert "warning: step 1 made no update: every group's rewards were identical" in out
     assert "warning: no update in the last 2 steps (up to step 2)" in out
     assert "warning: this run made no update in its 3 steps" in out
     warnings = [e for e in read_jsonl(run / "trajectories.jsonl") if e["type"] == "warning"]
-    assert len(warnings) == 2
+    assert len(warnings) == 3
 
 
 @pytest.mark.parametrize("governor", [False, True])
@@ -272,6 +279,9 @@ def test_a_huge_learning_rate_is_reported_or_rolled_back(tmp_path, governor):
         rollback = next(e for e in read_jsonl(run / "trajectories.jsonl") if e["type"] == "governor.rollback")
         assert rollback["bad_fingerprint"] > 10 * rollback["restored_fingerprint"]  # sum|w| before / after
         assert rows[2]["governor/rollback"] == 1.0  # the same lr blows up again: rolled back again
+        # every update was rolled back: the closing line says so and why (it used to say nothing)
+        assert ("warning: this run made no update in its 2 steps: nothing was learned (2 step(s) rolled back by "
+                "the governor (the 'governor rolled back' lines above, governor/rollback))") in out, out[-3000:]
     else:
         assert "warning: step 1's update changed the actor's weight norm by" in out
         assert "trainer.governor.enable=true rolls such updates back" in out

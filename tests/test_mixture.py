@@ -46,11 +46,50 @@ def test_rows_are_tagged_and_routes_checked_by_row():
                          Source("code", str(STUB_DATA / "code" / "test.jsonl"))])
     assert Counter(r["source"] for r in rows) == {"math": 256, "code": 10}
     check_routes(rows, {"math": 1, "code": 2}, "data.train_data_path")
-    with pytest.raises(DataError, match=r"data\.train_data_path: row 256: field 'source': 'code' has no environment"):
+    with pytest.raises(DataError, match=r"data\.train_data_path: \S*code/test\.jsonl: row 1: field 'source': 'code' "
+                                        "has no environment"):
         check_routes(rows, {"math": 1}, "data.train_data_path")
     plain = load_sources([Source(None, str(STUB_DATA / "math" / "test.jsonl"))])
-    with pytest.raises(DataError, match=r"row 0: field 'source': missing"):
+    with pytest.raises(DataError, match=r"math/test\.jsonl: row 1: field 'source': missing"):
         check_routes(plain, {"math": 1}, "data.train_data_path")
+
+
+def _write_rows(path, rows: list[dict]) -> None:
+    """`rows` as a JSONL, JSON or CSV file (CSV: `messages` as a JSON cell)."""
+    import csv
+
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["messages", "answer", "source"])
+            writer.writeheader()
+            for r in rows:
+                writer.writerow({**r, "messages": r["messages"] if isinstance(r["messages"], str)
+                                 else json.dumps(r["messages"])})
+
+
+@pytest.mark.parametrize("suffix, row", [(".jsonl", 2), (".json", 2), (".csv", 3)])  # CSV: the header is line 1
+def test_a_bad_source_and_a_bad_field_on_one_row_name_the_same_file_and_row(tmp_path, suffix, row):
+    """A row naming a source with no environment was "row 1" for line 2 of a JSONL file (an index over
+    every loaded row, no file), while a bad `messages` on the same line said "row 2": both now name the
+    file and the row as the loader numbers it (from 1; by line in JSONL and CSV)."""
+    good = {"messages": [{"role": "user", "content": "1+1"}], "answer": "2", "source": "math"}
+    path = tmp_path / f"mixed{suffix}"
+    _write_rows(path, [good, {**good, "source": "nope"}])
+    rows = load_sources([Source(None, str(STUB_DATA / "math" / "test.jsonl"))]) + load_sources([Source(None, str(path))])
+    for r in rows[:-2]:
+        r["source"] = "math"
+    with pytest.raises(DataError) as routed:
+        check_routes(rows, {"math": 1}, "data.train_data_path")
+    _write_rows(path, [good, {**good, "messages": "oops"}])
+    with pytest.raises(DataError) as loaded:
+        load_sources([Source(None, str(path))])
+    assert str(routed.value).startswith(f"data.train_data_path: {path}: row {row}: field 'source': 'nope' has no "
+                                        "environment"), routed.value
+    assert str(loaded.value).startswith(f"{path}: row {row}: field 'messages'"), loaded.value
 
 
 def test_a_mixtures_config_errors_name_the_key(tmp_path):

@@ -4,10 +4,17 @@ the others only train; weights are broadcast to them in flat buckets and samples
 A run with one trainer rank and one rollout rank trains exactly as one rank with its engine in-process
 (the same samples, weights and Adam moments, bit for bit); two trainer ranks served by one rollout rank
 train one-step-off and resume bit-exactly across an epoch boundary; a stuck side times out naming the
-step; config mistakes are refused."""
+step; a stuck or stopped rollout rank ends the run with one line naming both ranks, the request, what
+the rollout rank was in (or that it stopped answering) and the timeout; config mistakes are refused."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+
 import pytest
 
-from conftest import read_jsonl, run_trainer, stub_config, stub_train_slice
+from conftest import ROOT, read_jsonl, run_trainer, stub_config, stub_train_slice, trainer_env
 from test_async import metrics_by_step
 from test_trainer import assert_same, prompts_by_step
 from train.utils.checkpoint import consolidate
@@ -77,18 +84,90 @@ def test_a_resume_with_rollout_ranks_is_exact_across_an_epoch_boundary(served_as
     assert sorted(again) == [4, 5, 6] and all(again[s] == straight[s] for s in (4, 5, 6))
 
 
-def test_a_stuck_rollout_rank_times_out_naming_the_step(small_data, tmp_path):
-    env = tmp_path / "slow_env.py"
-    # stuck for 10 s, past the 3 s timeout; then the rollout rank finds its trainer gone and exits too
-    # (a rollout rank keeps serving through torchrun's SIGTERM: trainer ranks may need it to finish a step)
-    env.write_text("import time\n\ndef reward_fn(messages, answer):\n    time.sleep(10)\n    return 0.0\n")
+def test_a_stuck_rollout_rank_ends_the_run_with_one_line_naming_rank_peer_request_and_env_call(small_data, tmp_path):
+    """One-step-off: step 2's rollout is stuck in an env call on the rollout rank past
+    rollout.async_timeout_s. The trainer's wait for its samples times out (closing the gloo link); the
+    weight push after step 1, which waits for that rollout's generation, stops with that error instead
+    of sending over the dead link: one `error:` line names this rank, the peer, the request, the env
+    call the rollout rank was in, and the timeout key with its value; no raw gloo error ("Application
+    timeout caused pair closure") and no traceback of the trainer's.
+    The rollout rank, once its env call times out, finds its trainer gone and says so."""
+    env = tmp_path / "stuck_env.py"
+    # the first reward of step 2's rollout hangs; the rollout rank keeps serving through torchrun's
+    # SIGTERM (trainer ranks may need it to finish a step) and exits when rollout.env_timeout_s ends it
+    env.write_text("import time\n\ncalls = 0\n\n\ndef reward_fn(messages, answer):\n    global calls\n"
+                   "    calls += 1\n    if calls == 17:\n        time.sleep(60)\n    return 0.0\n")
     proc = run_trainer([f"trainer.save_dir={tmp_path / 'run'}", f"data.train_data_path={small_data}",
-                        "trainer.total_steps=2", *SMALL, "trainer.test_freq=null", f"rollout.env_path={env}",
-                        "rollout.env_timeout_s=120", "rollout.async_timeout_s=3", "rollout.ranks=1"],
-                       nproc=2, check=False, timeout=120)
+                        "trainer.total_steps=3", *SMALL, "trainer.test_freq=null", f"rollout.env_path={env}",
+                        "rollout.env_timeout_s=15", "rollout.async_timeout_s=10", "rollout.ranks=1",
+                        "rollout.max_staleness=1"], nproc=2, check=False, timeout=300)
     assert proc.returncode != 0
-    assert ("trainer rank 0 waited 3 s (rollout.async_timeout_s) for the samples of step 1's rollout from rank 1"
-            in proc.stderr), proc.stderr[-3000:]
+    trainer = [line for line in proc.stderr.splitlines() if line.startswith("error: rank 0:")]
+    assert len(trainer) == 1, proc.stderr[-4000:]
+    line = trainer[0]
+    for part in ("trainer rank 0 waited 10 s for the samples of step 2's rollout from rollout rank 1",
+                 "rollout rank 1 was serving step 2's rollout", "stuck_env.py:reward_fn for ",
+                 "(rollout.async_timeout_s=10: raise it"):
+        assert part in line, line
+    assert "Application timeout" not in proc.stderr and "Error executing job" not in proc.stderr
+    assert "rollout_bridge.py" not in proc.stderr  # no traceback through the bridge
+    rollout = [line for line in proc.stderr.splitlines() if line.startswith("error: rank 1:")]
+    assert rollout and "rollout rank 1 lost trainer rank 0 while waiting to send the samples of step 2's rollout" \
+        in rollout[0], proc.stderr[-4000:]
+
+
+STOPPED_RANK = """
+import sys, time
+from train.parallel.rollout_bridge import STATUS_EVERY_S, BridgeError, split_world
+from train.workers.rollout_server import StatusBeacon
+
+split, bridge = split_world(1, "gloo", 4.0)
+if split.is_rollout:
+    beacon = StatusBeacon(bridge)
+    beacon.phase = "serving step 2's rollout"
+    time.sleep(3 * STATUS_EVERY_S)  # the phase is published
+    print("serving", flush=True)
+    time.sleep(120)  # (SIGSTOPped here)
+else:
+    import torch
+
+    bucket = torch.zeros(64 << 20, dtype=torch.uint8)  # more than the sockets' buffers hold
+    for push in (lambda: bridge.broadcast(bucket, "step 3's weight push, bucket 1 of 1 (67108864 bytes)"),
+                 lambda: bridge.send({"kind": "stop"}, 1, "the stop request")):
+        try:
+            push()
+        except BridgeError as e:
+            print("error:", e, flush=True)
+"""
+
+
+def test_a_stopped_rollout_rank_is_named_as_stopped_answering():
+    """A SIGSTOPped rollout rank publishes no status: trainer rank 0's weight broadcast times out
+    saying it stopped answering and what it last said it was doing; a later send on the failed bridge
+    repeats that cause (not gloo's raw "Application timeout caused pair closure")."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**trainer_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    ranks = [subprocess.Popen([sys.executable, "-c", STOPPED_RANK], cwd=ROOT, env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        assert ranks[1].stdout.readline().strip() == "serving", ranks[1].stderr.read()[-3000:]
+        os.kill(ranks[1].pid, signal.SIGSTOP)
+        out, err = ranks[0].communicate(timeout=120)
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.communicate()
+    lines = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(lines) == 2, out + err[-3000:]
+    first = ("trainer rank 0 waited 4 s for rollout rank 1 to take step 3's weight push, bucket 1 of 1 (67108864 bytes); "
+             "rollout rank 1 stopped answering: its last status, ")
+    assert first in lines[0] and "said it was serving step 2's rollout" in lines[0], lines[0]
+    assert "(rollout.async_timeout_s=4: raise it" in lines[0]
+    assert lines[1].startswith(lines[0]) and lines[1].endswith(
+        "so trainer rank 0 stopped waiting to send the stop request to rollout rank 1"), lines[1]
 
 
 def test_bad_rollout_ranks_are_refused():

@@ -268,10 +268,26 @@ ATTACKS = {
 }
 
 
-def _sandbox_processes() -> list[str]:
-    """Processes of the sandbox uid (65534 when the service runs as root) or under bwrap."""
-    out = subprocess.run(["ps", "-eo", "pid,uid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
-    return [line for line in out if ("/tmp/main.py" in line or line.split()[1] == "65534")]
+def _sandbox_processes() -> list[tuple[str, str]]:
+    """(state, `ps` line) of the processes of the sandbox uid (65534 when the service runs as root),
+    running /tmp/main.py, or named bwrap (a zombie shows only its name)."""
+    out = subprocess.run(["ps", "-eo", "pid,uid,stat,comm,args"], capture_output=True,
+                         text=True).stdout.splitlines()[1:]
+    return [(line.split()[2], line) for line in out
+            if "/tmp/main.py" in line or line.split()[1] == "65534" or line.split()[3] == "bwrap"]
+
+
+def assert_nothing_left(within_s: float = 1.0) -> None:
+    """Nothing a finished request started still runs (checked at once: the call returns only after
+    the sandbox is gone), and its exited processes are reaped within `within_s` (a zombie, state
+    Z, holds no resources but its pid; one per request that lingers is a leak)."""
+    running = [line for state, line in _sandbox_processes() if not state.startswith("Z")]
+    assert not running, f"sandbox processes still running after their request returned: {running}"
+    deadline = time.monotonic() + within_s
+    while _sandbox_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    zombies = [line for _, line in _sandbox_processes()]
+    assert not zombies, f"sandbox processes not reaped {within_s:g} s after their request returned: {zombies}"
 
 
 @pytest.mark.parametrize("name", list(ATTACKS))
@@ -284,14 +300,51 @@ def test_attack_is_contained(service, name):
     elapsed = time.monotonic() - start
     check(r, port)
     assert elapsed < timeout + 15
-    # Nothing the program started survives it (the pid namespace dies with its pid 1).
-    deadline = time.monotonic() + 10
-    while _sandbox_processes() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _sandbox_processes()
+    # Nothing the program started survives it (the pid namespace dies with its pid 1), nor lingers unreaped.
+    assert_nothing_left()
     assert_healthy(service)
     print(f"\nSECURITY {name}: status={r['status']} run={r['run_result']['status']} "
           f"rc={r['run_result']['return_code']} message={r['message']!r} in {elapsed:.2f}s")
+
+
+def test_a_timed_out_request_leaves_no_process_and_no_zombie(service):
+    """A killed sandbox is reaped by the time its request returns: the service kills the sandbox's
+    pid 1 (bwrap reaps it and exits) rather than bwrap itself (whose orphan init reaps when it can)."""
+    for _ in range(3):
+        r = run(service, "import os\nos.fork()\nwhile True:\n    pass\n", run_timeout=1)
+        assert r["run_result"]["status"] == "TimeLimitExceeded"
+        assert_nothing_left()
+
+
+ORPHAN_SCRIPT = """
+import asyncio, os, signal, sys, time
+sys.path.insert(0, "environments")
+from sandbox_exec import SandboxExecutor, _children
+
+async def main():
+    ex = SandboxExecutor(max_concurrency=1, reap_orphans=True)
+    run = asyncio.ensure_future(ex.run("import time; time.sleep(60)", run_timeout=30))
+    while not any(_children(c) for c in _children(os.getpid())):  # bwrap and its sandbox are up
+        await asyncio.sleep(0.05)
+    bwrap = next(c for c in _children(os.getpid()) if _children(c))
+    os.kill(bwrap, signal.SIGKILL)  # bwrap dies before its sandbox: the sandbox is orphaned
+    await run
+    deadline = time.monotonic() + 1.0
+    while _children(os.getpid()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    print("left", _children(os.getpid()))
+
+asyncio.run(main())
+"""
+
+
+def test_a_service_reaps_a_sandbox_orphaned_by_its_bwrap():
+    """bwrap killed from outside before its sandbox (say by the OOM killer): the sandbox's pid 1 is
+    re-parented to the service (its child subreaper) and reaped within a second, not left to init."""
+    out = subprocess.run([sys.executable, "-c", ORPHAN_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["left", "[]"], out.stdout
 
 
 def test_load(service):

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from conftest import ROOT
 from tests.test_search_service import free_port, running
 from train.datasets.tokenize import prompt_ids
 from train.engines.base import SamplingParams
@@ -189,3 +192,61 @@ def test_cut_at_stop():
     assert cut_at_stop("abc</x>def", ["</x>", "zz"]) == ("abc", True)
     assert cut_at_stop("a.b.c", ["b", "."]) == ("a", True)
     assert cut_at_stop("abc", []) == ("abc", False)
+
+
+def documented_snippet() -> str:
+    """docs/judge.md's client snippet, as a user copies it."""
+    text = (ROOT / "docs" / "judge.md").read_text()
+    [snippet] = [b for b in text.split("```python\n")[1:] if "OpenAI(base_url=" in b]
+    return snippet.split("```")[0]
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict[str, Path]:
+    """A full export in a folder called `latest` and a peft LoRA adapter folder called `adapter`, as a
+    run writes them (runs/x/latest and runs/x-lora/latest/adapter)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("exports")
+    full = root / "run" / "latest"
+    shutil.copytree(ROOT / MODEL, full)
+    base = AutoModelForCausalLM.from_pretrained(str(ROOT / MODEL))
+    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    adapter = root / "run-lora" / "latest" / "adapter"
+    peft_model.save_pretrained(adapter)
+    AutoTokenizer.from_pretrained(str(ROOT / MODEL)).save_pretrained(adapter)
+    return {"full export": full, "LoRA adapter": adapter}
+
+
+@pytest.mark.parametrize("kind", ["full export", "LoRA adapter"])
+def test_the_documented_snippet_works_whatever_the_folder_is_called(kind, exports, tmp_path, capsys):
+    """judge.md's snippet sent model="latest", the folder name a full export was served under; an
+    adapter folder was served as 'adapter' and the snippet got a 404. Both are now `default`."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "train.serve", "--model", str(exports[kind]), "--port", str(port)]
+    with running(cmd, f"http://127.0.0.1:{port}/health", tmp_path / "serve.log"):
+        exec(compile(documented_snippet().replace("127.0.0.1:8001", f"127.0.0.1:{port}"), "docs/judge.md", "exec"), {})
+        printed = capsys.readouterr().out.splitlines()
+        assert printed[0] == "default" and "CompletionUsage(" in printed[1], printed
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused") as c:
+            folder = exports[kind].name  # what clients used to send: still accepted, replies say `default`
+            r = c.chat.completions.create(model=folder, messages=PROMPT, temperature=0, max_tokens=4)
+            assert r.model == "default"
+            with pytest.raises(openai.NotFoundError, match="this server serves 'default'"):
+                c.chat.completions.create(model="other", messages=PROMPT, max_tokens=4)
+
+
+def test_aliases_are_accepted_and_replies_carry_the_served_name(engine):
+    """`--served-model-name judge j2`: served (listed, replied) as `judge`, `j2` and the path accepted too."""
+    server = ModelServer(engine, engine.tokenizer, "judge", MODEL, aliases=("j2",))
+    with TestClient(create_app(server)) as http:
+        body = {"messages": PROMPT, "temperature": 0, "max_tokens": 4}
+        for name in ("judge", "j2", MODEL):
+            r = http.post("/v1/chat/completions", json={**body, "model": name})
+            assert r.status_code == 200 and r.json()["model"] == "judge", r.text
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["judge"]
+        r = http.post("/v1/chat/completions", json={**body, "model": "latest"})
+        assert r.status_code == 404
+        assert r.json()["error"]["message"] == ("model 'latest' does not exist; this server serves 'judge' "
+                                                f"(also accepted: '{MODEL}', 'j2')")

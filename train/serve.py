@@ -1,13 +1,18 @@
 """An OpenAI-compatible model server over the project's `hf` engine.
 
-    .venv/bin/python -m train.serve --model runs/stub/latest --port 8001 [--host 127.0.0.1] [--served-model-name NAME]
+    .venv/bin/python -m train.serve --model runs/stub/latest --port 8001 [--host 127.0.0.1]
+        [--served-model-name NAME [ALIAS ...]]
 
 so a trained policy (any `latest/` folder) or any local HF model can be queried with the official
 `openai` client, and so an LLM judge has a real endpoint offline:
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8001/v1", api_key="none")
-    client.chat.completions.create(model="stub", messages=[{"role": "user", "content": "2 + 3"}])
+    client.chat.completions.create(model="default", messages=[{"role": "user", "content": "2 + 3"}])
+
+The model is served as `default` whatever its folder is called (`latest`, `adapter`, ...), as vLLM's
+`--served-model-name` names it apart from its path; `--served-model-name A B` serves it as `A` and
+also accepts `B`. The `--model` path and its folder's name are accepted too (what clients used before).
 
 Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions` (also `stream=true`,
 sent as server-sent events once the reply is complete), `GET /health`.
@@ -45,6 +50,7 @@ from train.engines.base import Generation, SamplingParams
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # --max-prompt-chars
+DEFAULT_SERVED_NAME = "default"  # --served-model-name: the same for a full export and an adapter folder
 
 
 class ChatRequest(BaseModel):
@@ -125,9 +131,11 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
 class ModelServer:
     def __init__(self, engine: Any, tokenizer: Any, served_name: str, model_path: str,
                  max_new_tokens: int = 512, api_key: str | None = None,
-                 max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS):
+                 max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS, aliases: tuple[str, ...] = ()):
         self.engine, self.tokenizer = engine, tokenizer
         self.served_name, self.model_path = served_name, model_path
+        # Names a request may give: the served name (listed, and in every reply), the path, the aliases.
+        self.accepted = list(dict.fromkeys([served_name, model_path, *aliases]))
         self.max_new_tokens, self.api_key = max_new_tokens, api_key
         self.max_prompt_chars = max_prompt_chars
         self.max_positions: int | None = getattr(engine, "max_positions", None)
@@ -179,9 +187,10 @@ class ModelServer:
 
     async def complete(self, req: ChatRequest) -> dict:
         check_supported(req)
-        if req.model not in (self.served_name, self.model_path):
-            raise ApiError(404, f"model '{req.model}' does not exist; this server serves '{self.served_name}'",
-                           "model", "model_not_found")
+        if req.model not in self.accepted:
+            also = ", ".join(repr(n) for n in self.accepted[1:])
+            raise ApiError(404, f"model '{req.model}' does not exist; this server serves '{self.served_name}'"
+                                + (f" (also accepted: {also})" if also else ""), "model", "model_not_found")
         messages = [{"role": str(m.get("role", "user")), "content": message_text(m.get("content"))}
                     for m in req.messages]
         chars = sum(len(m["role"]) + len(m["content"]) for m in messages)
@@ -262,7 +271,7 @@ def create_app(server: ModelServer) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, authorization: Annotated[str | None, Header()] = None):
         server.check_auth(authorization)
-        if model_id not in (server.served_name, server.model_path):
+        if model_id not in server.accepted:
             raise ApiError(404, f"model '{model_id}' does not exist", "model", "model_not_found")
         return server.model_card()
 
@@ -293,10 +302,13 @@ def build_server(args: argparse.Namespace) -> ModelServer:
         torch.set_num_threads(args.threads)
     engine = HFEngine.from_pretrained(args.model, tokenizer, dtype=getattr(torch, args.dtype), device=device,
                                       max_batch_size=args.max_batch_size, seed=args.seed)
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    return ModelServer(engine, tokenizer, name, args.model, max_new_tokens=args.max_new_tokens,
+    # A stable name, not the folder's: `latest` and `latest/adapter` are both served as `default`, so a
+    # client's `model=` does not change with how the model was exported. The folder name is still accepted.
+    names = args.served_model_name or [DEFAULT_SERVED_NAME]
+    aliases = (*names[1:], os.path.basename(os.path.normpath(args.model)))
+    return ModelServer(engine, tokenizer, names[0], args.model, max_new_tokens=args.max_new_tokens,
                        api_key=args.api_key or os.environ.get("SERVE_API_KEY"),
-                       max_prompt_chars=args.max_prompt_chars)
+                       max_prompt_chars=args.max_prompt_chars, aliases=aliases)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -304,7 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", required=True, help="local HF model folder (e.g. a run's latest/)")
     p.add_argument("--tokenizer", default=None, help="default: --model")
     p.add_argument("--chat-template", default=None, help="Jinja file that replaces the tokenizer's template")
-    p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: folder name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help=f"the `model` clients send (default: {DEFAULT_SERVED_NAME!r}); more names are accepted too")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")

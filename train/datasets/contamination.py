@@ -3,10 +3,14 @@
 A prompt's text is its messages' contents joined, lower-cased, with whitespace collapsed. A test
 row is an exact duplicate when that text is a training prompt's; a near duplicate when it shares a
 run of `n` words (13 by default, as in the GPT-3 / PaLM decontamination studies) with one. Prompts
-shorter than `n` words are only checked exactly. Lines found in many training prompts (more than 1%
-of them, and more than 5) are shared boilerplate, a system prompt or a task's instructions, and are
-left out of the n-grams. Memory: one hash per distinct training line and n-gram. A
-mixture's test rows are also counted by their source (against the training prompts of every source).
+shorter than `n` words are only checked exactly. Lines found in many training prompts of one source
+(more than 1% of that source's rows, and more than 5) are shared boilerplate, a system prompt or a
+task's instructions, and are left out of the n-grams: counted per source, so a small source's
+instructions are boilerplate in a mixture with a large one (30 code rows beside 5,000 math rows).
+Memory: one 64-bit hash per training prompt, per distinct (source, line) pair and per distinct
+n-gram, so it grows with the training set's distinct text, never with the test set (each test row is
+checked and dropped). A mixture's test rows are also counted by their source (against the training
+prompts of every source).
 """
 from __future__ import annotations
 
@@ -66,24 +70,33 @@ def _contents(row: dict) -> list[str]:
     return parts
 
 
+def shared_lines(train_rows: list[dict]) -> set[int]:
+    """Hashes of the boilerplate lines: those in more than `boilerplate_limit` training prompts of one
+    source (rows without a `source` form one). Per source, because a mixture's small source would
+    otherwise never reach 1% of all rows and its instructions would make every test row a near
+    duplicate; a line copied into a few training prompts stays under the limit and is checked."""
+    sizes: dict[object, int] = {}
+    line_counts: dict[tuple[object, int], int] = {}
+    for row in train_rows:
+        source = row.get("source")
+        sizes[source] = sizes.get(source, 0) + 1
+        for h in {hash(line) for line in prompt_lines(row)}:
+            line_counts[source, h] = line_counts.get((source, h), 0) + 1
+    return {h for (source, h), count in line_counts.items() if count > boilerplate_limit(sizes[source])}
+
+
 def check_contamination(train_rows: list[dict], test_rows: list[dict], n: int = 13) -> ContaminationReport:
     # Lines most training prompts share are left out of the n-grams: a test prompt sharing only its
     # instructions (and a few words around them) with a training prompt is not a leak.
-    line_counts: dict[int, int] = {}
-    for row in train_rows:
-        for h in {hash(line) for line in prompt_lines(row)}:
-            line_counts[h] = line_counts.get(h, 0) + 1
-    limit = boilerplate_limit(len(train_rows))
-    shared = {h for h, count in line_counts.items() if count > limit}
-    del line_counts
+    shared = shared_lines(train_rows)
 
     def content_words(row: dict) -> list[str]:
         return " ".join(line for line in prompt_lines(row) if hash(line) not in shared).split()
 
-    exact_texts: set[str] = set()
+    exact_texts: set[int] = set()  # hashes, not the texts: memory per training prompt stays 8 bytes
     grams: set[int] = set()
     for row in train_rows:
-        exact_texts.add(prompt_text(row))
+        exact_texts.add(hash(prompt_text(row)))
         grams |= ngrams(content_words(row), n)
     report = ContaminationReport(len(test_rows))
     for i, row in enumerate(test_rows):
@@ -91,7 +104,7 @@ def check_contamination(train_rows: list[dict], test_rows: list[dict], n: int = 
         counts = (report.by_source.setdefault(str(row["source"]), [0, 0, 0]) if row.get("source") is not None
                   else [0, 0, 0])
         counts[2] += 1
-        if text in exact_texts:
+        if hash(text) in exact_texts:
             report.exact.append(i)
             counts[0] += 1
         elif grams and not grams.isdisjoint(ngrams(content_words(row), n)):

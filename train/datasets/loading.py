@@ -26,8 +26,10 @@ Sources accepted by :func:`load_rows`:
   ``DatasetDict`` reads ``load_from_disk(dir)[split]``;
 * ``scheme:rest`` for a scheme in :data:`SOURCE_SCHEMES` (``verifiers:train?limit=32``).
 
-Every problem raises :class:`DataError` naming the source, the row and the field. Rows are numbered by
-their 1-based line number in JSONL files and by their 0-based row index everywhere else.
+Every problem raises :class:`DataError` naming the source, the row and the field. Rows are numbered from
+1, the same way in every message (this module's, the mixture's routing check): in JSONL and CSV files by
+the line they start on (a CSV's header is line 1), elsewhere by their position. Each loaded row is a
+:class:`Row` whose ``where`` says so (``"data/train.jsonl: row 2"``) for checks made after loading.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any, Callable
 
 from train.datasets.errors import DataError
 
-__all__ = ["DataError", "SOURCE_SCHEMES", "load_rows"]
+__all__ = ["DataError", "Row", "SOURCE_SCHEMES", "load_rows"]
 
 ROLES = ("system", "user", "assistant", "tool")
 SUPPORTED_EXTENSIONS = (".json", ".jsonl", ".csv", ".parquet", ".arrow")
@@ -60,20 +62,24 @@ SOURCE_SCHEMES: dict[str, Callable[[str], list[dict]]] = {
 }
 
 
-def load_rows(source: str) -> list[dict]:
-    """Load and validate the rows of ``source`` (see the module docstring for what it may be)."""
+def load_rows(source: str, limit: int | None = None) -> list[dict]:
+    """Load and validate the rows of ``source`` (see the module docstring for what it may be).
+    ``limit``: at most that many rows, the first ones (JSONL, CSV and Parquet files stop reading
+    there; JSON is parsed whole); what lies beyond them is neither read nor checked."""
     source = str(source)
+    if limit is not None and limit < 1:
+        raise ValueError(f"load_rows: limit must be >= 1 or None, got {limit}")
     scheme = source.split(":", 1)[0] if ":" in source else None
     if scheme in SOURCE_SCHEMES and not os.path.exists(source):
-        return _validate_all(SOURCE_SCHEMES[scheme](source), source)
+        return _validate_all(SOURCE_SCHEMES[scheme](source), source, limit)
 
     path = Path(source)
     if path.exists():
-        return _load_path(path)
+        return _load_path(path, limit)
     if "@" in source:
         split, repo = source.split("@", 1)
         if split and repo:
-            return _load_split(split, repo, source)
+            return _load_split(split, repo, source, limit)
     raise DataError(
         f"{source}: no such file or directory (expected a .json/.jsonl/.csv/.parquet/.arrow file, a "
         f"directory, 'split@repo_or_dir', or one of the schemes {sorted(SOURCE_SCHEMES)} as 'scheme:...')"
@@ -91,10 +97,10 @@ def _is_saved_dataset_dict(path: Path) -> bool:
     return path.is_dir() and (path / "dataset_dict.json").is_file()
 
 
-def _load_path(path: Path) -> list[dict]:
+def _load_path(path: Path, limit: int | None) -> list[dict]:
     if path.is_dir():
         if _is_saved_dataset(path):
-            return _validate_all(_read_saved_dataset(path, None), str(path))
+            return _validate_all(_read_saved_dataset(path, None, limit), str(path), limit)
         if _is_saved_dataset_dict(path):
             raise DataError(
                 f"{path}: a saved DatasetDict holds several splits; choose one as 'SPLIT@{path}' "
@@ -105,13 +111,15 @@ def _load_path(path: Path) -> list[dict]:
             raise DataError(f"{path}: directory holds no {'/'.join(SUPPORTED_EXTENSIONS)} files")
         rows: list[dict] = []
         for f in files:
-            rows.extend(_load_file(f))
+            if limit is not None and len(rows) >= limit:
+                break
+            rows.extend(_load_file(f, None if limit is None else limit - len(rows)))
         return rows
-    return _load_file(path)
+    return _load_file(path, limit)
 
 
-def _load_file(path: Path) -> list[dict]:
-    readers: dict[str, Callable[[Path], list[dict]]] = {
+def _load_file(path: Path, limit: int | None = None) -> list[dict]:
+    readers: dict[str, Callable[[Path, int | None], list[dict]]] = {
         ".json": _read_json,
         ".jsonl": _read_jsonl,
         ".csv": _read_csv,
@@ -124,7 +132,7 @@ def _load_file(path: Path) -> list[dict]:
             f"{path}: unsupported file extension {path.suffix!r} (supported: {', '.join(SUPPORTED_EXTENSIONS)})"
         )
     try:
-        rows = reader(path)
+        rows = reader(path, limit)
     except UnicodeDecodeError as e:
         raise _not_utf8(path) from e
     if not rows:
@@ -143,7 +151,7 @@ def _not_utf8(path: Path) -> DataError:
     return DataError(f"{path}: not UTF-8; save the file as UTF-8")
 
 
-def _read_json(path: Path) -> list[dict]:
+def _read_json(path: Path, limit: int | None) -> list[dict]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -152,13 +160,15 @@ def _read_json(path: Path) -> list[dict]:
         data = data["data"]
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a list of rows or {{\"data\": [...]}}, got {type(data).__name__}")
-    return [_validate_row(row, str(path), i) for i, row in enumerate(data)]
+    return [_validate_row(row, str(path), i) for i, row in enumerate(data[:limit], start=1)]
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _read_jsonl(path: Path, limit: int | None) -> list[dict]:
     rows = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
+            if limit is not None and len(rows) >= limit:
+                break
             if not line.strip():
                 continue  # blank lines (a trailing newline, spacing) are not rows
             try:
@@ -169,12 +179,16 @@ def _read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def _read_csv(path: Path) -> list[dict]:
+def _read_csv(path: Path, limit: int | None) -> list[dict]:
     # The stdlib reader keeps every cell a string (pandas would turn "007" into 7 and "" into NaN).
     rows = []
     with path.open(encoding="utf-8", newline="") as f:
         reader = csv.DictReader(f)
-        for i, raw in enumerate(reader):
+        end = 1  # the header's last line
+        for raw in reader:
+            if limit is not None and len(rows) >= limit:
+                break
+            i, end = end + 1, reader.line_num  # the line the row starts on (a quoted cell may span lines)
             row: dict[str, Any] = dict(raw)
             if None in row:
                 raise DataError(f"{path}: row {i}: more cells than header columns")
@@ -202,17 +216,23 @@ def _maybe_json(text: str) -> Any:
     return text
 
 
-def _read_parquet(path: Path) -> list[dict]:
+def _read_parquet(path: Path, limit: int | None) -> list[dict]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        if limit is None:
+            table = pq.read_table(path)
+        else:  # the first batch only: a large file is not read whole
+            parquet = pq.ParquetFile(path)
+            batch = next(parquet.iter_batches(batch_size=limit), None)
+            table = pa.Table.from_batches([batch]) if batch is not None else parquet.schema_arrow.empty_table()
     except Exception as e:  # pyarrow raises several types for corrupt files
         raise DataError(f"{path}: cannot read as Parquet: {e}") from e
-    return [_validate_row(row, str(path), i) for i, row in enumerate(table.to_pylist())]
+    return [_validate_row(row, str(path), i) for i, row in enumerate(table.to_pylist(), start=1)]
 
 
-def _read_arrow(path: Path) -> list[dict]:
+def _read_arrow(path: Path, limit: int | None) -> list[dict]:
     import pyarrow as pa
 
     # Arrow has two IPC layouts: the random-access "file" format (with footer) and the "stream"
@@ -226,7 +246,9 @@ def _read_arrow(path: Path) -> list[dict]:
                 table = pa.ipc.open_stream(source).read_all()
         except Exception as e:
             raise DataError(f"{path}: cannot read as an Arrow IPC file or stream: {e}") from e
-    return [_validate_row(row, str(path), i) for i, row in enumerate(table.to_pylist())]
+    if limit is not None:
+        table = table.slice(0, limit)  # memory-mapped: only these rows become Python objects
+    return [_validate_row(row, str(path), i) for i, row in enumerate(table.to_pylist(), start=1)]
 
 
 # --------------------------------------------------------------------------------- HF `datasets`
@@ -239,7 +261,7 @@ def _saved_splits(path: Path) -> list[str]:
         return []
 
 
-def _read_saved_dataset(path: Path, split: str | None) -> list[dict]:
+def _read_saved_dataset(path: Path, split: str | None, limit: int | None = None) -> list[dict]:
     import datasets
 
     try:
@@ -254,13 +276,20 @@ def _read_saved_dataset(path: Path, split: str | None) -> list[dict]:
         ds = ds[split]
     elif split is not None:
         raise DataError(f"{split}@{path}: a saved single Dataset has no splits; pass the directory itself")
+    return _first_rows(ds, limit)
+
+
+def _first_rows(ds, limit: int | None) -> list[dict]:
+    """A `datasets.Dataset`'s rows as dicts, the first `limit` only when given (memory-mapped: the rest stay on disk)."""
+    if limit is not None and len(ds) > limit:
+        ds = ds.select(range(limit))
     return ds.to_list()
 
 
-def _load_split(split: str, repo: str, source: str) -> list[dict]:
+def _load_split(split: str, repo: str, source: str, limit: int | None = None) -> list[dict]:
     repo_path = Path(repo)
     if _is_saved_dataset_dict(repo_path) or _is_saved_dataset(repo_path):
-        rows = _read_saved_dataset(repo_path, split)
+        rows = _read_saved_dataset(repo_path, split, limit)
     else:
         import datasets
 
@@ -268,23 +297,28 @@ def _load_split(split: str, repo: str, source: str) -> list[dict]:
             ds = datasets.load_dataset(repo, split=split)
         except Exception as e:  # network, missing cache, bad split: all mean "cannot load this source"
             raise DataError(f"{source}: datasets.load_dataset({repo!r}, split={split!r}) failed: {e}") from e
-        rows = ds.to_list()
-    return _validate_all(rows, source)
+        rows = _first_rows(ds, limit)
+    return _validate_all(rows, source, limit)
 
 
 # ---------------------------------------------------------------------------------------- validation
 
 
-def _validate_all(rows: Any, label: str) -> list[dict]:
+def _validate_all(rows: Any, label: str, limit: int | None = None) -> list[dict]:
     if not isinstance(rows, list):
         raise DataError(f"{label}: expected a list of rows, got {type(rows).__name__}")
     if not rows:
         raise DataError(f"{label}: no rows")
-    return [_validate_row(row, label, i) for i, row in enumerate(rows)]
+    return [_validate_row(row, label, i) for i, row in enumerate(rows[:limit], start=1)]
 
 
 def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
+
+
+class Row(dict):
+    """A loaded row: a plain dict of its fields, plus `where` it came from ("<source>: row N")."""
+    where: str | None = None
 
 
 def _validate_row(row: Any, label: str, index: int) -> dict:
@@ -292,7 +326,8 @@ def _validate_row(row: Any, label: str, index: int) -> dict:
     where = f"{label}: row {index}"
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected an object with 'messages' and 'answer', got {_type_name(row)}")
-    row = dict(row)
+    row = Row(row)
+    row.where = where
     if "messages" not in row or row["messages"] is None:
         prompt = row.get("prompt")
         if isinstance(prompt, str):

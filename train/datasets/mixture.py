@@ -98,11 +98,12 @@ def _entry(name: str, spec: Any, key: str, weights: bool) -> Source:
     return Source(name, path, float(weight))
 
 
-def load_sources(sources: list[Source]) -> list[dict]:
-    """Every source's rows in order, each named source's rows tagged with `source`."""
+def load_sources(sources: list[Source], limit: int | None = None) -> list[dict]:
+    """Every source's rows in order, each named source's rows tagged with `source`; with `limit`,
+    only the first `limit` rows of each (the pre-flight check's bounded read)."""
     rows: list[dict] = []
     for source in sources:
-        part = load_rows(source.path)
+        part = load_rows(source.path, limit)
         if source.name is not None:
             for row in part:
                 row["source"] = source.name
@@ -127,13 +128,15 @@ def source_names(rows: list[dict]) -> list[str]:
 
 
 def check_routes(rows: list[dict], routed: Mapping[str, Any], label: str) -> None:
-    """With `rollout.env_path` as a mapping, every row's source must have an environment."""
+    """With `rollout.env_path` as a mapping, every row's source must have an environment. A row is
+    named as its loader numbered it (`<file>: row N`, loading.py), so both checks point at one line."""
     for i, row in enumerate(rows):
+        where = f"{label}: {getattr(row, 'where', None) or f'row {i + 1}'}"
         source = row.get("source")
         if source is None:
-            raise DataError(f"{label}: row {i}: field 'source': missing, but rollout.env_path is a mapping "
+            raise DataError(f"{where}: field 'source': missing, but rollout.env_path is a mapping "
                             f"({', '.join(routed)}) that routes rows by source; name the sources in "
                             f"{label.split(' ')[0]} as a mapping, or give every row a 'source'")
         if str(source) not in routed:
-            raise DataError(f"{label}: row {i}: field 'source': {source!r} has no environment in rollout.env_path "
+            raise DataError(f"{where}: field 'source': {source!r} has no environment in rollout.env_path "
                             f"(sources with one: {', '.join(routed)}); add 'rollout.env_path.{source}'")

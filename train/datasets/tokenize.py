@@ -9,6 +9,7 @@ turns) would make the trained tokens differ from the sampled ones, so they fail 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 HINT = ("Use a chat template that renders earlier messages identically whatever follows them "
@@ -35,6 +36,12 @@ def render(tokenizer, messages: list[dict], tools: list[dict] | None = None,
 
 def encode(tokenizer, text: str) -> list[int]:
     # The template already holds every special token; never let the tokenizer add BOS/EOS.
+    warned = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        # Lengths are checked against the run's context (rollout.max_total_length), row by row and
+        # named (an over-long prompt's warning); transformers' anonymous "Token indices sequence
+        # length is longer than the specified maximum" line measures against another limit.
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -100,3 +107,76 @@ def continuation_ids(tokenizer, messages: list[dict], new_messages: list[dict],
     if ended_with_eos and tail.startswith(tokenizer.eos_token):
         tail = tail[len(tokenizer.eos_token):]
     return encode(tokenizer, tail) + after[len(before):]
+
+
+# -- bounds: env messages before they are tokenized, prompts against the context --------------------
+
+def _content_chars(message: dict) -> int:
+    content = message.get("content")
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):  # content parts: only text parts have characters to count
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
+
+
+def bound_messages(messages: list[dict], max_chars: int) -> tuple[list[dict], int, int]:
+    """(messages with at most `max_chars` characters of content in all, earlier messages first;
+    characters before; characters kept). Messages that are cut are copies: the env's objects are left
+    as they are. Bounding before tokenization keeps a huge env reply from costing seconds of BPE."""
+    before = sum(_content_chars(m) for m in messages)
+    if before <= max_chars:
+        return messages, before, before
+    left, out = max_chars, []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            message = {**message, "content": content[:left]}
+            left -= len(message["content"])
+        elif isinstance(content, list):
+            parts = []
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    part = {**part, "text": part["text"][:left]}
+                    left -= len(part["text"])
+                parts.append(part)
+            message = {**message, "content": parts}
+        out.append(message)
+    return out, before, max_chars - left
+
+
+@dataclass
+class PromptLengthReport:
+    """Templated prompt lengths of the rows checked against the context (`limit` tokens)."""
+    limit: int
+    checked: int = 0  # rows tokenized
+    total: int = 0  # rows given
+    too_long: list[tuple[str, int]] = field(default_factory=list)  # (where, tokens) of each prompt >= limit
+
+    @property
+    def all_too_long(self) -> bool:
+        return self.checked > 0 and len(self.too_long) == self.checked
+
+
+def prompt_too_long(n_tokens: int, limit: int) -> bool:
+    """A prompt leaves no room to sample a single token: the rollout skips its row."""
+    return n_tokens >= limit
+
+
+def check_prompt_lengths(rows: list[dict], tokenizer, limit: int, max_rows: int | None) -> PromptLengthReport:
+    """Template and tokenize the first `max_rows` rows of each source (every row when None) and list
+    those whose prompt fills the context (`limit` tokens) or more. Bounded on purpose: the rollout
+    checks every row it draws anyway (RolloutWorker), this only finds the problem before training."""
+    report = PromptLengthReport(limit, total=len(rows))
+    seen: dict[Any, int] = {}
+    for i, row in enumerate(rows):
+        source = row.get("source")
+        if max_rows is not None:
+            if seen.get(source, 0) >= max_rows:
+                continue
+            seen[source] = seen.get(source, 0) + 1
+        n = len(prompt_ids(tokenizer, row["messages"], row.get("tools")))
+        report.checked += 1
+        if prompt_too_long(n, limit):
+            report.too_long.append((getattr(row, "where", None) or f"row {i + 1}", n))
+    return report

@@ -9,15 +9,22 @@ ranks 0..N-K-1 as before. Two more gloo groups are built over the same torchrun 
   its rollout rank (trainer r is served by rollout rank N-K + r mod K): requests, samples, checksums;
 - the **push group**, trainer rank 0 and the K rollout ranks: weight buckets, broadcast from trainer 0.
 
-Every wait on either group has a timeout and a message naming the side, the peer and what it waited
-for. Module state: none; everything lives in the `Bridge` the caller holds.
+Every wait on either group has a timeout and ends in one line naming this rank, the peer, the request
+and `rollout.async_timeout_s` (a `BridgeError`, which the trainer prints as its `error:` line); a
+trainer rank's line adds what its rollout rank was doing, which each rollout rank publishes a few
+times a second in the store (`publish_status`: e.g. the env call in flight the longest), or that it
+stopped answering (no status for `SILENT_AFTER_S`: stopped, swapped out, hung). Module state: none;
+everything lives in the `Bridge` the caller holds.
 """
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import pickle
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +33,12 @@ import torch.distributed as dist
 
 class BridgeError(RuntimeError):
     """A trainer rank or a rollout rank waited for the other past the timeout, or lost it."""
+
+
+TIMEOUT_KEY = "rollout.async_timeout_s"  # the bridge's timeout, named in its errors
+STATUS_EVERY_S = 0.5  # how often a rollout rank publishes its status (train/workers/rollout_server.py)
+SILENT_AFTER_S = 3.0  # a status older than this: the rank stopped answering (stopped, swapped out, hung)
+STATUS_READ_S = 2.0  # the status store's own timeout: reading it never holds an error up for long
 
 
 @dataclass(frozen=True)
@@ -52,12 +65,19 @@ class WorldSplit:
         return list(range(server - self.trainers, self.trainers, self.rollout_ranks))
 
 
-def _store(rank: int, timeout: datetime.timedelta) -> dist.Store:
-    """The torchrun store (its agent's when it offers one), under a prefix of this attempt."""
+def _store(rank: int, timeout: datetime.timedelta, client: bool = False) -> dist.Store:
+    """The torchrun store (its agent's when it offers one), under a prefix of this attempt; `client`:
+    a connection of its own to it (never its server)."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    base = dist.TCPStore(host, port, is_master=rank == 0 and not agent, timeout=timeout, wait_for_workers=False)
+    base = dist.TCPStore(host, port, is_master=rank == 0 and not agent and not client, timeout=timeout,
+                         wait_for_workers=False)
     return dist.PrefixStore(f"infinite_rl/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+
+
+def _first_words(error: Exception) -> str:
+    """gloo's error without its boilerplate ("... closed by peer [host]:port")."""
+    return str(error).splitlines()[0].split(". This is typically")[0][:200]
 
 
 def _to_bytes(obj: object) -> torch.Tensor:
@@ -69,9 +89,16 @@ def _from_bytes(payload: torch.Tensor) -> object:
 
 
 class Bridge:
-    """Messages between trainer ranks and rollout ranks, and the weight broadcast."""
+    """Messages between trainer ranks and rollout ranks, and the weight broadcast.
 
-    def __init__(self, split: WorldSplit, store: dist.Store, timeout_s: float) -> None:
+    Every wait ends, past its timeout or when the other side is lost, in a BridgeError of one line
+    naming this rank, the peer, the request and `rollout.async_timeout_s` with its value; a trainer
+    rank adds what its rollout rank was doing (its published status, e.g. the env call in flight)
+    or that it stopped answering. A gloo link never recovers from a failure: later operations on a
+    failed bridge raise the first failure again (another thread's wait may have closed the link)."""
+
+    def __init__(self, split: WorldSplit, store: dist.Store, timeout_s: float,
+                 status_store: dist.Store | None = None) -> None:
         self.split, self.timeout_s = split, float(timeout_s)
         timeout = datetime.timedelta(seconds=timeout_s)
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), split.rank, split.world_size, timeout)
@@ -79,40 +106,116 @@ class Bridge:
         self.push_pg = (dist.ProcessGroupGloo(dist.PrefixStore("push", store), members.index(split.rank),
                                               len(members), timeout)
                         if split.rank in members else None)
+        self.status_store = status_store  # rollout ranks' statuses (a short timeout of its own)
+        self.failed: str | None = None  # the first failure's line
+        self._lock = threading.Lock()
+        self._waits: dict[int, tuple[str, list[int], float, float]] = {}  # in flight: what, peers, start, timeout
 
-    def _wait(self, work: dist.Work, timeout_s: float | None, what: str) -> None:
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        start = time.monotonic()
+    def name(self, rank: int) -> str:
+        return f"{'rollout' if rank >= self.split.trainers else 'trainer'} rank {rank}"
+
+    def names(self, ranks: list[int]) -> str:
+        side = "rollout" if ranks[0] >= self.split.trainers else "trainer"
+        return f"{side} rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+    # -- the rollout ranks' statuses -------------------------------------------------------------
+    def publish_status(self, status: dict) -> None:
+        """This rollout rank's status (what it is doing, the env call in flight the longest)."""
+        if self.status_store is not None:
+            self.status_store.set(f"status/{self.split.rank}", json.dumps({**status, "time": time.time()}))
+
+    def peer_status(self, rank: int) -> str:
+        """What rollout rank `rank` last said it was doing, or that it stopped answering ('' if unknown)."""
+        if self.status_store is None or rank < self.split.trainers:
+            return ""
+        key = f"status/{rank}"
         try:
-            work.wait(datetime.timedelta(seconds=timeout_s))
-        except RuntimeError as e:
-            side = "rollout" if self.split.is_rollout else "trainer"
-            if time.monotonic() - start < 0.99 * timeout_s:  # not a timeout: the peer's connection closed
-                raise BridgeError(f"{side} rank {self.split.rank} lost the other side while waiting {what}: that rank "
-                                    f"failed or exited (its own error says why; {str(e).splitlines()[0][:200]})") from None
-            raise BridgeError(f"{side} rank {self.split.rank} waited {timeout_s:.0f} s (rollout.async_timeout_s) "
-                                f"{what}; the other side is stuck") from None
+            if not self.status_store.check([key]):
+                return f"{self.name(rank)} has published no status (it stopped answering before its set-up)"
+            status = json.loads(self.status_store.get(key))
+        except Exception:  # noqa: BLE001 - the store itself is gone: say nothing rather than fail differently
+            return ""
+        doing = status.get("phase", "?") + (f", {status['call']}" if status.get("call") else "")
+        age = time.time() - float(status.get("time", 0.0))
+        if age > SILENT_AFTER_S:
+            return (f"{self.name(rank)} stopped answering: its last status, {age:.0f} s ago, said it was {doing} "
+                    "(a stopped (SIGSTOP), swapped-out or hung process)")
+        return f"{self.name(rank)} was {doing}"
 
+    # -- waits -----------------------------------------------------------------------------------
+    def _run(self, op: Callable[[], dist.Work], peers: list[int], timeout_s: float | None, what: str) -> None:
+        """Start `op` and wait for it; `what` reads after "waited N s" (e.g. "for X from rollout rank 1")."""
+        timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
+        if self.failed is not None:
+            raise BridgeError(self._after_failure(what))
+        key, start = object(), time.monotonic()
+        with self._lock:
+            self._waits[id(key)] = (what, peers, start, timeout_s)
+        try:
+            op().wait(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            raise BridgeError(self._failure(e, what, peers, start, timeout_s)) from None
+        finally:
+            with self._lock:
+                self._waits.pop(id(key), None)
+
+    def _me(self) -> str:
+        return self.name(self.split.rank)
+
+    def _after_failure(self, what: str) -> str:
+        return f"{self.failed}; so {self._me()} stopped waiting {what}"
+
+    def _failure(self, error: RuntimeError, what: str, peers: list[int], start: float, timeout_s: float) -> str:
+        now = time.monotonic()
+        with self._lock:
+            if self.failed is not None:
+                return self._after_failure(what)
+            if now - start >= 0.99 * timeout_s:
+                line = self._timed_out(what, peers, timeout_s)
+            else:  # another wait timing out closes the link under this one: that wait is the cause
+                late = [w for w in self._waits.values() if now - w[2] >= 0.99 * w[3]]
+                if late:
+                    line = self._timed_out(late[0][0], late[0][1], late[0][3])
+                else:
+                    line = (f"{self._me()} lost {self.names(peers)} while waiting {what}: that rank failed or exited "
+                            f"(its own error says why; {_first_words(error)})")
+            self.failed = line
+            return line
+
+    def _timed_out(self, what: str, peers: list[int], timeout_s: float) -> str:
+        states = [s for s in (self.peer_status(p) for p in peers) if s]
+        return (f"{self._me()} waited {timeout_s:g} s {what}{'; ' + '; '.join(states) if states else ''} "
+                f"({TIMEOUT_KEY}={timeout_s:g}: raise it if the other side is busy, not stuck)")
+
+    # -- messages --------------------------------------------------------------------------------
     def send(self, obj: object, dst: int, what: str) -> None:
-        """Send a picklable object to global rank `dst`."""
+        """Send a picklable object to global rank `dst`; `what` names it in an error."""
         payload = _to_bytes(obj)
-        self._wait(self.pg.send([torch.tensor([payload.numel()], dtype=torch.int64)], dst, 0), None,
-                   f"to send {what} to rank {dst}")
-        self._wait(self.pg.send([payload], dst, 0), None, f"to send {what} to rank {dst}")
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        wait = f"to send {what} to {self.name(dst)}"
+        self._run(lambda: self.pg.send([size], dst, 0), [dst], None, wait)
+        self._run(lambda: self.pg.send([payload], dst, 0), [dst], None, wait)
 
     def recv(self, src: int, what: str, timeout_s: float | None = None) -> object:
-        """The next object global rank `src` sent; `what` names it in a timeout's message."""
+        """The next object global rank `src` sent; `what` names it in an error."""
         size = torch.empty(1, dtype=torch.int64)
-        self._wait(self.pg.recv([size], src, 0), timeout_s, f"for {what} from rank {src}")
+        wait = f"for {what} from {self.name(src)}"
+        self._run(lambda: self.pg.recv([size], src, 0), [src], timeout_s, wait)
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._wait(self.pg.recv([payload], src, 0), timeout_s, f"for {what} from rank {src}")
+        self._run(lambda: self.pg.recv([payload], src, 0), [src], timeout_s, wait)
         return _from_bytes(payload)
 
     def broadcast(self, tensor: torch.Tensor, what: str) -> None:
-        """Broadcast a CPU tensor from trainer rank 0 over the push group (in place on the others)."""
+        """Broadcast a CPU tensor from trainer rank 0 over the push group (in place on the others);
+        `what` names it in an error."""
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
-        self._wait(self.push_pg.broadcast([tensor], opts), None, what)
+        if self.split.rank == 0:
+            peers = list(range(self.split.trainers, self.split.world_size))
+            wait = f"for {self.names(peers)} to take {what}"
+        else:
+            peers, wait = [0], f"for {what} from trainer rank 0"
+        self._run(lambda: self.push_pg.broadcast([tensor], opts), peers, None, wait)
 
     def broadcast_object(self, obj: object | None, what: str) -> object:
         """`obj` from trainer rank 0 to the rollout ranks (pass None on the receiving side)."""
@@ -136,4 +239,5 @@ def split_world(rollout_ranks: int, backend: str, timeout_s: float) -> tuple[Wor
     if not split.is_rollout:
         dist.init_process_group(backend, store=dist.PrefixStore("trainers", store), rank=rank,
                                 world_size=split.trainers, timeout=timeout)
-    return split, Bridge(split, store, timeout_s)
+    status = dist.PrefixStore("rollout_status", _store(rank, datetime.timedelta(seconds=STATUS_READ_S), client=True))
+    return split, Bridge(split, store, timeout_s, status)

@@ -17,6 +17,9 @@ Tensors that need no bucket come out at once, so the output order may differ fro
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -48,6 +51,31 @@ def _shard_group(tensor: torch.Tensor):
     return mesh.get_group(sharded[0]), mesh.size(sharded[0])
 
 
+# FSDP over tensor parallelism shards a TP-sharded dim 0 again (`_StridedShard`); gathering it whole takes
+# two all-gathers, which DTensor announces on every rank ("While redistributing from (_StridedShard(...),
+# Shard(dim=0)) to (Replicate(), Replicate()), 2 sequential all_gather operations ..."). It is the
+# gather asked for here (no single collective can do it), so that one message is dropped, only here.
+_STRIDED_GATHER = re.compile(r"While redistributing from \(_StridedShard\(.*sequential all_gather operations")
+
+
+class _ExpectedStridedGather(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _STRIDED_GATHER.search(record.getMessage())
+
+
+_EXPECTED = _ExpectedStridedGather()
+
+
+@contextlib.contextmanager
+def _quiet_strided_gather() -> Iterator[None]:
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    logger.addFilter(_EXPECTED)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_EXPECTED)
+
+
 def _flush(bucket: list[_Pending], group, size: int) -> Iterator[tuple[str, torch.Tensor]]:
     flat = torch.cat([p.local.reshape(-1) for p in bucket])
     out = flat.new_empty(size * flat.numel())
@@ -75,7 +103,11 @@ def gather_full_tensors(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes:
             if hasattr(tensor, "full_tensor"):  # a mesh of one rank: the local tensor is the whole
                 unsharded = all(not p.is_shard() or tensor.device_mesh.size(i) == 1
                                 for i, p in enumerate(tensor.placements))
-                tensor = tensor.to_local() if unsharded else tensor.full_tensor()  # else TP: one collective
+                if unsharded:
+                    tensor = tensor.to_local()
+                else:  # TP (with FSDP: a strided shard): one collective
+                    with _quiet_strided_gather():
+                        tensor = tensor.full_tensor()
             yield name, tensor if tensor.dtype == cast else tensor.to(cast)
             continue
         group, size = info

@@ -1,7 +1,8 @@
 """Config checks in one place: every bad or missing key fails before any model loads,
 with the key's name and an example override.
 
-The same checks before a launch, without torchrun (launch_grpo.sh runs this first):
+The same checks before a launch, without torchrun (launch_grpo.sh runs this first), with the data
+checks of train/trainer/data_check.py on the first `data.check_rows` rows of each data source:
 
     .venv/bin/python -m train.trainer.config --check --nproc 2 --config-name stub trainer.save_dir=runs/stub
 """
@@ -17,10 +18,12 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from train.datasets.curriculum import POLICIES
-from train.datasets.mixture import MixtureError, Source, parse_sources
+from train.datasets.errors import DataError
+from train.datasets.mixture import MixtureError, Source, load_sources, parse_sources
 from train.engines import ENGINE_NAMES, engine_sampling_keys
 from train.engines.base import SamplingError, SamplingParams, sampling_from_mapping
 from train.trainer.advantages import ESTIMATORS
+from train.trainer.data_check import OVERLONG_CHOICES, check_data, context_length
 from train.utils import algorithms as alg
 from train.utils import hub
 
@@ -203,6 +206,9 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     _positive_int(cfg, "actor.mini_batches")
     _positive_int(cfg, "rollout.max_turns")
     _positive_int(cfg, "rollout.max_total_length", allow_none=True)
+    _positive_int(cfg, "rollout.max_env_chars", allow_none=True)
+    _positive_int(cfg, "data.check_rows", allow_none=True)
+    _choice(cfg, "data.overlong_prompts", OVERLONG_CHOICES)
     _positive_int(cfg, "trainer.warn_skipped_steps", allow_none=True)
     _positive_int(cfg, "rollout.max_batch_size")
     _positive_int(cfg, "rollout.env_workers")
@@ -618,14 +624,60 @@ def compose(config_name: str = "grpo", overrides: Sequence[str] = ()) -> DictCon
         return hydra_compose(config_name=config_name, overrides=kept)
 
 
-def check(config_name: str, overrides: Sequence[str], world_size: int) -> list[str]:
-    """Compose and validate as the trainer does for `world_size` processes; returns the warnings
-    the run would print (useless settings). Raises ConfigError, or Hydra's error for a key that
-    does not exist or an override it cannot parse."""
+def check(config_name: str, overrides: Sequence[str], world_size: int) -> tuple[list[str], str]:
+    """Compose and validate as the trainer does for `world_size` processes, then check the data
+    (bounded: `check_data_preview`); returns the warnings the run would print and what the data
+    check read. Raises ConfigError or DataError, or Hydra's error for a key that does not exist or an
+    override it cannot parse."""
     cfg = compose(config_name, overrides)
     resolve_aliases(cfg)
-    validate(cfg, world_size - rollout_ranks(cfg, world_size))  # the trainer ranks (rollout.ranks)
-    return useless_settings(cfg)
+    paths = validate(cfg, world_size - rollout_ranks(cfg, world_size))  # the trainer ranks (rollout.ranks)
+    check_run_folder(cfg)
+    warnings, read = check_data_preview(cfg, paths)
+    return useless_settings(cfg) + warnings, read
+
+
+def check_run_folder(cfg: DictConfig) -> None:
+    """A trainer.save_dir that already holds a run is refused here as rank 0 would refuse it at start
+    (train/utils/run_folder.py, the same rule and line), not inside torchrun seconds later. The lock
+    (a live run) is not checked: on several nodes it is the run's own rank 0 that holds it."""
+    from train.utils.run_folder import RunFolderError, replaces_a_run
+
+    try:
+        replaces_a_run(cfg.trainer.save_dir, cfg.trainer.load_ckpt_from, cfg.trainer.overwrite)
+    except RunFolderError as e:
+        raise ConfigError(str(e)) from None
+    except OSError as e:  # a folder this user cannot list
+        raise ConfigError(f"trainer.save_dir '{cfg.trainer.save_dir}' cannot be read: {e.strerror or e}: point "
+                          "trainer.save_dir at a folder of yours (e.g. trainer.save_dir=runs/my_run)") from None
+
+
+def check_data_preview(cfg: DictConfig, paths: ModelPaths) -> tuple[list[str], str]:
+    """The trainer's data checks (train/trainer/data_check.py: sources routed, contamination, prompts
+    that fill the context; UTF-8 and the row contract as the loader reads) on the first
+    `data.check_rows` rows of each source, read with the trainer's loader: (warnings, what was read).
+    Test data is read only when the run evaluates (trainer.test_freq), as the trainer does."""
+    from transformers import AutoTokenizer
+
+    limit = cfg.data.check_rows
+    train, test = data_sources(cfg)
+    read, rows = [], {"train": [], "test": []}
+    for split, sources in (("train", train), ("test", test if cfg.trainer.test_freq else [])):
+        for source in sources:
+            part = load_sources([source], None if limit is None else limit + 1)  # one more: is there a rest?
+            rest = limit is not None and len(part) > limit
+            rows[split] += part[:limit] if rest else part
+            read.append(f"the first {limit} rows of {source.path}" if rest else f"all {len(part)} rows of {source.path}")
+    tokenizer = AutoTokenizer.from_pretrained(paths.rollout_tokenizer)
+    if cfg.actor.chat_template:
+        tokenizer.chat_template = cfg.actor.chat_template
+    envs = env_paths(cfg)
+    found = check_data(cfg, rows["train"], rows["test"], envs if isinstance(envs, Mapping) else {}, tokenizer,
+                       context_length(cfg, paths.actor))
+    note = "data read: " + ", ".join(read)
+    if any(r.startswith("the first") for r in read):
+        note += "; later rows are checked when the run loads them, data.check_rows=null reads them all here"
+    return found.warnings, note
 
 
 def one_line(error: BaseException) -> str:
@@ -647,7 +699,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m train.trainer.config",
         description="Check a run's config before launching it: compose config/NAME.yaml with the overrides as "
-                    "the trainer does and run every config check. Prints 'ok', or one 'error:' line and exits 2.")
+                    "the trainer does, run every config check and the data checks on the first data.check_rows rows of "
+                    "each source. Prints 'ok (what was read)', or one 'error:' line and exits 2.")
     parser.add_argument("--check", action="store_true", required=True, help="check the config (the only action)")
     parser.add_argument("--config-name", default="grpo", help="a config in config/ (default: grpo)")
     parser.add_argument("--nproc", type=int, default=1,
@@ -660,8 +713,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        warnings = check(args.config_name, args.overrides, args.nproc)
-    except ConfigError as e:
+        warnings, read = check(args.config_name, args.overrides, args.nproc)
+    except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)  # the trainer's own line
         return 2
     except (HydraException, OmegaConfBaseException) as e:
@@ -669,7 +722,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    print("ok", flush=True)
+    print(f"ok ({read})", flush=True)
     return 0
 
 

@@ -35,11 +35,10 @@ import transformers
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
-from train.datasets.contamination import check_contamination
 from train.datasets.curriculum import Curriculum, CurriculumConfig
 from train.datasets.dataloader import build_dataloader
 from train.datasets.loading import DataError
-from train.datasets.mixture import check_routes, load_sources, mixture_shares, source_names
+from train.datasets.mixture import load_sources, mixture_shares, source_names
 from train.datasets.tokenize import TokenizationError, encode
 from train.engines import build_engine
 from train.parallel.collectives import (all_gather_flat, all_reduce_max_many, all_reduce_sum, broadcast_from_main,
@@ -52,6 +51,7 @@ from train.trainer.advantages import compute_advantages
 from train.trainer.config import (ConfigError, collective_timeout_s, data_sources, env_paths,
                                   quote_values_with_equals, resolve_aliases, role_config, rollout_ranks,
                                   sampling_params, useless_settings, validate)
+from train.trainer.data_check import PromptOverflowLog, check_data, context_length, overflowed_rows, overlong_error
 from train.trainer.governor import Governor
 from train.trainer.policy_sync import PolicySync
 from train.trainer.prefetch import RolloutPrefetcher, RolloutTimeout, StepRollout, staleness
@@ -61,7 +61,7 @@ from train.trainer.step import (RunningMoments, mask_truncated, per_source_sums,
 from train.utils import algorithms as alg
 from train.utils import api_stats, hub
 from train.utils import checkpoint as ckpt
-from train.utils.disk import DiskFullError
+from train.utils.disk import UNWRITABLE_ERRNOS, StorageError, is_under, unwritable_line
 from train.utils.export import GB, export_hf
 from train.utils.lifecycle import StopRequest
 from train.utils.logging import RunLogger, test_line
@@ -75,7 +75,7 @@ from train.workers.environment import EnvLoadError
 from train.workers.lora import LoraTargetError
 from train.workers.model_init import CheckpointError
 from train.workers.remote_rollout import RemoteEngine, RemoteRollout
-from train.workers.rollout import RolloutWorker, Sample, sample_seed
+from train.workers.rollout import PROMPT_TOO_LONG, RolloutWorker, Sample, sample_seed
 from train.workers.rollout_server import serve
 
 
@@ -115,18 +115,23 @@ class Trainer:
         train_sources, test_sources = data_sources(cfg)
         self.train_rows = load_sources(train_sources)
         self.test_rows = load_sources(test_sources) if cfg.trainer.test_freq else []
-        if self.env.routes:
-            check_routes(self.train_rows, self.env.routes, "data.train_data_path")
-            check_routes(self.test_rows, self.env.routes, "data.test_data_path")
         # Per-source metrics (rewards/train/<source>, ...): the same list on every rank.
         self.train_sources, self.test_sources = source_names(self.train_rows), source_names(self.test_rows)
-        # Rank 0 hashes the training n-grams (memory ~ the training set's distinct n-grams); the others
-        # get its report.
-        self.contamination = broadcast_from_main(
-            check_contamination(self.train_rows, self.test_rows, cfg.data.contamination_ngram)
-            if self.test_rows and ctx.is_main else None, ctx)
-        if self.contamination is not None and self.contamination.found and cfg.data.fail_on_contamination:
-            raise DataError(f"data.fail_on_contamination: {self.contamination.summary(cfg.data.contamination_ngram)}")
+        # The conversation limit, from the config (rollout.max_total_length) or the model's, before any model loads.
+        self.context = context_length(cfg, paths.actor)
+        # Rank 0 checks the data (train/trainer/data_check.py: sources routed, contamination, which hashes
+        # the training n-grams, the first data.check_rows prompts' lengths); every rank gets the outcome.
+        try:
+            found = (check_data(cfg, self.train_rows, self.test_rows, self.env.routes, self.rollout_tokenizer,
+                                self.context) if ctx.is_main else None)
+        except DataError as e:
+            found = f"{e}"
+        found = broadcast_from_main(found, ctx)
+        if isinstance(found, str):
+            raise DataError(found)
+        self.data_warnings = found.warnings
+        # rows skipped at rollout time, named on rank 0 (those named at start-up only counted)
+        self.prompt_overflows = PromptOverflowLog(self.context, found.overlong_rows)
         # Per-prompt pass rates, kept in every run; a policy other than uniform also decides what is drawn.
         self.curriculum = Curriculum(CurriculumConfig(**cfg.data.curriculum), self.train_rows, cfg.trainer.seed)
         accept = self.curriculum.accept if cfg.data.curriculum.policy != "uniform" else None
@@ -167,7 +172,7 @@ class Trainer:
         gov = cfg.trainer.governor
         self.governor = (Governor(gov.watch, gov.window, gov.k_sigma, gov.min_history, gov.min_panics,
                                   gov.rel_std_floor, gov.max_weight_change) if gov.enable else None)
-        max_len = cfg.rollout.max_total_length or getattr(self.actor.model.config, "max_position_embeddings", 4096)
+        max_len = self.context.tokens
         if ctx.bridge is not None:  # rollout.ranks > 0: a dedicated rollout rank generates and scores for this rank
             self.engine = RemoteEngine(ctx.bridge, ctx.rank, max(1, int(cfg.rollout.bucket_size_mb * (1 << 20))))
             names = {"model_name": cfg.rollout.model_name or cfg.actor.model_name,
@@ -178,7 +183,8 @@ class Trainer:
             self.engine = build_engine(cfg.rollout, ctx, model_path=paths.rollout, tokenizer=self.rollout_tokenizer,
                                        seed=cfg.trainer.seed, lora=self.actor.lora if self.actor.lora.enabled else None)
             self.rollout = RolloutWorker(self.engine, self.env, self.rollout_tokenizer, max_turns=cfg.rollout.max_turns,
-                                         env_error_reward=cfg.rollout.env_error_reward, max_total_length=max_len)
+                                         env_error_reward=cfg.rollout.env_error_reward, max_total_length=max_len,
+                                         max_env_chars=cfg.rollout.max_env_chars)
         self.start_step = 0
         self.test_history: list[tuple[int, float]] = []
         self.checkpointer = ckpt.Checkpointer(cfg.trainer.save_dir, ctx, async_save=cfg.trainer.async_save,
@@ -193,12 +199,14 @@ class Trainer:
         self.log = RunLogger(cfg, ctx.is_main, self.total_steps, self.start_step)
         if moved:
             self.log.write(f"trainer.overwrite: the run that was in {cfg.trainer.save_dir} is now in {moved}")
-        for warning in useless_settings(cfg):
+        for warning in useless_settings(cfg) + self.data_warnings:  # (contamination, prompts that fill the context)
             self._warn(self.start_step, warning)
-        if self.contamination is not None and self.contamination.found:
-            self._warn(self.start_step, f"{self.contamination.summary(cfg.data.contamination_ngram)}; test rewards "
-                                        "overstate generalisation (data.fail_on_contamination=true stops such runs)")
         self.skipped_in_a_row = self.updates = 0
+        # Why each step of this launch changed no actor weight (the closing line's causes), and the
+        # sources (None: a run without) whose every sample failed in the env, warned once per streak.
+        self.outcomes: dict[str, int] = {}
+        self._env_failing: set[str | None] = set()
+        self._all_env_errors = False  # (rank 0) every sample of the last step was an env error
         self._warned_stuck = False
         self.watchdog = Watchdog(cfg.trainer.watchdog_min_s, cfg.trainer.watchdog_factor, ctx.rank,
                                  cfg.trainer.save_dir, describe=self.env.longest_call)
@@ -345,7 +353,8 @@ class Trainer:
         while rounds < max_rounds:
             got = first if rounds == 0 else self._rollout(step, rounds)
             samples, rewards, pen = got.samples, got.rewards, got.penalties
-            pass_rates += [(pid, sum(s.reward >= threshold for s in samples[g * n:(g + 1) * n]) / n)
+            pass_rates += [(pid, sum(s.reward >= threshold for s in samples[g * n:(g + 1) * n]) / n
+                            if samples[g * n].finish_reason != PROMPT_TOO_LONG else float("nan"))  # not rolled out
                            for g, pid in enumerate(got.row_indices)]
             rounds += 1
             rollout_s += got.rollout_s
@@ -365,6 +374,8 @@ class Trainer:
                 break
         metrics = rollout_metrics(all_samples, len(all_samples) // n, n, cfg, ctx, rewards=all_rewards,
                                   sources=self.train_sources)
+        if metrics["prompt_overflow_ratio/train"] > 0:  # (all-reduced: every rank takes this branch)
+            self._prompt_overflows(step, all_samples, n)
         metrics["time/rollout_s"] = rollout_s
         metrics.update(self._engine_metrics(step, counters))
         metrics.update(self._staleness_metrics(all_samples))
@@ -475,7 +486,8 @@ class Trainer:
         else:
             every = mine
         values = every.view(-1, 2).tolist()
-        self.curriculum.record(step, [(self.curriculum.id_of(int(i)), rate) for i, rate in values])
+        self.curriculum.record(step, [(self.curriculum.id_of(int(i)), rate) for i, rate in values
+                                      if rate == rate])  # NaN: a row skipped for its prompt's length
         return self.curriculum.take_counters()
 
     def _staleness_metrics(self, samples: list[Sample]) -> dict[str, float]:
@@ -501,13 +513,35 @@ class Trainer:
         return check_probe(engine_logp, trainer_logp, self.probe_tol, step, self.ctx.rank, self.ctx.device)
 
     def _note_skipped(self, step: int) -> None:
-        """Say so when `trainer.warn_skipped_steps` steps in a row learned nothing (once per streak)."""
+        """Say so when `trainer.warn_skipped_steps` steps in a row learned nothing (once per streak), and at
+        once when this launch's first step did (a short run's closing line must have a warning to point at)."""
         self.skipped_in_a_row += 1
         limit = self.cfg.trainer.warn_skipped_steps
+        hint = ("every group's rewards were identical, so dynamic filtering dropped them all; look at rewards/train "
+                "and at the samples in trajectories.jsonl (too hard, too easy, or a broken reward_fn?)")
+        if limit and limit > 1 and self.updates == 0 and self.skipped_in_a_row == 1:
+            self._warn(step, f"step {step} made no update: {hint} (warned once; again after {limit} such steps "
+                             "in a row, trainer.warn_skipped_steps)")
         if limit and self.skipped_in_a_row == limit:
-            self._warn(step, f"no update in the last {limit} steps (up to step {step}): every group's rewards were "
-                             "identical, so dynamic filtering dropped them all; look at rewards/train and at the "
-                             "samples in trajectories.jsonl (too hard, too easy, or a broken reward_fn?)")
+            self._warn(step, f"no update in the last {limit} steps (up to step {step}): {hint}")
+
+    def _prompt_overflows(self, step: int, samples: list[Sample], group_size: int) -> None:
+        """Rows whose prompt filled the context this step (their samples were skipped): a
+        `prompt_too_long` event each and a counted warning on rank 0, or, with
+        data.overlong_prompts=fail, the error on every rank. Collective."""
+        gathered = gather_to_main(overflowed_rows(samples, group_size), self.ctx)
+        error = None
+        if gathered is not None:
+            rows = [row for part in gathered for row in part]
+            for row in rows:
+                self.log.event("prompt_too_long", step, row)
+            if self.cfg.data.overlong_prompts == "fail":
+                error = overlong_error(rows[0].get("row"), rows[0]["tokens"], self.context)
+            else:
+                for line in self.prompt_overflows.add(rows):
+                    self._warn(step, line)
+        if self.cfg.data.overlong_prompts == "fail":
+            raise DataError(broadcast_from_main(error, self.ctx))
 
     def _warn(self, step: int, warning: str) -> None:
         """A warning line on rank 0's output and a `warning` event in trajectories.jsonl."""
@@ -572,14 +606,18 @@ class Trainer:
         """Sampled conversations, env errors and external-call latencies to rank 0's logs;
         returns the latency metrics (on rank 0)."""
         k = self.cfg.trainer.log_samples
-        errors = [{"error": s.env_error, "messages": s.messages} for s in samples if s.env_error]
+        errors = [{"error": s.env_error, "source": s.source, "messages": s.messages} for s in samples if s.env_error]
+        counts: dict[str | None, int] = {}  # samples per source, for the env error warning
+        for s in samples:
+            counts[s.source] = counts.get(s.source, 0) + 1
         shown = [{"messages": s.messages, "answer": s.answer, "source": s.source, "reward": s.reward,
                   "finish_reason": s.finish_reason,
                   "n_turns": s.n_turns, "turn_versions": s.turn_versions, "events": s.events} for s in samples[:k]]
         calls = self.rollout.pop_api_calls()
-        gathered = gather_to_main({"errors": errors, "samples": shown, "calls": calls}, self.ctx)
+        gathered = gather_to_main({"errors": errors, "samples": shown, "calls": calls, "counts": counts}, self.ctx)
         if gathered is None:
             return {}
+        self._note_env_errors(step, gathered)
         all_calls = []
         for rank, part in enumerate(gathered):
             for e in part["errors"]:
@@ -592,6 +630,60 @@ class Trainer:
             self.log.event("api_stats", step, {"stats": stats})
         return stats
 
+    def _note_env_errors(self, step: int, gathered: list[dict]) -> None:
+        """(rank 0) A warning when every sample of a source (or of the step, without sources) ended in an
+        env error, naming the source, its env file and the first error; once per streak of such steps."""
+        counts: dict[str | None, int] = {}
+        failed: dict[str | None, list[str]] = {}
+        for part in gathered:
+            for source, n in part["counts"].items():
+                counts[source] = counts.get(source, 0) + n
+            for e in part["errors"]:
+                failed.setdefault(e["source"], []).append(e["error"])
+        self._all_env_errors = bool(counts) and sum(map(len, failed.values())) == sum(counts.values())
+        for source, n in counts.items():
+            if len(failed.get(source, ())) < n:
+                self._env_failing.discard(source)  # the streak ends: warn again if it comes back
+                continue
+            if source in self._env_failing:
+                continue
+            self._env_failing.add(source)
+            paths = env_paths(self.cfg)
+            env = paths if isinstance(paths, str) else paths.get(source, self.env.name)
+            first = failed[source][0]
+            first = first if len(first) <= 300 else first[:300] + " ..."
+            whose = f"the {n} samples from source '{source}'" if source is not None else f"its {n} samples"
+            metric = f"env/errors/{source}" if source is not None else "env/errors"
+            self._warn(step, f"step {step}: every one of {whose} ended in an env error in {env} (each scored "
+                             f"rollout.env_error_reward={self.cfg.rollout.env_error_reward:g}); the first: {first}; "
+                             f"see {metric} and the env_error events in trajectories.jsonl (warned again only after "
+                             "a step where some succeed)")
+
+    def _count_outcome(self, metrics: dict[str, float]) -> None:
+        """Count why this step changed no actor weight, or that it did (the run's closing line)."""
+        if self._all_env_errors:  # (known on rank 0, the one that prints)
+            outcome = "env_errors"
+        elif metrics.get("actor/skipped"):
+            outcome = "skipped"
+        elif metrics.get("governor/rollback"):
+            outcome = "rolled_back"
+        elif metrics.get("actor/frozen"):
+            outcome = "frozen"
+        else:
+            outcome = "updated"
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def _no_update_causes(self) -> str:
+        """The closing line's reasons, counted over this launch's steps."""
+        said = {"env_errors": "every sample an env error (the env warning above, env/errors, env_error events in "
+                              "trajectories.jsonl)",
+                "skipped": "skipped: every group's rewards were identical, so dynamic filtering dropped them all "
+                           "(actor/skipped)",
+                "rolled_back": "rolled back by the governor (the 'governor rolled back' lines above, "
+                               "governor/rollback)",
+                "frozen": f"frozen by actor.freeze_steps={self.cfg.actor.freeze_steps}"}
+        return "; ".join(f"{n} step(s) {said[why]}" for why, n in self.outcomes.items() if why in said)
+
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self, step: int) -> dict[str, float]:
         """`rewards/test` over the whole test set, and `rewards/test/<source>` for each of its sources."""
@@ -600,9 +692,14 @@ class Trainer:
         rows = self.test_rows[ctx.rank::ctx.world_size]
         samples, _ = self.rollout.rollout(rows, 1, self.test_sampling, sample_seed(self.test_seed, -1, ctx.rank),
                                           what=f"step {step}'s evaluation")
-        total, count, errors, *by_source = all_reduce_sum(
+        skipped = [s for s in samples if s.finish_reason == PROMPT_TOO_LONG]  # prompts that fill the context
+        samples = [s for s in samples if s.finish_reason != PROMPT_TOO_LONG]
+        total, count, errors, n_skipped, *by_source = all_reduce_sum(
             [sum(s.reward for s in samples), float(len(samples)), float(sum(bool(s.env_error) for s in samples)),
-             *per_source_sums(samples, self.test_sources, lambda s: float(bool(s.env_error)))], ctx.device)
+             float(len(skipped)), *per_source_sums(samples, self.test_sources, lambda s: float(bool(s.env_error)))],
+            ctx.device)
+        if n_skipped:
+            self._prompt_overflows(step, skipped, 1)
         score = total / max(count, 1.0)
         self.test_history.append((step, score))
         out = {"rewards/test": score}
@@ -623,8 +720,11 @@ class Trainer:
             self.log.log_metrics(0, scores)
             self.log.write(f"step 0: {test_line(scores)}")
         for step in range(self.start_step + 1, self.total_steps + 1):
+            if isinstance(self.engine, RemoteEngine):  # names the step's push in a bridge error (rollout.ranks)
+                self.engine.step = step
             eval_due = bool(test_freq and (step % test_freq == 0 or step == self.total_steps))
             metrics = self.train_step(step, boundary=eval_due or step == self.total_steps)
+            self._count_outcome(metrics)
             if eval_due:
                 t = time.perf_counter()
                 with self.watchdog.phase("evaluation"):
@@ -648,9 +748,10 @@ class Trainer:
                   shard_bytes=int(cfg.trainer.export_shard_gb * GB), bucket_bytes=self.sync.bucket_bytes,
                   critic=self.critic.model if self.critic is not None else None,
                   base_model=hub.export_name(cfg.actor.model_name, self.paths.actor))
-        if self.updates == 0 and self.total_steps > self.start_step:
+        # (a run frozen throughout, actor.freeze_steps, meant its actor to stay as it was: no line)
+        if not self.outcomes.get("updated") and set(self.outcomes) - {"frozen"}:
             self.log.write(f"warning: this run made no update in its {self.total_steps - self.start_step} steps: "
-                           "nothing was learned (see the warnings above and actor/skipped in metrics.jsonl)")
+                           f"nothing was learned ({self._no_update_causes()})")
         if len(self.test_history) >= 2:
             (s0, first), (s1, last) = self.test_history[0], self.test_history[-1]
             self.log.write(f"test reward: {first:.3f} (step {s0}) -> {last:.3f} (step {s1}), {last - first:+.3f}")
@@ -714,9 +815,12 @@ def main(cfg: DictConfig) -> None:
         run(cfg)
     except USER_ERRORS as e:
         fail(f"error: {e}", 2, every_rank=False)
-    except (WeightSyncError, DiskFullError, RolloutTimeout, BridgeError) as e:  # each rank says what its own engine / disk holds
+    except (WeightSyncError, StorageError, RolloutTimeout, BridgeError) as e:  # each rank says what its own engine / disk holds
         fail(f"error: rank {os.environ.get('RANK', '0')}: {e}", 4)
     except OSError as e:
+        if e.errno in UNWRITABLE_ERRNOS and is_under(e.filename, cfg.trainer.save_dir):  # (read-only since start-up)
+            fail(f"error: rank {os.environ.get('RANK', '0')}: "
+                 f"{unwritable_line(e, 'into the run folder', cfg.trainer.save_dir)}", 4)
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         fail(f"error: rank {os.environ.get('RANK', '0')}: no space left on the device holding "

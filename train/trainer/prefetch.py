@@ -54,6 +54,7 @@ class RolloutPrefetcher:
         self._future: Future | None = None
         self._step: int | None = None  # the step of the rollout in flight
         self._done: deque[StepRollout] = deque()  # finished (drained or restored), not yet taken
+        self._failure: BaseException | None = None  # the rollout in flight failed before it finished generating
 
     @property
     def in_flight(self) -> bool:
@@ -73,11 +74,15 @@ class RolloutPrefetcher:
                                "rollouts are queued in step order")
         self._step = step
         self._generated = threading.Event()
+        self._failure = None
         self._future = self._executor.submit(self._run, step, self._generated)
 
     def _run(self, step: int, generated: threading.Event) -> StepRollout:
         try:
             out = self.generate(step, generated.set)
+        except BaseException as e:
+            self._failure = e  # set before `generated`: the push that waits for it must not go ahead
+            raise
         finally:
             generated.set()
         out.finished_at = time.monotonic()
@@ -95,6 +100,8 @@ class RolloutPrefetcher:
                 f"the trainer waited {self.timeout_s:.0f} s (rollout.async_timeout_s) for the rollout side to finish "
                 f"generating step {self._step}'s rollout; the engine or an env call is stuck (see the watchdog's "
                 "stack dump if it fired)")
+        if self._failure is not None:  # the rollout side failed: its error, not a push to a broken side
+            raise self._failure
         return time.monotonic() - start
 
     def drain(self) -> float:

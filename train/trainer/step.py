@@ -13,18 +13,24 @@ from omegaconf import DictConfig
 from train.utils import algorithms as alg
 from train.parallel.distributed import DistContext
 from train.parallel.collectives import all_reduce_max, all_reduce_sum
-from train.workers.rollout import Sample
+from train.workers.rollout import PROMPT_TOO_LONG, Sample
 
 def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, cfg: DictConfig,
                     ctx: DistContext, rewards: list[float] | None = None,
                     sources: Sequence[str] = ()) -> dict[str, float]:
     """Global (all-rank) rollout statistics, computed before any filtering. `rewards/train` is the
     environment's reward; informativeness (`dynamic_filtering_ratio`) uses `rewards` (shaped) if given.
-    `sources` (the same on every rank) adds `rewards/train/<source>` and `response_length/train/<source>`
-    for each source that had samples this step."""
+    `sources` (the same on every rank) adds `rewards/train/<source>`, `response_length/train/<source>`
+    and `env/errors/<source>` for each source that had samples this step. Samples of rows whose prompt
+    fills the context were never rolled out: they count in `prompt_overflow_ratio/train` and
+    `context_overflow_ratio/train` only."""
     shaped = rewards if rewards is not None else [s.reward for s in samples]
-    groups = [shaped[g * group_size:(g + 1) * group_size] for g in range(n_groups)]
+    groups = [shaped[g * group_size:(g + 1) * group_size] for g in range(n_groups)
+              if samples[g * group_size].finish_reason != PROMPT_TOO_LONG]
     dropped = sum(len(set(grp)) <= 1 for grp in groups)
+    n_groups = len(groups)
+    too_long = float(sum(s.finish_reason == PROMPT_TOO_LONG for s in samples))
+    samples = [s for s in samples if s.finish_reason != PROMPT_TOO_LONG]
     max_turns = int(cfg.rollout.max_turns)
     per_turn = [0.0] * (2 * max_turns)  # (token sum, count) of each turn index
     for s in samples:
@@ -40,22 +46,28 @@ def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, cfg: 
         float(sum(bool(s.env_error) for s in samples)),
         float(dropped), float(n_groups),
         float(sum(len(s.ids) for s in samples)), float(sum(s.prompt_length for s in samples)),
+        too_long, float(sum(any(e["type"] == "env_truncated" for e in s.events) for s in samples)),
         *tool_sums(samples),
         *per_turn,
         *per_source_sums(samples, sources, lambda s: float(s.n_action_tokens)),
+        *[float(sum(bool(s.env_error) for s in samples if s.source == source)) for source in sources],
     ]
-    reward, count, tokens, clipped, overflow, turns, errors, dropped, n_groups, traj, prompt, \
+    reward, count, tokens, clipped, overflow, turns, errors, dropped, n_groups, traj, prompt, too_long, truncated, \
         tool_calls, tool_errors, with_tools, *rest = all_reduce_sum(values, ctx.device)
-    per_turn, by_source = rest[:2 * max_turns], rest[2 * max_turns:]
+    per_turn, by_source = rest[:2 * max_turns], rest[2 * max_turns:2 * max_turns + 3 * len(sources)]
+    source_errors = rest[2 * max_turns + 3 * len(sources):]
     longest = all_reduce_max(float(max((len(s.ids) for s in samples), default=0)), ctx.device)
+    every = max(count + too_long, 1.0)  # the skipped rows' samples too
     count = max(count, 1.0)
     filtering = cfg.rollout.dynamic_filtering or cfg.rollout.dynamic_sampling
     out = {
         "rewards/train": reward / count,
         "response_length/train": tokens / count,
         "length_clip_ratio/train": clipped / count,
-        # episodes ended because the env's messages would not fit rollout.max_total_length
-        "context_overflow_ratio/train": overflow / count,
+        # samples that hit the context (rollout.max_total_length): an env's messages would not fit
+        # (the episode ended before them), or the prompt alone filled it (the row was skipped)
+        "context_overflow_ratio/train": (overflow + too_long) / every,
+        "prompt_overflow_ratio/train": too_long / every,  # the second kind alone (data.overlong_prompts)
         "n_turns/train": turns / count,
         "env/errors": errors,
         "dynamic_filtering_ratio": dropped / max(n_groups, 1.0) if filtering else 0.0,
@@ -65,14 +77,16 @@ def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, cfg: 
         "prompt_length/train": prompt / count,
         "turn_length/train": tokens / max(turns, 1.0),  # sampled tokens per assistant turn
     }
-    for source, (reward_sum, n, length_sum) in zip(sources, split_triples(by_source)):
+    for source, (reward_sum, n, length_sum), n_errors in zip(sources, split_triples(by_source), source_errors):
         if n > 0:
             out[f"rewards/train/{source}"] = reward_sum / n
             out[f"response_length/train/{source}"] = length_sum / n
+            out[f"env/errors/{source}"] = n_errors  # samples whose env call failed (scored env_error_reward)
     if max_turns > 1:
         out["tools/calls_per_sample"] = tool_calls / count
         out["tools/call_rate"] = with_tools / count  # share of samples that called a tool at least once
         out["tools/errors"] = tool_errors  # tool replies flagged `"error": true` by the environment
+        out["env/truncated_ratio/train"] = truncated / count  # samples with an env reply cut to rollout.max_env_chars
         for k in range(max_turns):
             if per_turn[2 * k + 1] > 0:
                 out[f"turn_length/turn{k + 1}"] = per_turn[2 * k] / per_turn[2 * k + 1]
@@ -124,14 +138,15 @@ def shaped_rewards(samples: list[Sample], cfg: DictConfig) -> tuple[list[float],
 
 def select_groups(samples: list[Sample], rewards: list[float], group_size: int, dynamic_filtering: bool
                   ) -> tuple[list[Sample], list[float]]:
-    """Drop groups whose (shaped) rewards are all equal (no signal) before any log-prob work."""
+    """Drop groups whose (shaped) rewards are all equal (no signal) before any log-prob work, and
+    always the groups of rows whose prompt filled the context (nothing was sampled)."""
     if not samples:
         return [], []
     keep = (alg.informative_groups(torch.tensor(rewards, dtype=torch.float64), group_size).tolist()
             if dynamic_filtering else [True] * (len(samples) // group_size))
     kept, kept_r = [], []
     for g, ok in enumerate(keep):
-        if ok:
+        if ok and samples[g * group_size].finish_reason != PROMPT_TOO_LONG:
             kept += samples[g * group_size:(g + 1) * group_size]
             kept_r += rewards[g * group_size:(g + 1) * group_size]
     return kept, kept_r

@@ -7,7 +7,8 @@ Hugging Face export. Both are written to a temporary name and renamed when compl
                            writes its own shards (__{rank}_0.distcp), rank 0 the .metadata
       trainer_state.pt     the step, schedulers, the dataloader's global position, the governor, ...
       rank{r}.pt           each rank's RNG states
-      meta.json            what wrote it: world size, each model's layout and shapes (for people and errors)
+      meta.json            what wrote it: world size, each model's layout, shapes and LoRA settings (for
+                           people and errors)
       COMPLETE             written last, then step{N}.tmp/ is renamed to step{N}/
 
 Memory per rank for a save is its own shards (plus a staging copy with `trainer.async_save`); no
@@ -24,6 +25,7 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import numpy as np
@@ -162,7 +164,8 @@ class Checkpointer:
         states = self._states(workers)
         if self.ctx.is_main:
             meta = {"step": step, "world_size": self.ctx.world_size,
-                    "workers": {name: {"layout": vars(w.layout.sizes), "shapes": _shapes(states[name]["model"])}
+                    "workers": {name: {"layout": vars(w.layout.sizes), "shapes": _shapes(states[name]["model"]),
+                                       "lora": _lora_settings(w)}
                                 for name, w in workers.items()}}
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump(meta, f, indent=1)
@@ -221,8 +224,14 @@ class Checkpointer:
                                   f"run with {sorted(meta['workers'])}); resume with the same algorithm settings")
         states = self._states(workers)
         saved = dcp.FileSystemReader(os.path.join(path, "dcp")).read_metadata().state_dict_metadata
-        for name in workers:
-            for key, shape in _shapes(states[name]["model"], f"{name}.model.").items():
+        saved_shapes = {k: tuple(v.size) for k, v in saved.items() if hasattr(v, "size")}
+        for name, worker in workers.items():
+            here = _shapes(states[name]["model"], f"{name}.model.")
+            targets = getattr(getattr(worker, "lora", None), "target_modules", None)
+            lora = lora_mismatch(path, name, meta["workers"][name], saved_shapes, here, targets)
+            if lora:
+                raise CheckpointError(lora)
+            for key, shape in here.items():
                 entry = saved.get(key)
                 if entry is None or tuple(entry.size) != shape:
                     found = "absent" if entry is None else tuple(entry.size)
@@ -244,6 +253,55 @@ class Checkpointer:
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+def _lora_settings(worker) -> dict | None:
+    """A worker's LoRA settings for meta.json (None: no adapters, the whole model trains)."""
+    lora = getattr(worker, "lora", None)
+    if lora is None or not lora.enabled:
+        return None
+    return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
+
+
+def adapters_in(shapes: dict[str, tuple[int, ...]], prefix: str) -> tuple[int, list[str]] | None:
+    """(rank, targeted module names) of the LoRA adapters among the entries under `prefix`, or None."""
+    ranks, modules = set(), set()
+    for key, shape in shapes.items():
+        if key.startswith(prefix) and ".lora_A." in key:
+            ranks.add(int(shape[0]))
+            modules.add(key.split(".lora_A.")[0].rsplit(".", 1)[-1])
+    return (max(ranks), sorted(modules)) if modules else None
+
+
+def lora_mismatch(path: str, name: str, meta: dict, saved: dict[str, tuple[int, ...]],
+                  here: dict[str, tuple[int, ...]], target_modules: Sequence[str] | None = None) -> str | None:
+    """Why a checkpoint's LoRA adapters (or their absence) do not fit this run's `name` worker, with the
+    overrides that resume it; None when they fit. `meta`: the worker's meta.json entry (its `lora`
+    settings, recorded since issue 33; an older checkpoint's adapters are read from its tensor names);
+    `target_modules`: those this run's `<name>.lora.target_modules` names (its default when LoRA is off)."""
+    key, prefix = f"{name}.lora", f"{name}.model."
+    then, now = adapters_in(saved, prefix), adapters_in(here, prefix)
+    if then is None and now is None:
+        return None
+    where = f"trainer.load_ckpt_from: '{path}' holds"
+    if then is None:
+        return (f"{where} the {name}'s full weights (saved by a run without LoRA), and this run trains LoRA adapters "
+                f"({key}.rank={now[0]}): resume with {key}.rank=0")
+    rank, modules = then
+    recorded = meta.get("lora") or {}
+    wanted_modules = sorted(target_modules) if target_modules is not None else None
+    fix = [f"{key}.rank={rank}"] if now is None or now[0] != rank else []
+    if recorded.get("alpha") is not None and now is None:
+        fix.append(f"{key}.alpha={recorded['alpha']:g}")
+    if (now[1] if now is not None else wanted_modules) != modules:
+        fix.append(f"{key}.target_modules=[{','.join(modules)}]")
+    if not fix:
+        return None
+    held = f"{where} the {name}'s LoRA adapters of rank {rank} on {', '.join(modules)}"
+    if now is None:
+        return (f"{held}, not its full weights, and this run trains the whole {name} ({key}.rank=0): resume with "
+                f"{' '.join(fix)}")
+    return f"{held}, and this run's are rank {now[0]} on {', '.join(now[1])}: resume with {' '.join(fix)}"
 
 
 def read_meta(path: str) -> dict:

@@ -1,6 +1,7 @@
-"""A full disk said in words: writes that fail for lack of space become one DiskFullError naming the
-path, what was being written and the space left, instead of torch's `enforce fail at
-inline_container.cc` or a DCP traceback."""
+"""A full or read-only disk said in words: writes that fail for lack of space become one DiskFullError
+naming the path, what was being written and the space left, instead of torch's `enforce fail at
+inline_container.cc` or a DCP traceback; writes refused by the filesystem (read-only, permission
+denied) become one UnwritableError naming the path, what was being written and what to do."""
 from __future__ import annotations
 
 import contextlib
@@ -15,10 +16,43 @@ _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # when its message looks like this, the filesystem is asked how much space is left.
 _OPAQUE_WRITE_FAILURES = ("inline_container.cc", "file write failed")
 NEARLY_FULL_BYTES = 16 * MB
+# A folder that refuses writes: a read-only mount (EROFS) or one this user may not write (EACCES, EPERM).
+UNWRITABLE_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
-class DiskFullError(RuntimeError):
+class StorageError(RuntimeError):
+    """A write under the run folder failed for a reason of the disk's, said in one line."""
+
+
+class DiskFullError(StorageError):
     """A write failed because the disk (or quota) is full."""
+
+
+class UnwritableError(StorageError):
+    """A write failed because the filesystem refuses it (read-only, permission denied)."""
+
+
+def unwritable(exc: BaseException) -> OSError | None:
+    """The OSError in `exc`'s chain that says a path cannot be written (read-only, no permission), or None."""
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno in UNWRITABLE_ERRNOS:
+            return e
+    return None
+
+
+def unwritable_line(e: OSError, what: str, path: str, advice: str = "") -> str:
+    """One line for a write refused by the filesystem: the path, what was written, what to do."""
+    target = e.filename or path
+    return (f"cannot write {what} ({target}): {e.strerror or e} (errno {errno.errorcode.get(e.errno, e.errno)}): "
+            f"point trainer.save_dir at a writable folder{'; ' + advice if advice else ''}")
+
+
+def is_under(path: str | None, folder: str) -> bool:
+    """Whether `path` is `folder` or inside it."""
+    if not path or not folder:
+        return False
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
 def free_bytes(path: str) -> int | None:
@@ -63,12 +97,16 @@ def is_disk_full(exc: BaseException, path: str) -> bool:
 
 @contextlib.contextmanager
 def explain_disk_full(what: str, path: str, advice: str = "") -> Iterator[None]:
-    """Re-raise a failed write under `path` as DiskFullError when the disk is full; else as it was."""
+    """Re-raise a failed write under `path` as DiskFullError when the disk is full, as UnwritableError
+    when the filesystem refuses it (read-only, permission denied); else as it was."""
     try:
         yield
     except BaseException as e:
         if not is_disk_full(e, path):
-            raise
+            refused = unwritable(e)
+            if refused is None:
+                raise
+            raise UnwritableError(unwritable_line(refused, what, path, advice)) from e
         free = free_bytes(path)
         left = f"{free / MB:.1f} MiB free" if free is not None else "free space unknown"
         raise DiskFullError(f"no space left on the device holding {path} while writing {what} ({left}): free some "

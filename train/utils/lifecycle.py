@@ -6,7 +6,9 @@
   store. `die_with_parent()` asks the kernel to SIGKILL the rank when its parent dies.
 * Requested stops: SIGTERM (preemption, `kill`, torchrun forwarding a Ctrl-C) and SIGINT set a flag;
   the step loop reads it at the next step boundary, every rank agreeing through one all-reduce, saves
-  a checkpoint and exits 0. A second SIGINT stops at once.
+  a checkpoint and exits 0. A second SIGINT stops at once. Under `python -m train.launch` the ranks
+  also note the agreed signal in the launcher's STOP_FILE, so it exits 128 + the signal's number
+  (the run stopped: run it again) and not 0 (the run finished).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import signal
 import sys
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+STOP_FILE = "INFINITE_RL_STOP_FILE"  # set by train.launch for its ranks: where they note a requested stop
 
 
 def die_with_parent() -> bool:
@@ -65,4 +68,22 @@ class StopRequest:
         from train.parallel.collectives import all_reduce_max  # torch: not needed by die_with_parent
 
         got = all_reduce_max(float(self.signal or 0), device)
-        return signal.Signals(int(got)).name if got else None
+        if not got:
+            return None
+        name = signal.Signals(int(got)).name
+        tell_launcher(name)
+        return name
+
+
+def tell_launcher(signal_name: str) -> None:
+    """Under train.launch: note that the ranks agreed to stop on `signal_name` (every rank, so every
+    node's launcher knows, even one whose agent got no signal). Nothing elsewhere."""
+    path = os.environ.get(STOP_FILE)
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(signal_name + "\n")
+    except OSError as e:
+        print(f"warning: cannot tell train.launch that the run stopped on {signal_name} ({e}): "
+              "it will exit 0 as if the run had finished", file=sys.stderr, flush=True)

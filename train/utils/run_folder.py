@@ -5,11 +5,13 @@ checkpoints, metrics or export) is refused with one line that says what to do; `
 moves the old run aside to `<save_dir>.replaced-<time>` (never deletes it) and starts over. Rank 0
 holds an exclusive `flock` on `<save_dir>/.lock` for the run's life, so two live runs cannot share a
 folder (the kernel releases it when the process dies: no stale locks). `run.json` keeps the run id
-and one entry per start (fresh or resumed).
+and one entry per start (fresh or resumed). A folder the filesystem will not let the run write
+(read-only, permission denied, a file in its place) is one RunFolderError naming the path and what to do.
 """
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import json
 import os
@@ -21,6 +23,8 @@ from train.parallel.distributed import DistContext
 
 LOCK = ".lock"
 RUN_FILE = "run.json"
+# A folder this run cannot write: read-only, not the user's, or a file where a folder should be.
+REFUSED_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST)
 
 
 class RunFolderError(ValueError):
@@ -56,7 +60,38 @@ def _now() -> str:
     return datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
+def _what(save_dir: str, path: str) -> str:
+    """What the claim was writing at `path`, in words."""
+    name = os.path.basename(path.rstrip(os.sep))
+    if os.path.abspath(path) == os.path.abspath(save_dir):
+        return f"the folder {path}"
+    if name == LOCK:
+        return f"its lock file {path}"
+    if name.startswith(RUN_FILE):
+        return f"its run record {path}"
+    return path
+
+
+def refused(save_dir: str, e: OSError, resume_from: str | None) -> RunFolderError:
+    """The one line for a folder the filesystem will not let this run write."""
+    why = f"{e.strerror or e} (errno {errno.errorcode.get(e.errno, e.errno)})"
+    line = (f"trainer.save_dir '{save_dir}' cannot be written: {why} while creating "
+            f"{_what(save_dir, e.filename or save_dir)}: point trainer.save_dir at a writable folder "
+            "(e.g. trainer.save_dir=runs/my_run)")
+    if resume_from is not None and holds_a_run(save_dir):
+        from train.utils.checkpoint import find_latest  # (torch.distributed.checkpoint: only when needed)
+
+        latest = find_latest(save_dir)
+        line += ("; to go on with the run it holds, copy the folder to a writable disk and resume there, or "
+                 f"resume into a new folder: trainer.save_dir=<writable folder> trainer.load_ckpt_from={latest}"
+                 if latest else "")
+    return RunFolderError(line)
+
+
 def _lock(save_dir: str):
+    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+        raise RunFolderError(f"trainer.save_dir '{save_dir}' is a file, not a folder: point trainer.save_dir at "
+                             "a folder (e.g. trainer.save_dir=runs/my_run)")
     os.makedirs(save_dir, exist_ok=True)
     f = open(os.path.join(save_dir, LOCK), "a+")
     try:
@@ -84,19 +119,26 @@ def _move_aside(save_dir: str) -> str:
     return aside
 
 
+def replaces_a_run(save_dir: str, resume_from: str | None, overwrite: bool) -> bool:
+    """Whether a start moves a run aside (trainer.overwrite=true over a folder that holds one). Raises
+    RunFolderError for a folder that holds a run when neither a resume nor the overwrite was asked:
+    the rule rank 0 applies when it claims the folder, and the pre-flight check before torchrun."""
+    if resume_from is not None or not holds_a_run(save_dir):
+        return False
+    if not overwrite:
+        raise RunFolderError(
+            f"trainer.save_dir '{save_dir}' already holds a run: resume it with "
+            "trainer.load_ckpt_from=latest, choose another trainer.save_dir (or trainer.experiment_name), "
+            f"or set trainer.overwrite=true to move it aside to '{save_dir.rstrip(os.sep)}.replaced-<time>' "
+            "and start over (nothing is deleted)")
+    return True
+
+
 def _claim(save_dir: str, resume_from: str | None, overwrite: bool) -> tuple[RunFolder, str | None]:
     lock = _lock(save_dir)
     try:
         run_file = os.path.join(save_dir, RUN_FILE)
-        moved = None
-        if holds_a_run(save_dir) and resume_from is None:
-            if not overwrite:
-                raise RunFolderError(
-                    f"trainer.save_dir '{save_dir}' already holds a run: resume it with "
-                    "trainer.load_ckpt_from=latest, choose another trainer.save_dir (or trainer.experiment_name), "
-                    f"or set trainer.overwrite=true to move it aside to '{save_dir.rstrip(os.sep)}.replaced-<time>' "
-                    "and start over (nothing is deleted)")
-            moved = _move_aside(save_dir)
+        moved = _move_aside(save_dir) if replaces_a_run(save_dir, resume_from, overwrite) else None
         lock.seek(0)
         lock.truncate()  # who holds the folder, for the message a second run gets
         lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {_now()}\n")
@@ -128,6 +170,10 @@ def claim(save_dir: str, resume_from: str | None, overwrite: bool, ctx: DistCont
             outcome = (folder, moved, None)
         except RunFolderError as e:
             outcome = (None, None, str(e))
+        except OSError as e:  # read-only, not ours: one line on every rank instead of a traceback on one
+            if e.errno not in REFUSED_ERRNOS:
+                raise
+            outcome = (None, None, str(refused(save_dir, e, resume_from)))
     error, moved = broadcast_from_main((outcome[2], outcome[1]), ctx)
     if error:
         raise RunFolderError(error)

@@ -34,38 +34,46 @@ class RemoteEngine:
         self.stats: dict[str, float] = {"generated_tokens": 0.0, "generation_seconds": 0.0}
         self.weight_version = 0  # sent with every request; the rollout rank tags its samples with it
         self.dtype: torch.dtype = torch.float32  # the rollout rank's, learned at set-up
+        self.step = 0  # the trainer's step in progress (set by the trainer): names a push in an error
+        self._buckets = 0  # buckets in the last push (the same every push): "bucket 2 of 5"
 
-    def request(self, message: dict, what: str) -> dict:
-        """Send `message`, wait for the reply (`what` names it in a timeout); an error on the rollout
-        rank comes back as one and is raised here."""
-        self.bridge.send(message, self.server, f"the {message['kind']} request")
-        reply = self.bridge.recv(self.server, what)
-        if "error" in reply:
-            raise RuntimeError(f"rollout rank {self.server}: {reply['error']}")
-        return reply
+    def request(self, message: dict, request: str, reply: str) -> dict:
+        """Send `message` (`request` names it in an error), wait for the reply (`reply` names it); an
+        error on the rollout rank comes back as one and is raised here."""
+        self.bridge.send(message, self.server, request)
+        answer = self.bridge.recv(self.server, reply)
+        if "error" in answer:
+            raise RuntimeError(f"rollout rank {self.server}: {answer['error']}")
+        return answer
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Every trainer rank announces the push and gathers; trainer rank 0 broadcasts the buckets."""
-        self.bridge.send({"kind": "weights"}, self.server, "the weights request")
+        push = f"step {self.step}'s weight push"
+        self.bridge.send({"kind": "weights", "step": self.step}, self.server, f"the request for {push}")
         if self.rank != 0:
             for _ in named_tensors:  # the full tensors are gathered collectively: take part, send nothing
                 pass
             return
-        for i, bucket in enumerate(iter_buckets(named_tensors, self.bucket_bytes)):
+        of = f" of {self._buckets}" if self._buckets else ""
+        i = 0
+        for i, bucket in enumerate(iter_buckets(named_tensors, self.bucket_bytes), 1):
             meta = [(name, tuple(t.shape)) for name, t in bucket.named_tensors]
-            self.bridge.broadcast_object({"dtype": bucket.dtype, "tensors": meta}, f"to broadcast bucket {i}")
+            what = f"{push}, bucket {i}{of} ({bucket.nbytes} bytes)"
+            self.bridge.broadcast_object({"dtype": bucket.dtype, "tensors": meta}, f"the layout of {what}")
             flat = torch.cat([t.detach().reshape(-1).to("cpu") for _, t in bucket.named_tensors])
-            self.bridge.broadcast(flat.view(torch.uint8), f"to broadcast bucket {i}'s {bucket.nbytes} bytes")
-        self.bridge.broadcast_object({"end": True}, "to end the push")
+            self.bridge.broadcast(flat.view(torch.uint8), what)
+        self._buckets = i
+        self.bridge.broadcast_object({"end": True}, f"the end of {push}")
 
     def weight_checksums(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        return self.request({"kind": "checksums", "names": list(names)},
-                            "the checksums of the weights just pushed")["checksums"]
+        return self.request({"kind": "checksums", "names": list(names)}, f"the checksum request of step {self.step}",
+                            f"the checksums of step {self.step}'s weight push")["checksums"]
 
     def score(self, token_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
         """The rollout rank's engine's log-probs of `token_ids` (the sync probe)."""
         return self.request({"kind": "score", "ids": list(token_ids), "temperature": temperature},
-                            "the engine's log-probs of the sync probe")["logprobs"]
+                            f"the sync probe of step {self.step}",
+                            f"the engine's log-probs of step {self.step}'s sync probe")["logprobs"]
 
     def wake(self) -> None:  # the rollout rank's engine keeps its memory: it never trains
         pass
@@ -84,7 +92,8 @@ class RemoteRollout:
         self.engine = engine
         self._calls: list[dict] = []
         self._stuck = 0
-        reply = engine.request({"kind": "hello", **setup}, "the rollout rank to load its engine and environment")
+        reply = engine.request({"kind": "hello", **setup}, "the set-up request",
+                               "the rollout rank to load its engine and environment")
         engine.dtype = reply["dtype"]
 
     def rollout(self, rows: list[dict], responses_per_prompt: int, sampling: SamplingParams,
@@ -93,7 +102,7 @@ class RemoteRollout:
         reply = self.engine.request(
             {"kind": "rollout", "what": what, "rows": rows, "n": responses_per_prompt, "sampling": sampling,
              "seed": base_seed, "version": self.engine.weight_version},
-            f"the samples of {what}")
+            f"the request for {what}", f"the samples of {what}")
         self.engine.stats["generated_tokens"] += reply["tokens"]
         self.engine.stats["generation_seconds"] += reply["engine_seconds"]
         self._calls += reply["api_calls"]
@@ -111,5 +120,7 @@ class RemoteRollout:
         return self._stuck
 
     def close(self) -> None:
-        """Tell the rollout rank the run is over (it then exits)."""
-        self.engine.bridge.send({"kind": "stop"}, self.engine.server, "the stop request")
+        """Tell the rollout rank the run is over (it then exits); not over a failed bridge (its
+        error is already raised; the rollout rank finds its trainer ranks gone)."""
+        if self.engine.bridge.failed is None:
+            self.engine.bridge.send({"kind": "stop"}, self.engine.server, "the stop request")

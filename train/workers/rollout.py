@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from train.datasets.tokenize import continuation_ids, prompt_ids
+from train.datasets.tokenize import bound_messages, continuation_ids, prompt_ids, prompt_too_long
 from train.engines.base import RolloutEngine, SamplingParams
 from train.workers.env_routing import EnvRouter
 from train.workers.environment import EnvCallError, Environment
@@ -46,14 +46,24 @@ def sample_seed(base_seed: int, step: int, index: int) -> int:
     return (base_seed * 1_000_003 + step * 100_003 + index * 7919) % (2**31 - 1)
 
 
+# rollout.max_env_chars=null: characters of env messages kept per token of context left. Tokenizers
+# average 3-5 characters per token on text and code; a reply averaging more than 16 would rarely
+# have fitted whole anyway, and a 1 MB reply no longer costs seconds of tokenization per turn.
+ENV_CHARS_PER_TOKEN = 16
+
+# The finish reason of a sample whose row's prompt fills the context: nothing sampled, nothing trained.
+PROMPT_TOO_LONG = "prompt_too_long"
+
+
 class RolloutWorker:
     def __init__(self, engine: RolloutEngine, env: Environment | EnvRouter, tokenizer, *, max_turns: int,
-                 env_error_reward: float, max_total_length: int):
+                 env_error_reward: float, max_total_length: int, max_env_chars: int | None = None):
         self.engine, self.tokenizer = engine, tokenizer
         self.envs = EnvRouter.of(env)  # each row's environment (rollout.env_path may map sources to files)
         self.max_turns = max_turns
         self.env_error_reward = env_error_reward
         self.max_total_length = max_total_length
+        self.max_env_chars = max_env_chars  # rollout.max_env_chars (None: ENV_CHARS_PER_TOKEN per token left)
         # One loop for the worker's life: the engine's batching task and env clients bind to it.
         self.loop = asyncio.new_event_loop()
 
@@ -66,6 +76,14 @@ class RolloutWorker:
         tools = row.get("tools")
         env = self.envs.for_row(row)
         source = row.get("source")
+        if prompt_too_long(len(ids), self.max_total_length):
+            # No room for one sampled token: nothing to generate, score or train. The trainer drops
+            # the group and warns, naming the row (data.overlong_prompts).
+            generated()
+            return Sample(group, messages, row.get("answer"), [], [], [], finish_reason=PROMPT_TOO_LONG,
+                          prompt_length=len(ids), source=None if source is None else str(source),
+                          events=[{"type": PROMPT_TOO_LONG, "row": getattr(row, "where", None),
+                                   "tokens": len(ids), "limit": self.max_total_length}])
         sample = Sample(group, messages, row.get("answer"), list(ids), [0] * len(ids), [0.0] * len(ids),
                         prompt_length=len(ids), source=None if source is None else str(source))
         try:
@@ -106,6 +124,11 @@ class RolloutWorker:
             new = await env.interact(messages)
             if not new:
                 break
+            # Bounded in characters before tokenization (a 1 MB reply would take seconds of BPE to
+            # find it does not fit); what is kept still has to fit the context below.
+            new, chars, kept = bound_messages(new, self.env_char_budget(self.max_total_length - len(sample.ids)))
+            if kept < chars:
+                sample.events += [{"type": "env_truncated", "turn": turn, "chars": chars, "kept": kept}]
             extra = continuation_ids(tok, messages, new, tools, ended_with_eos=ended_with_eos)
             if len(sample.ids) + len(extra) >= self.max_total_length:
                 # The env's messages do not fit the context (with room for one more token): the
@@ -119,6 +142,11 @@ class RolloutWorker:
             sample.ids += extra
             sample.action_mask += [0] * len(extra)
             sample.sampler_logprobs += [0.0] * len(extra)
+
+    def env_char_budget(self, room: int) -> int:
+        """Characters of env messages kept in a turn with `room` tokens of context left."""
+        derived = max(room, 0) * ENV_CHARS_PER_TOKEN
+        return derived if self.max_env_chars is None else min(self.max_env_chars, derived)
 
     async def _run_all(self, rows: list[dict], n: int, sampling: SamplingParams, base_seed: int,
                        generated: Callable[[], None]) -> list[Sample]:

@@ -5,13 +5,16 @@ groups, train/workers/remote_rollout.py for the trainer's side).
 Each request comes from every trainer rank this rank serves, in the same order on all of them (the
 trainer's step loop is the same on every rank): rollouts of several trainer ranks run together, in
 one engine batch; a weight push is received once, from trainer rank 0's broadcast. Waiting for the
-next request gives up after `rollout.async_timeout_s`, naming the last request served.
+next request gives up after `rollout.async_timeout_s`, naming the last request served. A few times a
+second the rank publishes what it is doing and the env call in flight the longest (`StatusBeacon`),
+so a trainer rank that times out waiting for it can say where it was, or that it stopped answering.
 """
 from __future__ import annotations
 
 import os
+import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from omegaconf import DictConfig
@@ -19,27 +22,73 @@ from transformers import AutoTokenizer
 
 from train.engines import build_engine
 from train.parallel.distributed import DistContext, set_cpu_threads
-from train.parallel.rollout_bridge import Bridge
+from train.parallel.rollout_bridge import STATUS_EVERY_S, Bridge
 from train.trainer.config import env_paths
 from train.utils import hub
 from train.workers.env_routing import EnvRouter
 from train.workers.rollout import RolloutWorker
 
 
-def received_weights(bridge: Bridge) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of one push, bucket by bucket, as trainer rank 0 broadcasts them."""
-    i = 0
+def received_weights(bridge: Bridge, push: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of one push (`push` names it, e.g. "step 3's weight push"), bucket by bucket, as
+    trainer rank 0 broadcasts them."""
+    i = 1
     while True:
-        meta = bridge.broadcast_object(None, f"for bucket {i} of the weight push from trainer rank 0")
+        meta = bridge.broadcast_object(None, f"the layout of {push}, bucket {i} (or its end)")
         if meta.get("end"):
             return
         dtype, tensors = meta["dtype"], meta["tensors"]
         sizes = [int(torch.Size(shape).numel()) for _, shape in tensors]
         flat = torch.empty(sum(sizes), dtype=dtype)
-        bridge.broadcast(flat.view(torch.uint8), f"for bucket {i}'s bytes from trainer rank 0")
+        bridge.broadcast(flat.view(torch.uint8), f"{push}, bucket {i} ({flat.numel() * flat.element_size()} bytes)")
         for (name, shape), part in zip(tensors, flat.split(sizes)):
             yield name, part.view(shape)
         i += 1
+
+
+class StatusBeacon:
+    """Publishes this rollout rank's status from a daemon thread, every `every_s` and at once when
+    its `phase` (what it is doing, set by the server) changes: the phase and the env call in flight
+    the longest (`longest_call`). One small store write per beat; a trainer rank reads it only when
+    a wait on its rollout rank times out."""
+
+    def __init__(self, bridge: Bridge, every_s: float = STATUS_EVERY_S) -> None:
+        self.bridge, self.every_s = bridge, every_s
+        self._phase = "starting"
+        self.longest_call: Callable[[], str] | None = None
+        self._stop, self._changed = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="rollout-status", daemon=True)
+        self._thread.start()
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase = value
+        self._changed.set()
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
+            self._changed.clear()
+            call = ""
+            try:
+                call = self.longest_call() if self.longest_call is not None else ""
+            except RuntimeError:  # the env's table of calls changed while read: the next beat reads it
+                pass
+            try:
+                self.bridge.publish_status({"phase": self._phase, "call": call})
+            except Exception:  # noqa: BLE001 - the store is gone: the run is ending
+                return
+            self._changed.wait(self.every_s)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._changed.set()
+        # Joined, so no store call is still in flight in C++ while the interpreter exits (a write
+        # gives up after the status store's own short timeout).
+        self._thread.join(timeout=10.0)
 
 
 def local_folder(folder: str, name: str, kind: str) -> str:
@@ -54,9 +103,11 @@ class RolloutServer:
         self.clients = ctx.split.clients_of(ctx.rank)
         self.timeout_s = float(cfg.rollout.async_timeout_s)
         self.worker: RolloutWorker | None = None
+        self.status = StatusBeacon(self.bridge)
 
     def receive(self, after: str) -> list[dict]:
         """The next request from every trainer rank served (the same kind from each)."""
+        self.status.phase = f"waiting for the next request after {after}"
         requests = [self.bridge.recv(c, f"the next request after {after}", self.timeout_s) for c in self.clients]
         kinds = [r["kind"] for r in requests]
         if len(set(kinds)) != 1:
@@ -64,9 +115,10 @@ class RolloutServer:
                                f"{kinds} (their step loops diverged)")
         return requests
 
-    def reply(self, replies: list[dict]) -> None:
+    def reply(self, replies: list[dict], what: str) -> None:
+        self.status.phase = f"sending {what}"
         for client, message in zip(self.clients, replies):
-            self.bridge.send(message, client, "a reply")
+            self.bridge.send(message, client, what)
 
     def setup(self, hello: dict) -> None:
         cfg = self.cfg
@@ -78,11 +130,12 @@ class RolloutServer:
             tokenizer.chat_template = cfg.actor.chat_template
         env = EnvRouter(env_paths(cfg), timeout_s=cfg.rollout.env_timeout_s, max_workers=cfg.rollout.env_workers,
                         max_turns=cfg.rollout.max_turns)
+        self.status.longest_call = env.longest_call
         engine = build_engine(cfg.rollout, self.ctx, model_path=model_dir, tokenizer=tokenizer,
                               seed=cfg.trainer.seed)
         self.worker = RolloutWorker(engine, env, tokenizer, max_turns=cfg.rollout.max_turns,
                                     env_error_reward=cfg.rollout.env_error_reward,
-                                    max_total_length=hello["max_total_length"])
+                                    max_total_length=hello["max_total_length"], max_env_chars=cfg.rollout.max_env_chars)
 
     def rollout(self, requests: list[dict]) -> list[dict]:
         engine = self.worker.engine
@@ -101,12 +154,13 @@ class RolloutServer:
         requests = self.receive("start-up (the trainer ranks' set-up)")
         if requests[0]["kind"] != "hello":
             raise RuntimeError(f"rollout rank {self.ctx.rank}: the first request was {requests[0]['kind']!r}, not hello")
+        self.status.phase = "loading its engine and environment"
         try:
             self.setup(requests[0])
         except Exception as e:  # the trainer ranks say it, naming this rank
-            self.reply([{"error": f"{type(e).__name__}: {e}"}] * len(self.clients))
+            self.reply([{"error": f"{type(e).__name__}: {e}"}] * len(self.clients), "the set-up's error")
             raise
-        self.reply([{"dtype": self.worker.engine.dtype}] * len(self.clients))
+        self.reply([{"dtype": self.worker.engine.dtype}] * len(self.clients), "the set-up's answer")
         last = "set-up"
         while True:
             requests = self.receive(last)
@@ -114,29 +168,35 @@ class RolloutServer:
             if kind == "stop":
                 return
             if kind == "weights":  # the version comes with the next rollout request
-                self.worker.engine.update_weights(received_weights(self.bridge))
-                last = "a weight push"
+                last = f"step {requests[0].get('step', '?')}'s weight push"
+                self.status.phase = f"taking in {last}"
+                self.worker.engine.update_weights(received_weights(self.bridge, last))
                 continue
             try:
                 if kind == "rollout":
-                    replies = self.rollout(requests)
                     last = requests[0]["what"]
+                    self.status.phase = f"serving {last}"
+                    replies = self.rollout(requests)
+                    answer = f"the samples of {last}"
                 elif kind == "checksums":
-                    sums = self.worker.engine.weight_checksums(requests[0]["names"])
-                    replies = [{"checksums": sums}] * len(self.clients)
                     last = "a checksum request"
+                    self.status.phase = "computing the checksums of the weights pushed"
+                    sums = self.worker.engine.weight_checksums(requests[0]["names"])
+                    replies, answer = [{"checksums": sums}] * len(self.clients), "the weights' checksums"
                 elif kind == "score":
-                    logprobs = self.worker.engine.score(requests[0]["ids"], requests[0]["temperature"])
-                    replies = [{"logprobs": logprobs}] * len(self.clients)
                     last = "a sync probe"
+                    self.status.phase = "scoring the sync probe"
+                    logprobs = self.worker.engine.score(requests[0]["ids"], requests[0]["temperature"])
+                    replies, answer = [{"logprobs": logprobs}] * len(self.clients), "the sync probe's log-probs"
                 else:
                     raise RuntimeError(f"unknown request {kind!r}")
             except Exception:
-                self.reply([{"error": traceback.format_exc(limit=-3)}] * len(self.clients))
+                self.reply([{"error": traceback.format_exc(limit=-3)}] * len(self.clients), f"the error of {last}")
                 raise
-            self.reply(replies)
+            self.reply(replies, answer)
 
     def close(self) -> None:
+        self.status.close()
         if self.worker is not None:
             self.worker.close()
 
