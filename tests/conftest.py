@@ -61,6 +61,15 @@ def load_file(path: Path | str):
     return module
 
 
+def can_mount_in_a_namespace() -> bool:
+    """Whether `unshare -rm` works here (user + mount namespaces): tests that need a small or
+    read-only filesystem mount a tmpfs in a private namespace (root ignores chmod)."""
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def read_jsonl(path: Path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

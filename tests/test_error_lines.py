@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, read_jsonl, run_trainer, stub_train_slice, trainer_env
+from conftest import ROOT, can_mount_in_a_namespace, read_jsonl, run_trainer, stub_train_slice, trainer_env
 from train.parallel.distributed import DistContext
 from train.utils import run_folder
 from train.utils.checkpoint import lora_mismatch
@@ -39,16 +39,9 @@ def error_lines(text: str) -> list[str]:
 # ------------------------------------------------------------------------------ unwritable run folders
 
 
-def _can_mount_in_a_namespace() -> bool:
-    try:
-        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 # Tests run as root, for whom chmod does not stop a write; a read-only mount stops everyone. The run
 # folder's filesystem is a tmpfs in a private mount namespace (`unshare -rm`), remounted read-only.
-@pytest.mark.skipif(not _can_mount_in_a_namespace(), reason="needs unshare -rm (user + mount namespaces)")
+@pytest.mark.skipif(not can_mount_in_a_namespace(), reason="needs unshare -rm (user + mount namespaces)")
 def test_a_read_only_run_folder_is_one_error_line_naming_it(tmp_path):
     """A read-only trainer.save_dir was `OSError: [Errno 30] Read-only file system` inside a long
     Hydra/torchrun dump with no `error:` line, for a new run and for a resume (the `.lock` file). Now one

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, read_jsonl, trainer_env
+from conftest import ROOT, can_mount_in_a_namespace, read_jsonl, trainer_env
 
 SMALL = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",
          "trainer.test_freq=null", "trainer.progress_bar=false"]
@@ -369,14 +369,7 @@ def test_collectives_time_out_after_the_configured_seconds(tmp_path):
     assert 2.5 < float(line.split()[3]) < 15, line  # 3 s, not gloo's default 1800 s
 
 
-def _can_mount_in_a_namespace() -> bool:
-    try:
-        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-@pytest.mark.skipif(not _can_mount_in_a_namespace(), reason="needs unshare -rm (user + mount namespaces) for a small tmpfs")
+@pytest.mark.skipif(not can_mount_in_a_namespace(), reason="needs unshare -rm (user + mount namespaces) for a small tmpfs")
 def test_a_full_disk_is_said_in_words(tmp_path):
     """A checkpoint that does not fit used to fail with `enforce fail at inline_container.cc` and a
     traceback. Here the run folder is a 3 MiB tmpfs (the stub's first checkpoint needs ~10 MiB)."""
