@@ -15,10 +15,10 @@ when no `SANDBOX_URL` is set. One program run:
   sandbox's own): CPU seconds, address space, processes, open files, file size, core dumps 0;
   a wall-clock timeout and an output cap each kill the whole process tree (SIGKILL to the
   sandbox's pid 1, bwrap's child: the pid namespace takes every descendant down with it, and bwrap,
-  which reaps it, exits); a call returns only once bwrap has exited and been reaped, so nothing it
-  started runs on and no zombie is left (a bwrap killed first would orphan its child to init, which
-  reaps it whenever it gets round to it); a service (`reap_orphans=True`) also adopts and reaps any
-  sandbox orphaned anyway (Linux's child subreaper);
+  which reaps it, exits); the sandbox's pid 1 is our launcher (`--as-pid-1`), which bwrap waits for,
+  so a call returns only once bwrap and its sandbox have exited and been reaped: nothing it started
+  runs on and no zombie is left, in a service or in-process; a service (`reap_orphans=True`) also
+  adopts and reaps a sandbox orphaned by a bwrap killed from outside (Linux's child subreaper);
 * a privileged caller (root) runs bwrap as an unprivileged uid (`Limits.uid`), since limits such
   as RLIMIT_NPROC do not bind root.
 
@@ -39,8 +39,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-# The launcher runs inside the sandbox: it sets the limits in the sandbox's own user namespace,
-# then becomes the program. `-I -S` keep its own start-up minimal.
+# The launcher is the sandbox's pid 1 (bwrap --as-pid-1): it sets the limits in the sandbox's own
+# user namespace, starts the program as its child, reaps whatever exits inside, and ends the sandbox
+# with the program's status (128 + signal if killed, as bwrap reports it); the kernel then kills
+# anything the program left running. bwrap waits for its pid 1 itself, so nothing is orphaned (bwrap's
+# own init would exit after bwrap, re-parented to whatever init the host has, which may never reap).
+# `-I -S` keep its start-up minimal.
 _LAUNCHER = r"""
 import json, os, resource, sys
 lim = json.loads(sys.argv[1])
@@ -52,7 +56,16 @@ cap(resource.RLIMIT_NOFILE, lim["max_open_files"])
 cap(resource.RLIMIT_FSIZE, lim["max_file_bytes"])
 cap(resource.RLIMIT_AS, lim["memory_bytes"])
 resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1))
-os.execv(sys.argv[2], sys.argv[2:])
+program = os.fork()
+if program == 0:
+    try:
+        os.execv(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+while True:
+    pid, status = os.wait()
+    if pid == program:
+        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
 """
 
 SANDBOX_DIR = "/tmp"  # the program's working directory inside the sandbox
@@ -212,7 +225,7 @@ class SandboxExecutor:
         cmd += ["--remount-ro", "/", "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
                 "--setenv", "HOME", SANDBOX_DIR, "--setenv", "LANG", "C.UTF-8",
                 "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "PYTHONUNBUFFERED", "1",
-                "--uid", "65534", "--gid", "65534", "--chdir", SANDBOX_DIR, "--",
+                "--uid", "65534", "--gid", "65534", "--chdir", SANDBOX_DIR, "--as-pid-1", "--",
                 self.python, "-I", "-S", "-c", _LAUNCHER, json.dumps(self.limits.launcher_args(run_timeout)),
                 self.python, code_path]
         return cmd
@@ -315,11 +328,6 @@ class SandboxExecutor:
             if not await _exited(proc, 2.0):
                 _kill_tree(proc)  # bwrap itself is stuck: kill it too (its orphan goes to the reaper)
                 await _exited(proc, 5.0)
-            if self.reap_orphans:
-                # bwrap exits without reaping the sandbox's pid 1, which it found dead: that zombie is
-                # re-parented here as bwrap exits, so it is reaped now, before the request returns
-                # (the periodic reaper is for stragglers, not for every request's).
-                reap_orphaned_sandboxes()
             for task in pumps:
                 task.cancel()
             finished.cancel()
@@ -340,8 +348,8 @@ class SandboxExecutor:
         return ExecResult("Finished", code, stdout, stderr, elapsed)
 
     async def _reap_forever(self, every_s: float = 0.25) -> None:
-        """A sandbox orphaned after all (bwrap killed before it could reap its child) is re-parented
-        to this process (the subreaper): reap it within `every_s`."""
+        """A sandbox orphaned after all (its bwrap killed from outside) is re-parented to this process
+        (the subreaper): kill it if it still runs, and reap it, within `every_s` or two."""
         while True:
             reap_orphaned_sandboxes()
             await asyncio.sleep(every_s)
@@ -405,18 +413,27 @@ def _become_subreaper() -> bool:
 
 
 def reap_orphaned_sandboxes() -> int:
-    """Reap this process's zombie children that are a sandbox's pid 1 (an inner bwrap re-parented
-    here: its NSpid ends in 1); the number reaped. Never touches a child that asyncio or
-    subprocess waits for (those are in this pid namespace only)."""
+    """Finish the sandboxes re-parented to this process (the subreaper) by a bwrap that died first:
+    such a child is a sandbox's pid 1 (its NSpid has a second entry, 1), never one of the bwraps that
+    asyncio waits for. One still running is killed (its wall-clock timeout went with its bwrap's
+    request); one that has exited is reaped. Returns the number reaped."""
     reaped = 0
     for pid in _children(os.getpid()):
         status = _status(pid)
-        if status.get("State", "").startswith("Z") and status.get("NSpid", "").split()[-1:] == ["1"]:
+        nspid = status.get("NSpid", "").split()
+        if len(nspid) < 2 or nspid[-1] != "1":
+            continue
+        if not status.get("State", "").startswith("Z"):
             try:
-                os.waitpid(pid, os.WNOHANG)
-                reaped += 1
-            except ChildProcessError:
+                os.kill(pid, signal.SIGKILL)  # the kernel takes the rest of its pid namespace with it
+            except ProcessLookupError:
                 pass
+            continue  # reaped on the next round, once it is a zombie
+        try:
+            os.waitpid(pid, os.WNOHANG)
+            reaped += 1
+        except ChildProcessError:
+            pass
     return reaped
 
 

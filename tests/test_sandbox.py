@@ -59,10 +59,15 @@ def stop_service(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def service():
+def service_proc():
     proc, url = start_service()
-    yield url
+    yield proc, url
     stop_service(proc)
+
+
+@pytest.fixture(scope="module")
+def service(service_proc):
+    return service_proc[1]
 
 
 def run(url: str, code: str, **kw) -> dict:
@@ -270,28 +275,38 @@ ATTACKS = {
 
 def _sandbox_processes() -> list[tuple[str, str]]:
     """(state, `ps` line) of the processes of the sandbox uid (65534 when the service runs as root),
-    running /tmp/main.py, or named bwrap (a zombie shows only its name)."""
+    running /tmp/main.py, or named bwrap, anywhere on the machine."""
     out = subprocess.run(["ps", "-eo", "pid,uid,stat,comm,args"], capture_output=True,
                          text=True).stdout.splitlines()[1:]
     return [(line.split()[2], line) for line in out
             if "/tmp/main.py" in line or line.split()[1] == "65534" or line.split()[3] == "bwrap"]
 
 
-def assert_nothing_left(within_s: float = 1.0) -> None:
-    """Nothing a finished request started still runs (checked at once: the call returns only after
-    the sandbox is gone), and its exited processes are reaped within `within_s` (a zombie, state
-    Z, holds no resources but its pid; one per request that lingers is a leak)."""
+def _zombie_children(pid: int) -> list[str]:
+    sys.path.insert(0, str(ROOT / "environments"))
+    from sandbox_exec import _children, _status
+
+    return [f"{c} {_status(c).get('Name')}" for c in _children(pid) if _status(c).get("State", "").startswith("Z")]
+
+
+def assert_nothing_left(service_pid: int, within_s: float = 1.0) -> None:
+    """Nothing a finished request started still runs anywhere (checked at once: the call returns only
+    after the sandbox is gone), and the service has reaped its exited children within `within_s` (a
+    zombie, state Z, holds no resources but its pid; one per request that lingers is a leak). Zombies
+    are looked for among the service's children only: a container whose init never reaps keeps the
+    zombies of other tests' processes for good."""
     running = [line for state, line in _sandbox_processes() if not state.startswith("Z")]
     assert not running, f"sandbox processes still running after their request returned: {running}"
     deadline = time.monotonic() + within_s
-    while _sandbox_processes() and time.monotonic() < deadline:
+    while _zombie_children(service_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    zombies = [line for _, line in _sandbox_processes()]
+    zombies = _zombie_children(service_pid)
     assert not zombies, f"sandbox processes not reaped {within_s:g} s after their request returned: {zombies}"
 
 
 @pytest.mark.parametrize("name", list(ATTACKS))
-def test_attack_is_contained(service, name):
+def test_attack_is_contained(service_proc, name):
+    proc, service = service_proc
     code, timeout, check = ATTACKS[name]
     port = int(service.rsplit(":", 1)[1])
     code = code.format(port=port, root=ROOT, secret=SECRET)
@@ -301,19 +316,53 @@ def test_attack_is_contained(service, name):
     check(r, port)
     assert elapsed < timeout + 15
     # Nothing the program started survives it (the pid namespace dies with its pid 1), nor lingers unreaped.
-    assert_nothing_left()
+    assert_nothing_left(proc.pid)
     assert_healthy(service)
     print(f"\nSECURITY {name}: status={r['status']} run={r['run_result']['status']} "
           f"rc={r['run_result']['return_code']} message={r['message']!r} in {elapsed:.2f}s")
 
 
-def test_a_timed_out_request_leaves_no_process_and_no_zombie(service):
+def test_a_timed_out_request_leaves_no_process_and_no_zombie(service_proc):
     """A killed sandbox is reaped by the time its request returns: the service kills the sandbox's
     pid 1 (bwrap reaps it and exits) rather than bwrap itself (whose orphan init reaps when it can)."""
+    proc, service = service_proc
     for _ in range(3):
         r = run(service, "import os\nos.fork()\nwhile True:\n    pass\n", run_timeout=1)
         assert r["run_result"]["status"] == "TimeLimitExceeded"
-        assert_nothing_left()
+        assert_nothing_left(proc.pid)
+
+
+IN_PROCESS_SCRIPT = """
+import asyncio, ctypes, os, sys
+sys.path.insert(0, "environments")
+from sandbox_exec import SandboxExecutor, _children, _status
+
+# Stand in for an init that never reaps (a container whose pid 1 is the trainer): become the child
+# subreaper and reap nothing, so any sandbox process orphaned by an in-process run shows as our zombie.
+assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
+
+async def main():
+    ex = SandboxExecutor(max_concurrency=2)  # in-process: no reaper of its own
+    results = await asyncio.gather(*(ex.run(code, run_timeout=1) for code in
+                                     ["print(1)"] * 6 + ["import os; os.fork(); print(2)", "while True: pass"]))
+    print(" ".join(r.status for r in results))
+    await asyncio.sleep(0.5)
+    print("zombies", [p for p in _children(os.getpid()) if _status(p).get("State", "").startswith("Z")])
+
+asyncio.run(main())
+"""
+
+
+def test_an_in_process_run_orphans_nothing():
+    """In-process (an env module without SANDBOX_URL) nothing is left for the host's init to reap:
+    bwrap waits for the sandbox's pid 1 itself. With bwrap's own init as pid 1, bwrap exited first and
+    every run left one zombie behind, for good under a container init that never reaps."""
+    out = subprocess.run([sys.executable, "-c", IN_PROCESS_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    statuses, zombies = out.stdout.splitlines()
+    assert statuses.split() == ["Finished"] * 7 + ["TimeLimitExceeded"]
+    assert zombies == "zombies []", out.stdout
 
 
 ORPHAN_SCRIPT = """
@@ -340,7 +389,9 @@ asyncio.run(main())
 
 def test_a_service_reaps_a_sandbox_orphaned_by_its_bwrap():
     """bwrap killed from outside before its sandbox (say by the OOM killer): the sandbox's pid 1 is
-    re-parented to the service (its child subreaper) and reaped within a second, not left to init."""
+    re-parented to the service (its child subreaper), killed if it still runs (a bwrap killed during
+    set-up leaves it running: its request's wall-clock timeout went with the bwrap) and reaped within
+    a second, not left to init."""
     out = subprocess.run([sys.executable, "-c", ORPHAN_SCRIPT], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
