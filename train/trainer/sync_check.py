@@ -127,3 +127,27 @@ def actor_logprobs(actor, ids: list[int], device: torch.device) -> torch.Tensor:
     index = exchange_index([len(ids)], [0], [0.0], device)
     batch = dispatch(index, [ids], [[0] + [1] * (len(ids) - 1)], [[0.0] * len(ids)], actor.layout, 1, device)
     return actor.compute_logprobs(batch)[0].float()
+
+
+# The sync probe's text: any fixed sequence works; the engine and the trainer score the same tokens.
+PROBE_TEXT = "The rollout engine samples from the weights the trainer has just pushed: 1 2 3 4 5 6 7 8 9 10."
+
+
+class SyncProbe:
+    """The probe of the module docstring, every `trainer.sync_probe_every` steps after a push."""
+
+    def __init__(self, ids: list[int], every: int | None, tol: float, temperature: float) -> None:
+        self.ids, self.every, self.tol, self.temperature = ids[:128], every, tol, temperature
+
+    def due(self, step: int, pushed: bool) -> bool:
+        return bool(self.every and step % self.every == 0 and pushed)
+
+    def __call__(self, engine, actor, step: int, ctx) -> float:
+        """The engine's and the actor's log-probs of the probe sequence must agree to rounding (they
+        hold the same weights after a push); the mean |difference|, or WeightSyncError. Collective."""
+        score = getattr(engine, "score", None)
+        if score is None or len(self.ids) < 2:
+            return float("nan")  # an engine that cannot score a sequence: the checksums are the check
+        engine_logp = score(self.ids, self.temperature)
+        trainer_logp = actor_logprobs(actor, self.ids, ctx.device)
+        return check_probe(engine_logp, trainer_logp, self.tol, step, ctx.rank, ctx.device)

@@ -1,0 +1,288 @@
+"""Where a step's samples come from, behind one interface (`RolloutSource`):
+
+- `RolloutSource`: synchronous. Each step rolls out its prompts now, with the weights of the step
+  before; `rollout.dynamic_sampling` (DAPO) draws more prompts until enough groups are informative.
+- `PrefetchedRollouts` (`rollout.max_staleness=k`, k >= 1): step N+k's rollout runs on a background
+  thread while step N trains (train/trainer/prefetch.py); this step's rollout was made earlier.
+
+Both serve dedicated rollout ranks too (`rollout.ranks`): the engine and rollout worker they are given
+then forward to a rollout rank. The trainer's step calls, in this order: `next` (this step's samples,
+with the rollout's metrics), `hand_over` (the engine is the update's now), `before_push` (the samples
+being generated must keep the weights they started with) and, at an evaluation or the run's end,
+`settle` (nothing left in flight). Every collective runs on the main thread, in the same order on
+every rank.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from train.datasets.curriculum import Curriculum
+from train.datasets.dataloader import RLDataLoader
+from train.engines.base import SamplingParams
+from train.parallel.collectives import all_gather_flat, all_reduce_max_many, all_reduce_sum
+from train.parallel.distributed import DistContext
+from train.trainer.prefetch import RolloutPrefetcher, StepRollout, staleness
+from train.trainer.report import RunReport
+from train.trainer.step import mask_truncated, rollout_metrics, select_groups, shaped_rewards
+from train.utils import algorithms as alg
+from train.utils.watchdog import Watchdog
+from train.workers.rollout import PROMPT_TOO_LONG, Sample, sample_seed
+
+
+@dataclass
+class StepSamples:
+    """One step's rollout, ready for the update."""
+    samples: list[Sample]  # every sample rolled out for the step (all rounds)
+    kept: list[Sample]  # the informative groups' samples, trimmed to the step's quota
+    kept_rewards: list[float]  # their shaped rewards
+    metrics: dict[str, float]  # the rollout's (global) metrics
+
+
+class RolloutSource:
+    """Synchronous rollouts: each step's made when the step asks for it."""
+
+    def __init__(self, cfg: DictConfig, ctx: DistContext, *, loader: RLDataLoader, rollout, engine,
+                 sampling: SamplingParams, seed: int, curriculum: Curriculum, report: RunReport, context,
+                 sources: list[str]) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        self.loader, self.rollout, self.engine = loader, rollout, engine
+        self.sampling, self.seed = sampling, seed
+        self.curriculum, self.report, self.context, self.sources = curriculum, report, context, sources
+
+    # -- the step's calls ------------------------------------------------------------------
+    def next(self, step: int, trainer_version: int) -> StepSamples:
+        """This step's samples and the rollout's metrics (`trainer_version`: the step whose update made
+        the actor's weights, for the staleness metrics)."""
+        self.engine.wake()  # a no-op on CPU; SGLang takes its GPU memory back for the rollout
+        return self.collect(step, self.make(step), trainer_version)
+
+    def hand_over(self, step: int, metrics: dict[str, float]) -> None:
+        """The rollout is over: free the engine's accelerator memory for the update (a no-op on CPU)."""
+        self.engine.sleep()
+
+    def before_push(self, metrics: dict[str, float]) -> float:
+        """Before a weight push: the seconds waited for a rollout still generating (none here)."""
+        return 0.0
+
+    def settle(self, metrics: dict[str, float]) -> float:
+        """Before an evaluation or the run's end: the seconds waited for a rollout in flight (none here)."""
+        return 0.0
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def pending(self) -> list[StepRollout]:
+        """Finished rollouts not yet trained on (what a checkpoint keeps)."""
+        return []
+
+    def restore(self, rollouts: list[StepRollout]) -> None:
+        raise RuntimeError("a synchronous run has no pending rollouts to restore")
+
+    def close(self) -> bool:
+        """Whether nothing is left running (the rollout worker's loop may then be closed)."""
+        return True
+
+    # -- making rollouts -------------------------------------------------------------------
+    def make(self, step: int, round_: int = 0, on_generated: Callable[[], None] | None = None) -> StepRollout:
+        """One rollout of this rank's next prompts. No collective: with rollout.max_staleness >= 1 it runs
+        on the prefetch thread while the main thread trains (`on_generated`: see RolloutWorker.rollout)."""
+        loader_before = self.loader.state_dict()
+        rows = self.loader.next_batch()
+        n = self.cfg.data.responses_per_prompt
+        # round 0 keeps the seeds of a plain step; refills draw fresh ones
+        seed = sample_seed(self.seed, step, (round_ * self.ctx.world_size + self.ctx.rank) * len(rows) * n)
+        before = self._engine_counters()
+        samples, rollout_s = self.rollout.rollout(rows, n, self.sampling, seed, what=f"step {step}'s rollout",
+                                                  on_generated=on_generated)
+        counters = tuple(a - b for a, b in zip(self._engine_counters(), before))
+        rewards, penalties = shaped_rewards(samples, self.cfg)
+        return StepRollout(step, samples, rewards, penalties, rollout_s, counters, loader_before,
+                           list(self.loader.last_indices))
+
+    def collect(self, step: int, first: StepRollout, trainer_version: int) -> StepSamples:
+        """A step's samples, starting from `first` (its rollout, made now or prefetched), and the
+        rollout's metrics.
+
+        With `rollout.dynamic_sampling` (DAPO), new prompts are drawn and rolled out until the kept
+        (informative) groups of all ranks reach `prompts_per_rollout`, at most
+        `rollout.dynamic_sampling_max_rounds` rounds; the surplus is trimmed evenly across ranks. Each
+        decision uses all-reduced counts, so every rank runs the same number of rounds."""
+        cfg, ctx = self.cfg, self.ctx
+        n = cfg.data.responses_per_prompt
+        dynamic = cfg.rollout.dynamic_sampling
+        target = cfg.data.prompts_per_rollout
+        all_samples, all_rewards, penalties, kept, kept_r = [], [], [], [], []
+        rollout_s, rounds, counters = 0.0, 0, [0.0, 0.0]
+        max_rounds = cfg.rollout.dynamic_sampling_max_rounds if dynamic else 1
+        pass_rates: list[tuple[int, float]] = []  # (row index, share of its group that passed)
+        threshold = cfg.data.curriculum.pass_threshold
+        while rounds < max_rounds:
+            got = first if rounds == 0 else self.make(step, rounds)
+            samples, rewards, pen = got.samples, got.rewards, got.penalties
+            pass_rates += [(pid, sum(s.reward >= threshold for s in samples[g * n:(g + 1) * n]) / n
+                            if samples[g * n].finish_reason != PROMPT_TOO_LONG else float("nan"))  # not rolled out
+                           for g, pid in enumerate(got.row_indices)]
+            rounds += 1
+            rollout_s += got.rollout_s
+            counters = [a + b for a, b in zip(counters, got.engine_counters)]
+            all_samples += samples
+            all_rewards += rewards
+            penalties += pen
+            k, kr = select_groups(samples, rewards, n, cfg.rollout.dynamic_filtering or dynamic)
+            kept += k
+            kept_r += kr
+            if not dynamic:
+                break
+            counts = [0.0] * ctx.world_size
+            counts[ctx.rank] = float(len(kept) // n)
+            counts = [int(c) for c in all_reduce_sum(counts, ctx.device)]
+            if sum(counts) >= target:
+                break
+        out = rollout_metrics(all_samples, len(all_samples) // n, n, cfg, ctx, rewards=all_rewards,
+                              sources=self.sources)
+        if out["prompt_overflow_ratio/train"] > 0:  # (all-reduced: every rank takes this branch)
+            self.report.prompt_overflows_at(step, all_samples, n, self.context)
+        out["time/rollout_s"] = rollout_s
+        out.update(self._engine_metrics(step, counters))
+        out.update(self._staleness_metrics(all_samples, trainer_version))
+        out.update(self._record_pass_rates(step, pass_rates))
+        if cfg.rollout.overlong_buffer:
+            total, count = all_reduce_sum([sum(penalties), float(len(penalties))], ctx.device)
+            out["rewards/overlong_penalty"] = total / max(count, 1.0)
+        if dynamic:
+            quota = alg.split_quota(counts, target)[ctx.rank]
+            kept, kept_r = kept[: quota * n], kept_r[: quota * n]
+            out["dynamic_sampling/rounds"] = float(rounds)
+            out["dynamic_sampling/groups"] = float(min(sum(counts), target))
+            if sum(counts) < target:
+                self.report.log.event("dynamic_sampling.short", step, {"rounds": rounds, "groups": sum(counts),
+                                                                       "target": target})
+        if cfg.rollout.mask_truncated:
+            mask_truncated(kept)
+        return StepSamples(all_samples, kept, kept_r, out)
+
+    # -- the rollout's metrics -------------------------------------------------------------
+    def _engine_counters(self) -> tuple[float, float]:
+        """The engine's running (generated tokens, generation seconds)."""
+        return float(self.engine.stats["generated_tokens"]), float(self.engine.stats["generation_seconds"])
+
+    def _engine_metrics(self, step: int, counters: list[float]) -> dict[str, float]:
+        """Decode throughput of this step's rollout (`counters`: its engine tokens and seconds), summed
+        over ranks (engines that count it), and the env calls stuck past their timeout."""
+        tokens, seconds, stuck = all_reduce_sum([*counters, float(self.rollout.stuck_calls)], self.ctx.device)
+        self.report.stuck_calls(step, stuck)
+        return {"rollout/tokens": tokens, "rollout/tokens_per_s": tokens / max(seconds / self.ctx.world_size, 1e-9),
+                "env/stuck_calls": stuck}
+
+    def _staleness_metrics(self, samples: list[Sample], trainer_version: int) -> dict[str, float]:
+        """How many weight versions behind the trainer's each sample's oldest turn was (all ranks);
+        nothing for synchronous rollouts (always 0)."""
+        return {}
+
+    def _record_pass_rates(self, step: int, pass_rates: list[tuple[int, float]]) -> dict[str, float]:
+        """Every rank's group pass rates into the (global) prompt statistics: one all-gather of two
+        floats per group (every rank has as many groups: equal batches, equal rounds)."""
+        mine = torch.tensor([v for pair in pass_rates for v in pair], dtype=torch.float64, device=self.ctx.device)
+        every = torch.empty(mine.numel() * self.ctx.world_size, dtype=torch.float64, device=self.ctx.device)
+        if self.ctx.world_size > 1:
+            all_gather_flat(every, mine)
+        else:
+            every = mine
+        values = every.view(-1, 2).tolist()
+        self.curriculum.record(step, [(self.curriculum.id_of(int(i)), rate) for i, rate in values
+                                      if rate == rate])  # NaN: a row skipped for its prompt's length
+        return self.curriculum.take_counters()
+
+
+class PrefetchedRollouts(RolloutSource):
+    """`rollout.max_staleness=k`: while step N trains, step N+k's rollout runs in the background with
+    the weights of step N-1; steps N+1 .. N+k-1's are finished and queued (train/trainer/prefetch.py)."""
+
+    def __init__(self, cfg: DictConfig, ctx: DistContext, *, total_steps: int, watchdog: Watchdog, **parts) -> None:
+        super().__init__(cfg, ctx, **parts)
+        self.total_steps, self.watchdog = total_steps, watchdog
+        self.k = cfg.rollout.max_staleness
+        self.prefetch = RolloutPrefetcher(lambda step, generated: self.make(step, on_generated=generated),
+                                          cfg.rollout.async_timeout_s)
+
+    def next(self, step: int, trainer_version: int) -> StepSamples:
+        self.engine.wake()
+        waited: dict[str, float] = {}
+        if self.prefetch.in_flight and self.prefetch.queued() == [step]:
+            self._drain(waited)  # this step's rollout: generated before the last push, rewards maybe not yet
+        first = self.prefetch.take(step)
+        got = self.collect(step, first or self.make(step), trainer_version)
+        got.metrics.update(waited)
+        return got
+
+    def hand_over(self, step: int, metrics: dict[str, float]) -> None:
+        """Queue the rollouts up to step+k (the last one generating in the background while this step
+        trains); after the last step, free the engine as a synchronous run does."""
+        if step >= self.total_steps:
+            self.engine.sleep()
+            return
+        if self.prefetch.in_flight:  # (k >= 2) the previous one may still be computing rewards
+            self._drain(metrics)
+        self._roll_ahead(step)
+
+    def before_push(self, metrics: dict[str, float]) -> float:
+        """The next step's samples all come from the weights before this update: wait until the rollout
+        in flight has generated them (its rewards may go on)."""
+        return self._drain(metrics, generation_only=True)
+
+    def settle(self, metrics: dict[str, float]) -> float:
+        """Evaluation uses the engine, and the run's end the rollout's results: wait for the one in flight."""
+        return self._drain(metrics) if self.prefetch.in_flight else 0.0
+
+    def pending(self) -> list[StepRollout]:
+        return self.prefetch.pending()
+
+    def restore(self, rollouts: list[StepRollout]) -> None:
+        self.prefetch.restore(rollouts)  # trained as they were generated: bit-exact
+
+    def close(self) -> bool:
+        return self.prefetch.close()
+
+    def _roll_ahead(self, step: int) -> None:
+        """Queue the rollouts of steps step+1 .. step+k: those missing below step+k (the first steps,
+        or a resume that kept none) are made now, with the current weights; step+k's starts in the
+        background, with the weights of step - 1, while this step trains."""
+        last = min(step + self.k, self.total_steps)
+        queued = set(self.prefetch.queued())
+        missing = [s for s in range(step + 1, last) if s not in queued]
+        if missing:
+            self.prefetch.restore(self.prefetch.pending() + [self.make(s) for s in missing])
+        if last not in queued:
+            self.prefetch.start(last)
+
+    def _drain(self, metrics: dict[str, float], generation_only: bool = False) -> float:
+        """Wait for the prefetched rollout (`generation_only`: until it no longer uses the engine, before
+        a push); log how long each side waited for the other."""
+        with self.watchdog.phase("rollout drain"):
+            start = time.monotonic()
+            wait = self.prefetch.wait_generated() if generation_only else self.prefetch.drain()
+            done = None if generation_only else self.prefetch.last_finished()
+        metrics["async/trainer_wait_s"] = metrics.get("async/trainer_wait_s", 0.0) + wait
+        if done is not None:  # the rollout side sat idle from its end until now
+            metrics["async/rollout_idle_s"] = max(0.0, start - done.finished_at)
+        return wait
+
+    def _staleness_metrics(self, samples: list[Sample], trainer_version: int) -> dict[str, float]:
+        lags = staleness([s.turn_versions for s in samples], trainer_version)
+        worst, = all_reduce_max_many([float(max(lags, default=0))], self.ctx.device)
+        total, count = all_reduce_sum([float(sum(lags)), float(len(lags))], self.ctx.device)
+        if worst > self.k:
+            raise RuntimeError(f"a sample is {worst:.0f} weight versions old, past rollout.max_staleness="
+                               f"{self.k} (a bug in the rollout pipeline)")
+        return {"async/staleness_mean": total / max(count, 1.0), "async/staleness_max": worst}
+
+
+def rollout_source(cfg: DictConfig, ctx: DistContext, *, total_steps: int, watchdog: Watchdog,
+                   **parts) -> RolloutSource:
+    """The synchronous source, or the prefetching one with `rollout.max_staleness` >= 1."""
+    if cfg.rollout.max_staleness > 0:
+        return PrefetchedRollouts(cfg, ctx, total_steps=total_steps, watchdog=watchdog, **parts)
+    return RolloutSource(cfg, ctx, **parts)
