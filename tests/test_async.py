@@ -28,7 +28,7 @@ def metrics_by_step(run) -> dict:
 
 
 def fake_rollout(step: int, generated=None) -> StepRollout:
-    return StepRollout(step, [], [], [], 0.0, (0.0, 0.0), {"epoch": 0, "cursor": 0})
+    return StepRollout(step, [], 0.0, (0.0, 0.0), {"epoch": 0, "cursor": 0})
 
 
 def test_a_stuck_rollout_side_times_out_naming_the_step():
@@ -276,3 +276,17 @@ def test_bad_staleness_is_refused():
     validate(stub_config(["rollout.max_staleness=3"]))
     with pytest.raises(ConfigError, match="dynamic_sampling"):
         validate(stub_config(["rollout.max_staleness=2", "rollout.dynamic_sampling=true"]))
+
+
+def test_pending_rollouts_of_an_older_checkpoint_keep_their_shaped_rewards():
+    """A checkpoint written before samples carried their shaped reward held it in parallel lists on the
+    rollout: a resume moves it onto the samples (else they would train on no reward at all)."""
+    from train.trainer.rollouts import with_rewards_on_samples
+    from train.workers.rollout import Sample
+
+    samples = [Sample(0, [], None, [1, 2], [0, 1], [0.0, -0.5], reward=r) for r in (1.0, 0.0)]
+    old = StepRollout(3, samples, 0.0, (0.0, 0.0), {"epoch": 0, "cursor": 0})
+    old.__dict__.update(rewards=[0.75, -0.25], penalties=[-0.25, -0.25])  # as unpickled from the old layout
+    restored, = with_rewards_on_samples([old])
+    assert [(s.shaped_reward, s.overlong_penalty) for s in restored.samples] == [(0.75, -0.25), (-0.25, -0.25)]
+    assert "rewards" not in vars(restored) and "penalties" not in vars(restored)

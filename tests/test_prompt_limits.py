@@ -113,7 +113,8 @@ def test_skipped_rows_are_never_trained_and_are_counted_apart():
                       n_turns=1, turn_lengths=[2])
 
     samples = [sample(0, 1.0), sample(0, 0.0), sample(1, 0.0, True), sample(1, 0.0, True)]
-    kept, _ = st.select_groups(samples, [s.reward for s in samples], 2, dynamic_filtering=False)
+    st.shape_rewards(samples, cfg())
+    kept = st.select_groups(samples, 2, dynamic_filtering=False)
     assert kept == samples[:2]
     m = st.rollout_metrics(samples, 2, 2, cfg(), CTX)
     assert m["prompt_overflow_ratio/train"] == 0.5 and m["context_overflow_ratio/train"] == 0.5

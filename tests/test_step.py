@@ -221,21 +221,23 @@ def test_overlong_shaping_and_group_selection():
         s.reward = 1.0  # every group is uninformative before shaping
     c = cfg(**{"rollout.train_sampling_params.max_new_tokens": 8, "rollout.overlong_buffer": 4,
                "rollout.overlong_penalty": 0.5})
-    rewards, pen = st.shaped_rewards(samples, c)
-    for s, r, p in zip(samples, rewards, pen):
+    st.shape_rewards(samples, c)
+    rewards = [s.shaped_reward for s in samples]
+    for s in samples:
         L = s.n_action_tokens
         ref = 0.0 if L <= 4 else (-0.5 * (L - 4) / 4 if L <= 8 else -0.5)
-        assert p == pytest.approx(ref) and r == pytest.approx(1.0 + ref)
-    kept, kept_r = st.select_groups(samples, rewards, 3, dynamic_filtering=True)
+        assert s.overlong_penalty == pytest.approx(ref) and s.shaped_reward == pytest.approx(1.0 + ref)
+    kept = st.select_groups(samples, 3, dynamic_filtering=True)
     informative = [len(set(rewards[g * 3:(g + 1) * 3])) > 1 for g in range(2)]
-    assert len(kept) == 3 * sum(informative) and kept_r == [r for g, ok in enumerate(informative) if ok
-                                                            for r in rewards[g * 3:(g + 1) * 3]]
-    assert st.select_groups(samples, [1.0] * 6, 3, True) == ([], [])  # unshaped: nothing kept
+    assert kept == [s for g, ok in enumerate(informative) if ok for s in samples[g * 3:(g + 1) * 3]]
     off = cfg(**{"rollout.overlong_buffer": None})
-    assert st.shaped_rewards(samples, off) == ([1.0] * 6, [0.0] * 6)
+    st.shape_rewards(samples, off)
+    assert [(s.shaped_reward, s.overlong_penalty) for s in samples] == [(1.0, 0.0)] * 6
+    assert st.select_groups(samples, 3, True) == []  # unshaped: nothing kept
     frac = cfg(**{"rollout.train_sampling_params.max_new_tokens": 10, "rollout.overlong_buffer": 0.2})
     L = np.array([s.n_action_tokens for s in samples])
-    np.testing.assert_allclose(st.shaped_rewards(samples, frac)[1], -np.clip((L - 8) / 2, 0, 1))
+    st.shape_rewards(samples, frac)
+    np.testing.assert_allclose([s.overlong_penalty for s in samples], -np.clip((L - 8) / 2, 0, 1))
 
 
 def test_running_moments():

@@ -341,7 +341,7 @@ class Trainer:
         t1, n = time.perf_counter(), self.cfg.data.responses_per_prompt
         # Every rank learns every kept sample's length, group and reward (the step batch's index).
         index = exchange_index([len(s.ids) for s in got.kept], [i // n for i in range(len(got.kept))],
-                               got.kept_rewards, self.ctx.device)
+                               [s.shaped_reward for s in got.kept], self.ctx.device)
         metrics["batch/groups"] = index.size / n
         frozen, wait = step <= self.cfg.actor.freeze_steps, 0.0
         if index.size == 0:  # nothing to learn from on any rank: skip together, no collective left hanging

@@ -31,9 +31,7 @@ class RolloutTimeout(RuntimeError):
 class StepRollout:
     """A step's rollout as the generating side hands it over (no collective was needed to make it)."""
     step: int
-    samples: list  # train.workers.rollout.Sample
-    rewards: list[float]  # shaped
-    penalties: list[float]  # overlong penalties
+    samples: list  # train.workers.rollout.Sample, each with its shaped reward
     rollout_s: float  # wall time of the generation
     engine_counters: tuple[float, float]  # the engine's (generated tokens, generation seconds) when it ended
     loader_before: dict  # the data loader's state before this rollout drew its prompts

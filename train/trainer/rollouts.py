@@ -28,7 +28,7 @@ from train.parallel.collectives import all_gather_flat, all_reduce_max_many, all
 from train.parallel.distributed import DistContext
 from train.trainer.prefetch import RolloutPrefetcher, StepRollout, staleness
 from train.trainer.report import RunReport
-from train.trainer.step import mask_truncated, rollout_metrics, select_groups, shaped_rewards
+from train.trainer.step import mask_truncated, rollout_metrics, select_groups, shape_rewards
 from train.utils import algorithms as alg
 from train.utils.watchdog import Watchdog
 from train.workers.rollout import PROMPT_TOO_LONG, Sample, sample_seed
@@ -39,7 +39,6 @@ class StepSamples:
     """One step's rollout, ready for the update."""
     samples: list[Sample]  # every sample rolled out for the step (all rounds)
     kept: list[Sample]  # the informative groups' samples, trimmed to the step's quota
-    kept_rewards: list[float]  # their shaped rewards
     metrics: dict[str, float]  # the rollout's (global) metrics
 
 
@@ -98,9 +97,8 @@ class RolloutSource:
         samples, rollout_s = self.rollout.rollout(rows, n, self.sampling, seed, what=f"step {step}'s rollout",
                                                   on_generated=on_generated)
         counters = tuple(a - b for a, b in zip(self._engine_counters(), before))
-        rewards, penalties = shaped_rewards(samples, self.cfg)
-        return StepRollout(step, samples, rewards, penalties, rollout_s, counters, loader_before,
-                           list(self.loader.last_indices))
+        shape_rewards(samples, self.cfg)
+        return StepRollout(step, samples, rollout_s, counters, loader_before, list(self.loader.last_indices))
 
     def collect(self, step: int, first: StepRollout, trainer_version: int) -> StepSamples:
         """A step's samples, starting from `first` (its rollout, made now or prefetched), and the
@@ -114,14 +112,14 @@ class RolloutSource:
         n = cfg.data.responses_per_prompt
         dynamic = cfg.rollout.dynamic_sampling
         target = cfg.data.prompts_per_rollout
-        all_samples, all_rewards, penalties, kept, kept_r = [], [], [], [], []
+        all_samples, kept = [], []
         rollout_s, rounds, counters = 0.0, 0, [0.0, 0.0]
         max_rounds = cfg.rollout.dynamic_sampling_max_rounds if dynamic else 1
         pass_rates: list[tuple[int, float]] = []  # (row index, share of its group that passed)
         threshold = cfg.data.curriculum.pass_threshold
         while rounds < max_rounds:
             got = first if rounds == 0 else self.make(step, rounds)
-            samples, rewards, pen = got.samples, got.rewards, got.penalties
+            samples = got.samples
             pass_rates += [(pid, sum(s.reward >= threshold for s in samples[g * n:(g + 1) * n]) / n
                             if samples[g * n].finish_reason != PROMPT_TOO_LONG else float("nan"))  # not rolled out
                            for g, pid in enumerate(got.row_indices)]
@@ -129,11 +127,7 @@ class RolloutSource:
             rollout_s += got.rollout_s
             counters = [a + b for a, b in zip(counters, got.engine_counters)]
             all_samples += samples
-            all_rewards += rewards
-            penalties += pen
-            k, kr = select_groups(samples, rewards, n, cfg.rollout.dynamic_filtering or dynamic)
-            kept += k
-            kept_r += kr
+            kept += select_groups(samples, n, cfg.rollout.dynamic_filtering or dynamic)
             if not dynamic:
                 break
             counts = [0.0] * ctx.world_size
@@ -141,8 +135,8 @@ class RolloutSource:
             counts = [int(c) for c in all_reduce_sum(counts, ctx.device)]
             if sum(counts) >= target:
                 break
-        out = rollout_metrics(all_samples, len(all_samples) // n, n, cfg, ctx, rewards=all_rewards,
-                              sources=self.sources)
+        out = rollout_metrics(all_samples, len(all_samples) // n, n, cfg, ctx,
+                              rewards=[s.shaped_reward for s in all_samples], sources=self.sources)
         if out["prompt_overflow_ratio/train"] > 0:  # (all-reduced: every rank takes this branch)
             self.report.prompt_overflows_at(step, all_samples, n, self.context)
         out["time/rollout_s"] = rollout_s
@@ -150,11 +144,12 @@ class RolloutSource:
         out.update(self._staleness_metrics(all_samples, trainer_version))
         out.update(self._record_pass_rates(step, pass_rates))
         if cfg.rollout.overlong_buffer:
-            total, count = all_reduce_sum([sum(penalties), float(len(penalties))], ctx.device)
+            total, count = all_reduce_sum([sum(s.overlong_penalty for s in all_samples), float(len(all_samples))],
+                                          ctx.device)
             out["rewards/overlong_penalty"] = total / max(count, 1.0)
         if dynamic:
             quota = alg.split_quota(counts, target)[ctx.rank]
-            kept, kept_r = kept[: quota * n], kept_r[: quota * n]
+            kept = kept[: quota * n]
             out["dynamic_sampling/rounds"] = float(rounds)
             out["dynamic_sampling/groups"] = float(min(sum(counts), target))
             if sum(counts) < target:
@@ -162,7 +157,7 @@ class RolloutSource:
                                                                        "target": target})
         if cfg.rollout.mask_truncated:
             mask_truncated(kept)
-        return StepSamples(all_samples, kept, kept_r, out)
+        return StepSamples(all_samples, kept, out)
 
     # -- the rollout's metrics -------------------------------------------------------------
     def _engine_counters(self) -> tuple[float, float]:
@@ -241,7 +236,7 @@ class PrefetchedRollouts(RolloutSource):
         return self.prefetch.pending()
 
     def restore(self, rollouts: list[StepRollout]) -> None:
-        self.prefetch.restore(rollouts)  # trained as they were generated: bit-exact
+        self.prefetch.restore(with_rewards_on_samples(rollouts))  # trained as they were generated: bit-exact
 
     def close(self) -> bool:
         return self.prefetch.close()
@@ -278,6 +273,17 @@ class PrefetchedRollouts(RolloutSource):
             raise RuntimeError(f"a sample is {worst:.0f} weight versions old, past rollout.max_staleness="
                                f"{self.k} (a bug in the rollout pipeline)")
         return {"async/staleness_mean": total / max(count, 1.0), "async/staleness_max": worst}
+
+
+def with_rewards_on_samples(rollouts: list[StepRollout]) -> list[StepRollout]:
+    """Rollouts from a checkpoint saved before each sample carried its shaped reward (the rollout held
+    them in two parallel lists then): the rewards and penalties moved onto the samples."""
+    for r in rollouts:
+        rewards, penalties = r.__dict__.pop("rewards", None), r.__dict__.pop("penalties", None)
+        if rewards is not None:
+            for s, reward, penalty in zip(r.samples, rewards, penalties):
+                s.shaped_reward, s.overlong_penalty = reward, penalty
+    return rollouts
 
 
 def rollout_source(cfg: DictConfig, ctx: DistContext, *, total_steps: int, watchdog: Watchdog,

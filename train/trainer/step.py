@@ -120,36 +120,38 @@ def split_triples(values: list[float]) -> list[tuple[float, float, float]]:
     return [tuple(values[i:i + 3]) for i in range(0, len(values), 3)]
 
 
-def shaped_rewards(samples: list[Sample], cfg: DictConfig) -> tuple[list[float], list[float]]:
-    """(rewards + DAPO overlong penalty, penalties). The penalty grows linearly from 0 to
-    `rollout.overlong_penalty` over the last `rollout.overlong_buffer` tokens (a count, or a fraction
-    of the limit) before the length limit, max_new_tokens x max_turns sampled tokens; off when the
-    buffer is null."""
+def shape_rewards(samples: list[Sample], cfg: DictConfig) -> None:
+    """Each sample's `shaped_reward` (reward + DAPO overlong penalty) and `overlong_penalty`. The
+    penalty grows linearly from 0 to `rollout.overlong_penalty` over the last `rollout.overlong_buffer`
+    tokens (a count, or a fraction of the limit) before the length limit, max_new_tokens x max_turns
+    sampled tokens; off when the buffer is null."""
     buffer = cfg.rollout.overlong_buffer
     if not buffer:
-        return [s.reward for s in samples], [0.0] * len(samples)
+        for s in samples:
+            s.shaped_reward, s.overlong_penalty = s.reward, 0.0
+        return
     limit = cfg.rollout.train_sampling_params.max_new_tokens * cfg.rollout.max_turns
     if isinstance(buffer, float):  # a fraction of the limit (DAPO: 4096 of 20480 = 0.2)
         buffer = max(1, round(buffer * limit))
     lengths = torch.tensor([float(s.n_action_tokens) for s in samples], dtype=torch.float64)
     pen = alg.overlong_penalty(lengths, limit, min(buffer, limit), cfg.rollout.overlong_penalty).tolist()
-    return [s.reward + p for s, p in zip(samples, pen)], pen
+    for s, p in zip(samples, pen):
+        s.shaped_reward, s.overlong_penalty = s.reward + p, p
 
 
-def select_groups(samples: list[Sample], rewards: list[float], group_size: int, dynamic_filtering: bool
-                  ) -> tuple[list[Sample], list[float]]:
-    """Drop groups whose (shaped) rewards are all equal (no signal) before any log-prob work, and
+def select_groups(samples: list[Sample], group_size: int, dynamic_filtering: bool) -> list[Sample]:
+    """Drop groups whose shaped rewards are all equal (no signal) before any log-prob work, and
     always the groups of rows whose prompt filled the context (nothing was sampled)."""
     if not samples:
-        return [], []
-    keep = (alg.informative_groups(torch.tensor(rewards, dtype=torch.float64), group_size).tolist()
+        return []
+    rewards = torch.tensor([s.shaped_reward for s in samples], dtype=torch.float64)
+    keep = (alg.informative_groups(rewards, group_size).tolist()
             if dynamic_filtering else [True] * (len(samples) // group_size))
-    kept, kept_r = [], []
+    kept = []
     for g, ok in enumerate(keep):
         if ok and samples[g * group_size].finish_reason != PROMPT_TOO_LONG:
             kept += samples[g * group_size:(g + 1) * group_size]
-            kept_r += rewards[g * group_size:(g + 1) * group_size]
-    return kept, kept_r
+    return kept
 
 
 def mask_truncated(samples: list[Sample]) -> None:
@@ -163,7 +165,9 @@ def mask_truncated(samples: list[Sample]) -> None:
 def filter_groups(samples: list[Sample], group_size: int, dynamic_filtering: bool,
                   mask_truncated_: bool) -> list[Sample]:
     """select_groups on the samples' own rewards, then optional truncation masking."""
-    kept, _ = select_groups(samples, [s.reward for s in samples], group_size, dynamic_filtering)
+    for s in samples:
+        s.shaped_reward = s.reward
+    kept = select_groups(samples, group_size, dynamic_filtering)
     if mask_truncated_:
         mask_truncated(kept)
     return kept

@@ -35,6 +35,10 @@ class Sample:
     turn_lengths: list[int] = field(default_factory=list)  # tokens sampled in each assistant turn
     turn_versions: list[int] = field(default_factory=list)  # the engine's weight version of each assistant turn
     source: str | None = None  # the row's data source (mixtures): its environment and metrics
+    # Set by the trainer before filtering (train/trainer/step.py::shape_rewards): the reward the advantages
+    # use (with DAPO's overlong penalty), and that penalty.
+    shaped_reward: float | None = None
+    overlong_penalty: float = 0.0
 
     @property
     def n_action_tokens(self) -> int:
