@@ -58,7 +58,7 @@ from train.trainer.prefetch import RolloutPrefetcher, RolloutTimeout, StepRollou
 from train.trainer.sync_check import WeightSyncError, actor_logprobs, check_probe, probe_tolerance
 from train.trainer.step import (RunningMoments, mask_truncated, per_source_sums, rollout_metrics, select_groups,
                                 shaped_rewards, split_triples)
-from train.utils import algorithms as alg
+from train.algorithms import dynamic_sampling as alg
 from train.utils import api_stats, hub
 from train.utils import checkpoint as ckpt
 from train.utils.disk import UNWRITABLE_ERRNOS, StorageError, is_under, unwritable_line

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from train.utils import algorithms as alg
+from train.algorithms.dynamic_sampling import informative_groups
+from train.algorithms.moments import merge_moments
+from train.algorithms.shaping import overlong_penalty
 from train.parallel.distributed import DistContext
 from train.parallel.collectives import all_reduce_max, all_reduce_sum
 from train.workers.rollout import PROMPT_TOO_LONG, Sample
@@ -132,7 +134,7 @@ def shaped_rewards(samples: list[Sample], cfg: DictConfig) -> tuple[list[float],
     if isinstance(buffer, float):  # a fraction of the limit (DAPO: 4096 of 20480 = 0.2)
         buffer = max(1, round(buffer * limit))
     lengths = torch.tensor([float(s.n_action_tokens) for s in samples], dtype=torch.float64)
-    pen = alg.overlong_penalty(lengths, limit, min(buffer, limit), cfg.rollout.overlong_penalty).tolist()
+    pen = overlong_penalty(lengths, limit, min(buffer, limit), cfg.rollout.overlong_penalty).tolist()
     return [s.reward + p for s, p in zip(samples, pen)], pen
 
 
@@ -142,7 +144,7 @@ def select_groups(samples: list[Sample], rewards: list[float], group_size: int, 
     always the groups of rows whose prompt filled the context (nothing was sampled)."""
     if not samples:
         return [], []
-    keep = (alg.informative_groups(torch.tensor(rewards, dtype=torch.float64), group_size).tolist()
+    keep = (informative_groups(torch.tensor(rewards, dtype=torch.float64), group_size).tolist()
             if dynamic_filtering else [True] * (len(samples) // group_size))
     kept, kept_r = [], []
     for g, ok in enumerate(keep):
@@ -186,8 +188,8 @@ class RunningMoments:
         if n <= 0:
             return
         mean = s1 / n
-        self.count, self.mean, self.var = alg.merge_moments(self.count, self.mean, self.var, n, mean,
-                                                            max(s2 / n - mean * mean, 0.0))
+        self.count, self.mean, self.var = merge_moments(self.count, self.mean, self.var, n, mean,
+                                                        max(s2 / n - mean * mean, 0.0))
 
     @property
     def std(self) -> float:
