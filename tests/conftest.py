@@ -123,3 +123,16 @@ def tiny_model(tmp_path_factory, family: str) -> str:
     path = tmp_path_factory.mktemp(family)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture
+def scoped_registries(monkeypatch):
+    """Registrations a test makes into train/algorithms' registries are undone after it (the
+    registries are module-level tables shared by the whole test session)."""
+    from train.algorithms.advantages import ESTIMATORS
+    from train.algorithms.aggregation import AGG_MODES
+    from train.algorithms.kl import KL_ESTIMATORS
+    from train.algorithms.policy_loss import POLICY_LOSSES
+    for registry in (ESTIMATORS, AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES):
+        monkeypatch.setattr(registry, "_entries", dict(registry._entries))
+        monkeypatch.setattr(registry, "_listed", list(registry._listed))

@@ -74,3 +74,35 @@ def test_lambda_alias():
 def test_bad_algorithm_values(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         validate(load(overrides), world_size=2)
+
+
+REGISTRY_KEYS = ["adv.estimator", "actor.loss", "actor.kl.type", "actor.kl.reward_estimator", "actor.agg_mode"]
+
+
+def registry_of(key):
+    from train.algorithms.advantages import ESTIMATORS
+    from train.algorithms.aggregation import AGG_MODES
+    from train.algorithms.kl import KL_ESTIMATORS
+    from train.algorithms.policy_loss import POLICY_LOSSES
+    return {"adv.estimator": ESTIMATORS, "actor.loss": POLICY_LOSSES, "actor.kl.type": KL_ESTIMATORS,
+            "actor.kl.reward_estimator": KL_ESTIMATORS, "actor.agg_mode": AGG_MODES}[key]
+
+
+@pytest.mark.parametrize("key", REGISTRY_KEYS)
+def test_the_choice_lists_are_the_registries_names(key):
+    with pytest.raises(ConfigError) as e:
+        validate(load([f"{key}=nope"]), world_size=2)
+    message = str(e.value)
+    listed = message.split("expected one of ", 1)[1].split(";", 1)[0].split(", ")
+    assert tuple(listed) == registry_of(key).names()
+    assert f"'{key}'" in message and f"{key}={registry_of(key).names()[0]}" in message
+
+
+def test_a_registered_estimator_is_a_valid_choice_with_nothing_else_edited(scoped_registries):
+    from train.algorithms.advantages import AdvantageResult, estimator
+
+    @estimator("zero_advantage", per_sequence=True)
+    def zero_advantage(x, s):
+        return AdvantageResult(0.0 * x.mask)
+
+    validate(load(["adv.estimator=zero_advantage"]), world_size=2)

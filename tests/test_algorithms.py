@@ -1,4 +1,5 @@
-"""train/utils/algorithms.py against independent float64 numpy references written from the formulas.
+"""train/algorithms/ (pure tensor functions) against independent float64 numpy references written from the
+formulas.
 
 Every reference below is plain numpy (loops over rows / action-token lists), not a port of the
 torch code. Values must agree to 1e-6; gradients of the losses w.r.t. logp (torch.autograd) are
@@ -11,7 +12,21 @@ import numpy as np
 import pytest
 import torch
 
-from train.utils import algorithms as alg
+from train.algorithms.advantages import (group_advantages_from_sums, group_rloo_from_sums, shared_baseline_advantages,
+                                         shared_rloo_advantages)
+from train.algorithms.aggregation import AGG_MODES, aggregate_loss
+from train.algorithms.dynamic_sampling import informative_groups, split_quota
+from train.algorithms.kl import kl_estimate
+from train.algorithms.logits import entropy_from_logits, logprobs_from_logits
+from train.algorithms.masks import broadcast_to_tokens, last_action_token_index, place_on_last_action_token
+from train.algorithms.mismatch import sampler_mismatch_sums, tis_weights
+from train.algorithms.moments import (explained_variance_from_moments, global_normalize, group_sums, masked_sums,
+                                      mean_var_from_sums, merge_moments, whiten)
+from train.algorithms.policy_loss import gspo_loss, ppo_clip_loss
+from train.algorithms.returns import discounted_returns, gae, token_level_rewards
+from train.algorithms.schedules import entropy_coef_schedule
+from train.algorithms.shaping import overlong_penalty
+from train.algorithms.value_loss import value_loss
 
 TOL = 1e-6
 
@@ -91,7 +106,7 @@ def ref_rloo(r: np.ndarray, G: int) -> np.ndarray:
 def split_sums(r: np.ndarray, groups: np.ndarray, n_groups: int, cuts: tuple[int, ...]) -> torch.Tensor:
     """group_sums over parts of the batch (as dp groups hold them), added: what the all-reduce gives."""
     bounds = (0, *cuts, len(r))
-    return sum(alg.group_sums(t64(r[a:b]), torch.tensor(groups[a:b]), n_groups) for a, b in zip(bounds, bounds[1:]))
+    return sum(group_sums(t64(r[a:b]), torch.tensor(groups[a:b]), n_groups) for a, b in zip(bounds, bounds[1:]))
 
 
 @pytest.mark.parametrize("G", [1, 2, 5])
@@ -107,7 +122,7 @@ def test_group_advantages_from_sums(G, norm_var):
     groups = np.repeat(np.arange(4), G)
     perm = rng.permutation(4 * G)  # samples in any order across the parts
     sums = split_sums(r[perm], groups[perm], 4, (G, 3 * G - 1))
-    got = alg.group_advantages_from_sums(t64(r[perm]), torch.tensor(groups[perm]), sums, norm_var)
+    got = group_advantages_from_sums(t64(r[perm]), torch.tensor(groups[perm]), sums, norm_var)
     assert got.dtype == torch.float64 and got.shape == (4 * G,)
     close(got, ref_group_baseline(r, G, norm_var, 1e-6)[perm])
     assert torch.isfinite(got).all()
@@ -122,7 +137,7 @@ def test_group_rloo_from_sums(G):
     groups = np.repeat(np.arange(3), G)
     perm = rng.permutation(3 * G)
     sums = split_sums(r[perm], groups[perm], 3, (1,))
-    got = alg.group_rloo_from_sums(t64(r[perm]), torch.tensor(groups[perm]), sums)
+    got = group_rloo_from_sums(t64(r[perm]), torch.tensor(groups[perm]), sums)
     close(got, ref_rloo(r, G)[perm])
     if G == 1:
         assert torch.equal(got, torch.zeros(3, dtype=torch.float64))
@@ -131,32 +146,32 @@ def test_group_rloo_from_sums(G):
 def test_moments_from_sums_match_numpy():
     rng = np.random.default_rng(11)
     x = rng.normal(size=37) * 4 + 2
-    n, s1, s2 = alg.masked_sums(t64(x), torch.ones(37, dtype=torch.bool))
+    n, s1, s2 = masked_sums(t64(x), torch.ones(37, dtype=torch.bool))
     assert n == 37
-    mean, var = alg.mean_var_from_sums(n, s1, s2)
+    mean, var = mean_var_from_sums(n, s1, s2)
     assert mean == pytest.approx(np.mean(x), rel=1e-12) and var == pytest.approx(np.var(x, ddof=1), rel=1e-10)
     # sums split over "ranks" and added give the same moments
-    parts = [alg.masked_sums(t64(x[a:b]), torch.ones(b - a, dtype=torch.bool)) for a, b in ((0, 10), (10, 37))]
-    merged = alg.mean_var_from_sums(*[sum(p[k] for p in parts) for k in range(3)])
+    parts = [masked_sums(t64(x[a:b]), torch.ones(b - a, dtype=torch.bool)) for a, b in ((0, 10), (10, 37))]
+    merged = mean_var_from_sums(*[sum(p[k] for p in parts) for k in range(3)])
     assert merged == pytest.approx((mean, var), rel=1e-12)
-    assert alg.mean_var_from_sums(0, 0.0, 0.0) == (0.0, 0.0) and alg.mean_var_from_sums(1, 3.0, 9.0) == (3.0, 0.0)
+    assert mean_var_from_sums(0, 0.0, 0.0) == (0.0, 0.0) and mean_var_from_sums(1, 3.0, 9.0) == (3.0, 0.0)
 
 
 def test_shared_baselines_against_float64_references():
     rng = np.random.default_rng(12)
     r = rng.normal(size=10)
     mu, sd = float(np.mean(r)), float(np.std(r, ddof=1))
-    close(alg.shared_baseline_advantages(t64(r), mu, sd), (r - mu) / (sd + 1e-6))
-    close(alg.shared_baseline_advantages(t64(r), mu, None), r - mu)
+    close(shared_baseline_advantages(t64(r), mu, sd), (r - mu) / (sd + 1e-6))
+    close(shared_baseline_advantages(t64(r), mu, None), r - mu)
     ref = np.array([r[i] - (r.sum() - r[i]) / (len(r) - 1) for i in range(len(r))])
-    close(alg.shared_rloo_advantages(t64(r), float(r.sum()), float(len(r))), ref)
-    close(alg.shared_rloo_advantages(t64(r[:1]), float(r[0]), 1.0), np.zeros(1))
+    close(shared_rloo_advantages(t64(r), float(r.sum()), float(len(r))), ref)
+    close(shared_rloo_advantages(t64(r[:1]), float(r[0]), 1.0), np.zeros(1))
 
 
 def test_global_normalize():
     adv = np.random.default_rng(3).normal(size=8)
-    close(alg.global_normalize(t64(adv), 0.3, 2.0, eps=1e-6), (adv - 0.3) / (2.0 + 1e-6))
-    close(alg.global_normalize(t64(adv), t64(0.3), t64(2.0)), (adv - 0.3) / (2.0 + 1e-6))
+    close(global_normalize(t64(adv), 0.3, 2.0, eps=1e-6), (adv - 0.3) / (2.0 + 1e-6))
+    close(global_normalize(t64(adv), t64(0.3), t64(2.0)), (adv - 0.3) / (2.0 + 1e-6))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,10 +194,10 @@ def test_broadcast_and_last_token_placement():
             ref_idx[b] = pos[-1]
             ref_last[b, pos[-1]] = vals[b]
     for m in (tmask(mask), t64(mask)):
-        close(alg.broadcast_to_tokens(t64(vals), m), ref_b)
-        idx = alg.last_action_token_index(m)
+        close(broadcast_to_tokens(t64(vals), m), ref_b)
+        idx = last_action_token_index(m)
         assert idx.dtype == torch.long and idx.tolist() == ref_idx.tolist()
-        close(alg.place_on_last_action_token(t64(vals), m), ref_last)
+        close(place_on_last_action_token(t64(vals), m), ref_last)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,7 +228,7 @@ def test_gae(gamma, lam):
     r = rng.normal(size=(B, T)) * mask  # e.g. k1 KL penalties on every action token
     v = rng.normal(size=(B, T))
     v[mask == 0] = 123.0  # values on non-action tokens must be ignored
-    adv, ret = alg.gae(t64(r), t64(v), tmask(mask), gamma, lam)
+    adv, ret = gae(t64(r), t64(v), tmask(mask), gamma, lam)
     ref_adv, ref_ret = ref_gae(r, v, mask, gamma, lam)
     close(adv, ref_adv)
     close(ret, ref_ret)
@@ -226,8 +241,8 @@ def test_gae_outcome_reward_gamma_one():
     mask = ragged_mask(rng, B, T)
     R = rng.normal(size=B)
     v = rng.normal(size=(B, T))
-    tr = alg.place_on_last_action_token(t64(R), tmask(mask))
-    adv, ret = alg.gae(tr, t64(v), tmask(mask), 1.0, 1.0)
+    tr = place_on_last_action_token(t64(R), tmask(mask))
+    adv, ret = gae(tr, t64(v), tmask(mask), 1.0, 1.0)
     close(adv, (R[:, None] - v) * mask)
     close(ret, R[:, None] * mask)
 
@@ -239,10 +254,10 @@ def test_whiten():
     v = rng.normal(size=(5, 30)) * 2 + 0.5
     sel = v[mask > 0]
     mu, var = np.mean(sel), np.var(sel, ddof=1)
-    parts = [alg.masked_sums(t64(v[:2]), tmask(mask[:2])), alg.masked_sums(t64(v[2:]), tmask(mask[2:]))]
-    mean, variance = alg.mean_var_from_sums(*[sum(p[k] for p in parts) for k in range(3)])
+    parts = [masked_sums(t64(v[:2]), tmask(mask[:2])), masked_sums(t64(v[2:]), tmask(mask[2:]))]
+    mean, variance = mean_var_from_sums(*[sum(p[k] for p in parts) for k in range(3)])
     assert mean == pytest.approx(mu) and variance == pytest.approx(var)
-    close(alg.whiten(t64(v), tmask(mask), mean, variance), (v - mu) / np.sqrt(var + 1e-8) * mask)
+    close(whiten(t64(v), tmask(mask), mean, variance), (v - mu) / np.sqrt(var + 1e-8) * mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,7 +287,7 @@ def test_kl_estimate_values_and_grads(kind):
         rlp[0, :3] = [-0.1, -15.0, -3.0]
     W = rng.normal(size=(B, T))
     x = t64(lp).requires_grad_(True)
-    out = alg.kl_estimate(x, t64(rlp), kind)
+    out = kl_estimate(x, t64(rlp), kind)
     close(out, ref_kl(lp, rlp, kind))
     (out * t64(W)).sum().backward()
     close(x.grad, num_grad(lambda z: np.sum(ref_kl(z, rlp, kind) * W), lp), 1e-6)
@@ -281,11 +296,11 @@ def test_kl_estimate_values_and_grads(kind):
 def test_kl_low_var_extreme_is_finite():
     lp = torch.tensor([[-200.0, 0.0, -1e4]], dtype=torch.float32, requires_grad=True)
     rlp = torch.tensor([[0.0, -200.0, 0.0]], dtype=torch.float32)
-    out = alg.kl_estimate(lp, rlp, "low_var_kl")
+    out = kl_estimate(lp, rlp, "low_var_kl")
     out.sum().backward()
     assert torch.isfinite(out).all() and torch.isfinite(lp.grad).all() and out.max() <= 10
     with pytest.raises(ValueError, match="low_var_kl"):
-        alg.kl_estimate(lp, rlp, "k4")
+        kl_estimate(lp, rlp, "k4")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,7 +334,7 @@ def test_ppo_clip_loss(dual, cl, ch):
     rng, mask, lp, olp, A = ppo_inputs(9)
     W = rng.uniform(0.5, 1.5, size=lp.shape)
     x = t64(lp).requires_grad_(True)
-    loss, stats = alg.ppo_clip_loss(x, t64(olp), t64(A), tmask(mask), clip_low=cl, clip_high=ch, dual_clip=dual)
+    loss, stats = ppo_clip_loss(x, t64(olp), t64(A), tmask(mask), clip_low=cl, clip_high=ch, dual_clip=dual)
 
     ref = ref_ppo_token(lp, olp, A, cl, ch, dual) * mask
     close(loss, ref)
@@ -349,16 +364,16 @@ def test_ppo_clip_loss(dual, cl, ch):
 def test_ppo_identity_ratio_and_empty_mask():
     rng, mask, lp, olp, A = ppo_inputs(11)
     x = t64(olp).requires_grad_(True)  # on-policy: ratio 1, loss -A, gradient -A
-    loss, stats = alg.ppo_clip_loss(x, t64(olp), t64(A), tmask(mask), 0.2, 0.2)
+    loss, stats = ppo_clip_loss(x, t64(olp), t64(A), tmask(mask), 0.2, 0.2)
     close(loss, -A * mask)
     loss.sum().backward()
     close(x.grad, -A * mask)
     close(stats["clip_fraction"], 0.0), close(stats["approx_kl"], 0.0)
     empty = torch.zeros(mask.shape, dtype=torch.bool)
-    loss, stats = alg.ppo_clip_loss(t64(lp), t64(olp), t64(A), empty, 0.2, 0.2, dual_clip=3.0)
+    loss, stats = ppo_clip_loss(t64(lp), t64(olp), t64(A), empty, 0.2, 0.2, dual_clip=3.0)
     assert (loss == 0).all() and stats["clip_fraction"] == 0 and stats["ratio_max"] == -math.inf
     with pytest.raises(ValueError):
-        alg.ppo_clip_loss(t64(lp), t64(olp), t64(A), empty, 0.2, 0.2, dual_clip=0.5)
+        ppo_clip_loss(t64(lp), t64(olp), t64(A), empty, 0.2, 0.2, dual_clip=0.5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,7 +401,7 @@ def test_gspo_loss(cl, ch):
     lp = olp + rng.normal(size=(B, T)) * 0.3
     A = rng.normal(size=B)
     x = t64(lp).requires_grad_(True)
-    token_loss, stats = alg.gspo_loss(x, t64(olp), t64(A), tmask(mask), clip_low=cl, clip_high=ch)
+    token_loss, stats = gspo_loss(x, t64(olp), t64(A), tmask(mask), clip_low=cl, clip_high=ch)
 
     # value on each action token = the sequence loss
     seq_ratio = np.zeros(B)
@@ -398,7 +413,7 @@ def test_gspo_loss(cl, ch):
         close(token_loss[b], seq_loss * mask[b])
 
     # seq_mean_token_mean aggregation == the paper's objective, value and gradient
-    J = alg.aggregate_loss(token_loss, tmask(mask), "seq_mean_token_mean", n_tokens_global=mask.sum(), n_seqs_global=B)
+    J = aggregate_loss(token_loss, tmask(mask), "seq_mean_token_mean", n_tokens_global=mask.sum(), n_seqs_global=B)
     close(J, ref_gspo_objective(lp, olp, A, mask, cl, ch))
     J.backward()
     g_ref = num_grad(lambda z: ref_gspo_objective(z, olp, A, mask, cl, ch), lp)
@@ -432,7 +447,7 @@ def ref_aggregate(l, mask, mode, n_tok, n_seq, max_len):
     return total
 
 
-@pytest.mark.parametrize("mode", alg.AGG_MODES)
+@pytest.mark.parametrize("mode", AGG_MODES.names())
 def test_aggregate_loss_values_and_grads(mode):
     rng = np.random.default_rng(13)
     B, T = 6, 30
@@ -441,17 +456,17 @@ def test_aggregate_loss_values_and_grads(mode):
     l[mask == 0] = np.nan  # off-mask garbage must not leak
     kw = dict(n_tokens_global=float(mask.sum()), n_seqs_global=float(B), max_len_norm=float(T))
     x = t64(l).requires_grad_(True)
-    out = alg.aggregate_loss(x, tmask(mask), mode, **kw)
+    out = aggregate_loss(x, tmask(mask), mode, **kw)
     close(out, ref_aggregate(l, mask, mode, kw["n_tokens_global"], B, T))
     out.backward()
     l0 = np.where(mask > 0, l, 0.0)
     close(x.grad, num_grad(lambda z: ref_aggregate(z, mask, mode, kw["n_tokens_global"], B, T), l0))
     # tensor normalisers (e.g. after an all-reduce) work the same
-    out_t = alg.aggregate_loss(t64(l), t64(mask), mode, n_tokens_global=t64(mask.sum()), n_seqs_global=t64(B), max_len_norm=T)
+    out_t = aggregate_loss(t64(l), t64(mask), mode, n_tokens_global=t64(mask.sum()), n_seqs_global=t64(B), max_len_norm=T)
     close(out_t, out)
 
 
-@pytest.mark.parametrize("mode", alg.AGG_MODES)
+@pytest.mark.parametrize("mode", AGG_MODES.names())
 def test_aggregate_loss_layout_independent(mode):
     """Micro-batches and fake data-parallel ranks (slices), summed, equal the whole batch to 1e-12."""
     rng = np.random.default_rng(14)
@@ -459,7 +474,7 @@ def test_aggregate_loss_layout_independent(mode):
     mask = tmask(ragged_mask(rng, B, T, empty_row=True))
     l = t64(rng.normal(size=(B, T)))
     kw = dict(n_tokens_global=float(mask.sum()), n_seqs_global=float(B), max_len_norm=float(T))
-    whole = alg.aggregate_loss(l, mask, mode, **kw).item()
+    whole = aggregate_loss(l, mask, mode, **kw).item()
     layouts = [
         [range(0, 12)],
         [range(0, 6), range(6, 12)],  # 2 ranks, 1 micro-batch each
@@ -468,23 +483,23 @@ def test_aggregate_loss_layout_independent(mode):
         [range(i, i + 1) for i in range(12)],  # one row per micro-batch
     ]
     for parts in layouts:
-        total = sum(alg.aggregate_loss(l[list(p)], mask[list(p)], mode, **kw).item() for p in parts)
+        total = sum(aggregate_loss(l[list(p)], mask[list(p)], mode, **kw).item() for p in parts)
         assert abs(total - whole) < 1e-12, (parts, total, whole)
     # the same rows shuffled over ranks give the same sum too
     perm = rng.permutation(B)
-    total = sum(alg.aggregate_loss(l[perm[i::2]], mask[perm[i::2]], mode, **kw).item() for i in range(2))
+    total = sum(aggregate_loss(l[perm[i::2]], mask[perm[i::2]], mode, **kw).item() for i in range(2))
     assert abs(total - whole) < 1e-12
 
 
 def test_aggregate_loss_errors():
     l, m = torch.zeros(2, 3), torch.ones(2, 3)
     with pytest.raises(ValueError) as e:
-        alg.aggregate_loss(l, m, "token_mean", n_tokens_global=6, n_seqs_global=2)
-    for mode in alg.AGG_MODES:
+        aggregate_loss(l, m, "token_mean", n_tokens_global=6, n_seqs_global=2)
+    for mode in AGG_MODES.names():
         assert mode in str(e.value)
     with pytest.raises(ValueError, match="max_len_norm"):
-        alg.aggregate_loss(l, m, "seq_mean_token_sum_norm", n_tokens_global=6, n_seqs_global=2)
-    assert alg.aggregate_loss(l, torch.zeros(2, 3), "all_token_mean", n_tokens_global=0, n_seqs_global=0) == 0
+        aggregate_loss(l, m, "seq_mean_token_sum_norm", n_tokens_global=6, n_seqs_global=2)
+    assert aggregate_loss(l, torch.zeros(2, 3), "all_token_mean", n_tokens_global=0, n_seqs_global=0) == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -507,7 +522,7 @@ def test_entropy_from_logits():
     z[0, 0] += 500.0  # stability: huge logits
     W = rng.normal(size=(2, 3))
     x = t64(z).requires_grad_(True)
-    H = alg.entropy_from_logits(x)
+    H = entropy_from_logits(x)
     close(H, ref_entropy(z))
     (H * t64(W)).sum().backward()
     close(x.grad, num_grad(lambda q: np.sum(ref_entropy(q) * W), z))
@@ -515,11 +530,11 @@ def test_entropy_from_logits():
     zi = z.copy()
     zi[..., -2:] = -np.inf
     xi = t64(zi).requires_grad_(True)
-    Hi = alg.entropy_from_logits(xi)
+    Hi = entropy_from_logits(xi)
     close(Hi, ref_entropy(z[..., :-2]))
     Hi.sum().backward()
     assert torch.isfinite(xi.grad).all()
-    assert alg.entropy_from_logits(torch.randn(2, 3, 5, dtype=torch.float32)).dtype == torch.float32
+    assert entropy_from_logits(torch.randn(2, 3, 5, dtype=torch.float32)).dtype == torch.float32
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
@@ -535,7 +550,7 @@ def test_logprobs_from_logits(temperature):
         return np.take_along_axis(lsm, labels[..., None], axis=-1)[..., 0]
 
     x = t64(z).requires_grad_(True)
-    lp = alg.logprobs_from_logits(x, torch.tensor(labels), temperature=temperature)
+    lp = logprobs_from_logits(x, torch.tensor(labels), temperature=temperature)
     close(lp, ref(z))
     (lp * t64(W)).sum().backward()
     close(x.grad, num_grad(lambda q: np.sum(ref(q) * W), z))
@@ -560,13 +575,13 @@ def test_tis_weights(level, cap):
         for t in pos:
             ref[b, t] = min(math.exp(train[b, t] - samp[b, t]), cap) if level == "token" else seq_w
     x = t64(train).requires_grad_(True)
-    w = alg.tis_weights(x, t64(samp), tmask(mask), cap=cap, level=level)
+    w = tis_weights(x, t64(samp), tmask(mask), cap=cap, level=level)
     close(w, ref)
     assert not w.requires_grad
     if cap == 1.0:
         assert (w <= 1.0).all()
     with pytest.raises(ValueError):
-        alg.tis_weights(x, t64(samp), tmask(mask), cap=cap, level="step")
+        tis_weights(x, t64(samp), tmask(mask), cap=cap, level="step")
 
 
 def test_sampler_mismatch_sums():
@@ -577,11 +592,11 @@ def test_sampler_mismatch_sums():
     train[mask == 0] = 50.0  # must not leak into max_ratio
     d = (train - samp)[mask > 0]
     r = np.exp(d)
-    st = alg.sampler_mismatch_sums(t64(train), t64(samp), tmask(mask))
+    st = sampler_mismatch_sums(t64(train), t64(samp), tmask(mask))
     close(st["kl"], np.sum(r - 1 - d))
     close(st["max_ratio"], r.max())
     close(st["abs_diff"], np.sum(np.abs(d)))
-    same = alg.sampler_mismatch_sums(t64(samp), t64(samp), tmask(mask))
+    same = sampler_mismatch_sums(t64(samp), t64(samp), tmask(mask))
     assert same["kl"] == 0 and same["max_ratio"] == 1 and same["abs_diff"] == 0
 
 
@@ -605,16 +620,16 @@ def ref_overlong(L, Lmax, buf, pen):
 def test_overlong_penalty(buf, pen):
     Lmax = 64
     L = np.array([0, 1, 20, 47, 48, 49, 55, 63, 64, 65, 100])
-    got = alg.overlong_penalty(torch.tensor(L), Lmax, buf, penalty=pen)
+    got = overlong_penalty(torch.tensor(L), Lmax, buf, penalty=pen)
     assert got.is_floating_point()
     close(got, ref_overlong(L, Lmax, buf, pen))
     if buf > 0:
         assert got[L == Lmax].item() == -pen  # full penalty at max_new_tokens
-    got64 = alg.overlong_penalty(t64(L), Lmax, buf, penalty=pen)
+    got64 = overlong_penalty(t64(L), Lmax, buf, penalty=pen)
     assert got64.dtype == torch.float64
     close(got64, ref_overlong(L, Lmax, buf, pen))
     with pytest.raises(ValueError):
-        alg.overlong_penalty(torch.tensor(L), Lmax, Lmax + 1)
+        overlong_penalty(torch.tensor(L), Lmax, Lmax + 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -652,12 +667,12 @@ def test_token_rewards_and_discounted_returns(coef, gamma):
     R = rng.normal(size=B)
     kl = rng.normal(size=(B, T))
     kl[mask == 0] = np.nan  # off-mask KL must not leak
-    tr = alg.token_level_rewards(t64(R), tmask(mask), t64(kl), coef)
+    tr = token_level_rewards(t64(R), tmask(mask), t64(kl), coef)
     ref_r = ref_token_rewards(R, mask, np.nan_to_num(kl), coef)
     close(tr, ref_r)
-    close(alg.discounted_returns(tr, tmask(mask), gamma), ref_returns(ref_r, mask, gamma))
+    close(discounted_returns(tr, tmask(mask), gamma), ref_returns(ref_r, mask, gamma))
     # no KL: only the outcome on the last action token
-    close(alg.token_level_rewards(t64(R), tmask(mask)), ref_token_rewards(R, mask, None, 0.0))
+    close(token_level_rewards(t64(R), tmask(mask)), ref_token_rewards(R, mask, None, 0.0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -686,11 +701,11 @@ def test_value_loss_values_grads_and_clip_fraction(clip):
     v = old + rng.normal(size=(B, T)) * 0.5
     R = rng.normal(size=(B, T))
     x = t64(v).requires_grad_(True)
-    tl, stats = alg.value_loss(x, t64(old), t64(R), tmask(mask), clip)
+    tl, stats = value_loss(x, t64(old), t64(R), tmask(mask), clip)
     close(tl, ref_value_loss(v, old, R, mask, clip))
     # the aggregated loss (global token mean) and its gradient
     n = float(mask.sum())
-    loss = alg.aggregate_loss(tl, tmask(mask), "all_token_mean", n_tokens_global=n, n_seqs_global=B)
+    loss = aggregate_loss(tl, tmask(mask), "all_token_mean", n_tokens_global=n, n_seqs_global=B)
     close(loss, ref_value_loss(v, old, R, mask, clip).sum() / n)
     loss.backward()
     close(x.grad, num_grad(lambda z: ref_value_loss(z, old, R, mask, clip).sum() / n, v))
@@ -720,10 +735,10 @@ def test_explained_variance_from_moments():
         s = m > 0
         e = r[s] - v[s]
         sums += [s.sum(), r[s].sum(), (r[s] ** 2).sum(), e.sum(), (e ** 2).sum()]
-    close(alg.explained_variance_from_moments(*sums), ref)
+    close(explained_variance_from_moments(*sums), ref)
     n, sr, sr2 = R[sel].size, R[sel].sum(), (R[sel] ** 2).sum()
-    close(alg.explained_variance_from_moments(n, sr, sr2, 0.0, 0.0), 1.0)  # a perfect critic
-    assert math.isnan(alg.explained_variance_from_moments(n, float(n), float(n), 0.0, 0.0))  # Var(R) = 0
+    close(explained_variance_from_moments(n, sr, sr2, 0.0, 0.0), 1.0)  # a perfect critic
+    assert math.isnan(explained_variance_from_moments(n, float(n), float(n), 0.0, 0.0))  # Var(R) = 0
 
 
 def test_merge_moments_equals_concatenated_data():
@@ -732,10 +747,10 @@ def test_merge_moments_equals_concatenated_data():
               for _ in range(7)]
     count, mean, var = 0.0, 0.0, 0.0
     for c in chunks:
-        count, mean, var = alg.merge_moments(count, mean, var, len(c), float(np.mean(c)), float(np.var(c)))
+        count, mean, var = merge_moments(count, mean, var, len(c), float(np.mean(c)), float(np.var(c)))
     allv = np.concatenate(chunks)
     close(count, len(allv)), close(mean, np.mean(allv)), close(var, np.var(allv))
-    assert alg.merge_moments(0, 0, 0, 0, 0, 0) == (0.0, 0.0, 0.0)
+    assert merge_moments(0, 0, 0, 0, 0, 0) == (0.0, 0.0, 0.0)
 
 
 def ref_entropy_coef(k, total, c0, floor, kind):
@@ -749,14 +764,14 @@ def ref_entropy_coef(k, total, c0, floor, kind):
 @pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
 def test_entropy_coef_schedule(kind):
     total, c0, floor = 40, 0.01, 0.002
-    got = [alg.entropy_coef_schedule(k, total, c0, floor, kind) for k in range(60)]
+    got = [entropy_coef_schedule(k, total, c0, floor, kind) for k in range(60)]
     close(got, [ref_entropy_coef(k, total, c0, floor, kind) for k in range(60)])
     assert got[0] == c0
     if kind != "constant":
         assert min(got) >= floor and got[-1] == pytest.approx(floor)  # the floor holds after the decay
         assert all(a >= b - 1e-15 for a, b in zip(got, got[1:]))  # non-increasing
     with pytest.raises(ValueError):
-        alg.entropy_coef_schedule(0, 10, 0.01, 0.0, "step")
+        entropy_coef_schedule(0, 10, 0.01, 0.0, "step")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -765,8 +780,8 @@ def test_entropy_coef_schedule(kind):
 
 def test_informative_groups():
     r = t64([1, 1, 1, 0, 1, 0, 0.5, 0.5, 0.5, 2, 2, 2.0000001])
-    assert alg.informative_groups(r, 3).tolist() == [False, True, False, True]
-    assert alg.informative_groups(t64([1.0, 2.0]), 1).tolist() == [False, False]  # a group of one: no signal
+    assert informative_groups(r, 3).tolist() == [False, True, False, True]
+    assert informative_groups(t64([1.0, 2.0]), 1).tolist() == [False, False]  # a group of one: no signal
 
 
 def ref_split_quota(counts, target):
@@ -786,7 +801,7 @@ def ref_split_quota(counts, target):
                                            ([4, 4, 4], 12), ([5, 0, 3, 8], 7), ([0, 0], 3), ([1, 5, 5], 6),
                                            ([4, 4, 4], 7), ([2, 9, 1, 6], 11)])
 def test_split_quota(counts, target):
-    got = alg.split_quota(counts, target)
+    got = split_quota(counts, target)
     assert sum(got) == min(target, sum(counts))
     assert all(0 <= g <= c for g, c in zip(got, counts))
     assert got == ref_split_quota(counts, target)

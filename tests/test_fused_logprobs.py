@@ -12,14 +12,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import ROOT, run_torchrun
-from train.utils import algorithms as alg
+from train.algorithms.logits import entropy_from_logits, logprobs_from_logits
 from train.parallel.fused_logprobs import FusedLogprobHead, check_supported, fused_logprobs_entropy, liger_available
 
 
 def plain(hidden, weight, labels, temperature):
     logits = (hidden @ weight.t()).float()
-    return (alg.logprobs_from_logits(logits, labels, temperature=temperature),
-            alg.entropy_from_logits(logits / temperature))
+    return (logprobs_from_logits(logits, labels, temperature=temperature),
+            entropy_from_logits(logits / temperature))
 
 
 @pytest.mark.parametrize("temperature,chunk", [(1.0, 7), (0.7, 3), (1.3, 1000)])
@@ -78,8 +78,8 @@ def test_head_through_a_hugging_face_model(tie: bool) -> None:
     T = 0.8
 
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
-    lp0 = alg.logprobs_from_logits(logits, labels, temperature=T)
-    ent0 = alg.entropy_from_logits(logits / T)
+    lp0 = logprobs_from_logits(logits, labels, temperature=T)
+    ent0 = entropy_from_logits(logits / T)
     (lp0.sum() + 0.1 * ent0.sum()).backward()
     grads0 = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()

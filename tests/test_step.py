@@ -314,3 +314,39 @@ def test_rollout_metrics_count_tool_calls_and_errors():
     assert m["tools/errors"] == 2
     single = st.rollout_metrics(samples, 2, 2, cfg(**{"rollout.max_turns": 1}), CTX)
     assert not any(k.startswith("tools/") for k in single)
+
+
+def documented_blocks(heading: str) -> list[str]:
+    """The ```python blocks of one section of docs/design.md, as written."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return [block.split("\n", 1)[1].split("\n```", 1)[0] for block in section.split("```python")[1:]]
+
+
+def test_the_documented_estimator_runs_through_the_step(scoped_registries):
+    """docs/design.md's "Add an estimator": its function and registry line, then its test, as
+    written; then the new name through the trainer's path (compute_advantages on the step batch,
+    KL in the reward) against a float64 reference written here."""
+    from train.algorithms.advantages import ESTIMATORS
+    estimator_block, test_block = documented_blocks("Add an estimator")
+    exec(compile(estimator_block, "docs/design.md (estimator)", "exec"), {})
+    assert "grpo_population_std" in ESTIMATORS.names()
+    namespace: dict = {}
+    exec(compile(test_block, "docs/design.md (test)", "exec"), namespace)
+    namespace["test_grpo_population_std"]()
+
+    rng = np.random.default_rng(5)
+    G, kl_coef = 4, 0.1
+    samples = make_samples(rng, G=G)
+    ref = ref_logps(rng, samples)
+    c = cfg(**{"adv.estimator": "grpo_population_std", "actor.kl.coef": kl_coef,
+               "actor.kl.reward_estimator": "k1"})
+    adv, returns, _ = advantages(samples, G, c, ref)
+    R = np.array([s.reward - kl_coef * sum(s.sampler_logprobs[t + 1] - float(r[t]) for t in positions(s))
+                  for s, r in zip(samples, ref)])
+    A = np.zeros_like(R)
+    for g0 in range(0, len(R), G):
+        grp = R[g0:g0 + G]
+        A[g0:g0 + G] = (grp - grp.mean()) / (math.sqrt(((grp - grp.mean()) ** 2).sum() / G) + 1e-6)
+    np.testing.assert_allclose(sequence_values(adv, samples), A, rtol=1e-5, atol=1e-6)  # float32 per token
+    assert returns is None

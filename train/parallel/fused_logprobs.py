@@ -42,7 +42,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             lse = torch.logsumexp(z, dim=-1)
             logp[s:s + chunk] = z.gather(1, labels[s:s + chunk, None]).squeeze(1) - lse
             if with_entropy:
-                p = torch.softmax(z, dim=-1)  # the plain path's arithmetic (train/utils/algorithms.py)
+                p = torch.softmax(z, dim=-1)  # the plain path's arithmetic (train/algorithms/logits.py)
                 entropy[s:s + chunk] = lse - (p * z).sum(-1)
         ctx.save_for_backward(hidden, weight, labels)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy

@@ -17,14 +17,18 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from train.algorithms.advantages import ESTIMATORS
+from train.algorithms.aggregation import AGG_MODES
+from train.algorithms.kl import KL_ESTIMATORS
+from train.algorithms.mismatch import TIS_LEVELS
+from train.algorithms.policy_loss import POLICY_LOSSES
+from train.algorithms.schedules import ENTROPY_SCHEDULES
 from train.datasets.curriculum import POLICIES
 from train.datasets.errors import DataError
 from train.datasets.mixture import MixtureError, Source, load_sources, parse_sources
 from train.engines import ENGINE_NAMES, engine_sampling_keys
 from train.engines.base import SamplingError, SamplingParams, sampling_from_mapping
-from train.trainer.advantages import ESTIMATORS
 from train.trainer.data_check import OVERLONG_CHOICES, check_data, context_length
-from train.utils import algorithms as alg
 from train.utils import hub
 
 
@@ -64,11 +68,6 @@ class ModelPaths:
         return cls(actor=actor, tokenizer=tokenizer, reference=found.get("ref_actor.model_name", actor),
                    critic=found.get("critic.model_name", actor), rollout=found.get("rollout.model_name", actor),
                    rollout_tokenizer=found.get("rollout.tokenizer_name", tokenizer))
-
-
-# Choice lists come from the code that implements them.
-AGG_MODES, KL_TYPES, LOSSES, TIS_LEVELS = alg.AGG_MODES, alg.KL_TYPES, alg.POLICY_LOSSES, alg.TIS_LEVELS
-ENTROPY_SCHEDULES = alg.ENTROPY_SCHEDULES
 
 
 def _get(cfg: DictConfig, key: str):
@@ -239,12 +238,14 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
         if not isinstance(_get(cfg, key), bool):
             _fail(key, f"expected true or false, got {_get(cfg, key)!r}", f"{key}=true")
 
-    _choice(cfg, "actor.agg_mode", AGG_MODES)
-    _choice(cfg, "actor.kl.type", KL_TYPES)
+    # Choice lists come from the registries of the code that implements them (train/algorithms/), read
+    # at each check: an estimator or loss registered there is a valid choice, with nothing else to edit.
+    _choice(cfg, "actor.agg_mode", AGG_MODES.names())
+    _choice(cfg, "actor.kl.type", KL_ESTIMATORS.names())
     if _get(cfg, "actor.kl.reward_estimator") is not None:
-        _choice(cfg, "actor.kl.reward_estimator", KL_TYPES)
-    _choice(cfg, "adv.estimator", ESTIMATORS)  # train/trainer/advantages.py
-    _choice(cfg, "actor.loss", LOSSES)
+        _choice(cfg, "actor.kl.reward_estimator", KL_ESTIMATORS.names())
+    _choice(cfg, "adv.estimator", ESTIMATORS.names())  # train/algorithms/advantages.py
+    _choice(cfg, "actor.loss", POLICY_LOSSES.names())
     _choice(cfg, "rollout.engine", ENGINE_NAMES)
     _choice(cfg, "actor.scheduler", ("constant", "cosine"))
     _choice(cfg, "actor.dtype", ("float32", "bfloat16"))

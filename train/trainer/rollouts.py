@@ -29,7 +29,7 @@ from train.parallel.distributed import DistContext
 from train.trainer.prefetch import RolloutPrefetcher, StepRollout, staleness
 from train.trainer.report import RunReport
 from train.trainer.step import mask_truncated, rollout_metrics, select_groups, shape_rewards
-from train.utils import algorithms as alg
+from train.algorithms.dynamic_sampling import split_quota
 from train.utils.watchdog import Watchdog
 from train.workers.rollout import PROMPT_TOO_LONG, Sample, sample_seed
 
@@ -148,7 +148,7 @@ class RolloutSource:
                                           ctx.device)
             out["rewards/overlong_penalty"] = total / max(count, 1.0)
         if dynamic:
-            quota = alg.split_quota(counts, target)[ctx.rank]
+            quota = split_quota(counts, target)[ctx.rank]
             kept = kept[: quota * n]
             out["dynamic_sampling/rounds"] = float(rounds)
             out["dynamic_sampling/groups"] = float(min(sum(counts), target))

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from train.utils import algorithms as alg
+from train.algorithms.dynamic_sampling import informative_groups
+from train.algorithms.moments import merge_moments
+from train.algorithms.shaping import overlong_penalty
 from train.parallel.distributed import DistContext
 from train.parallel.collectives import all_reduce_max, all_reduce_sum
 from train.workers.rollout import PROMPT_TOO_LONG, Sample
@@ -134,7 +136,7 @@ def shape_rewards(samples: list[Sample], cfg: DictConfig) -> None:
     if isinstance(buffer, float):  # a fraction of the limit (DAPO: 4096 of 20480 = 0.2)
         buffer = max(1, round(buffer * limit))
     lengths = torch.tensor([float(s.n_action_tokens) for s in samples], dtype=torch.float64)
-    pen = alg.overlong_penalty(lengths, limit, min(buffer, limit), cfg.rollout.overlong_penalty).tolist()
+    pen = overlong_penalty(lengths, limit, min(buffer, limit), cfg.rollout.overlong_penalty).tolist()
     for s, p in zip(samples, pen):
         s.shaped_reward, s.overlong_penalty = s.reward + p, p
 
@@ -145,7 +147,7 @@ def select_groups(samples: list[Sample], group_size: int, dynamic_filtering: boo
     if not samples:
         return []
     rewards = torch.tensor([s.shaped_reward for s in samples], dtype=torch.float64)
-    keep = (alg.informative_groups(rewards, group_size).tolist()
+    keep = (informative_groups(rewards, group_size).tolist()
             if dynamic_filtering else [True] * (len(samples) // group_size))
     kept = []
     for g, ok in enumerate(keep):
@@ -190,8 +192,8 @@ class RunningMoments:
         if n <= 0:
             return
         mean = s1 / n
-        self.count, self.mean, self.var = alg.merge_moments(self.count, self.mean, self.var, n, mean,
-                                                            max(s2 / n - mean * mean, 0.0))
+        self.count, self.mean, self.var = merge_moments(self.count, self.mean, self.var, n, mean,
+                                                        max(s2 / n - mean * mean, 0.0))
 
     @property
     def std(self) -> float:

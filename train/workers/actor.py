@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from train.algorithms.aggregation import aggregate_loss
+from train.algorithms.kl import kl_estimate
+from train.algorithms.logits import entropy_from_logits, logprobs_from_logits
+from train.algorithms.mismatch import sampler_mismatch_sums, tis_weights
+from train.algorithms.policy_loss import POLICY_LOSSES
+from train.algorithms.schedules import entropy_coef_schedule
 from train.parallel.collectives import all_reduce_sum
 from train.parallel.distributed import DistContext
 from train.parallel.fused_logprobs import FusedLogprobHead
@@ -18,7 +24,6 @@ from train.parallel.packing import PackedMicroBatch
 from train.parallel.seq_parallel import gather_sequence
 from train.parallel.step_batch import StepBatch
 from train.parallel.tensor_parallel import vocab_parallel_logprobs
-from train.utils import algorithms as alg
 from train.workers import base
 from train.workers.lora import LoraSettings, adapters_disabled
 from train.workers.model_init import build_model
@@ -88,11 +93,11 @@ class Actor(Trainable):
                 logp, entropy = vocab_parallel_logprobs(logits, labels, lay.tp_group, self.temperature, with_entropy)
             else:
                 logits = logits.float()
-                logp = alg.logprobs_from_logits(logits, labels, temperature=self.temperature)
+                logp = logprobs_from_logits(logits, labels, temperature=self.temperature)
                 entropy = None
                 if with_entropy:  # a metric unless the entropy bonus is on: no graph for it then
                     with torch.set_grad_enabled(torch.is_grad_enabled() and bonus):
-                        entropy = alg.entropy_from_logits(logits / self.temperature)
+                        entropy = entropy_from_logits(logits / self.temperature)
         if entropy is not None and not bonus:
             entropy = entropy.detach()
         length = mb.input_ids.shape[1]
@@ -112,8 +117,8 @@ class Actor(Trainable):
     def entropy_coef(self) -> float:
         """The entropy bonus coefficient at the current optimizer step (schedule with a floor)."""
         e = self.cfg.entropy
-        return alg.entropy_coef_schedule(self.scheduler.last_epoch, e.decay_steps or self.total_updates, e.coef,
-                                         e.min_coef, e.schedule)
+        return entropy_coef_schedule(self.scheduler.last_epoch, e.decay_steps or self.total_updates, e.coef,
+                                     e.min_coef, e.schedule)
 
     def policy_loss(self, batch: StepBatch, max_new_tokens: int):
         """The loss hook: one packed micro-batch's share of the mini-batch's policy loss, and its metric sums."""
@@ -122,6 +127,7 @@ class Actor(Trainable):
         norm_len = cfg.loss_norm_length or max_new_tokens
         kl_in_loss = cfg.kl.coef > 0 and cfg.kl.reward_estimator is None
         old_logp = batch.fields.get("old_logp")  # None: one update per rollout, ratio = 1
+        clipped_loss = POLICY_LOSSES.get(cfg.loss)  # actor.loss: ppo, gspo, ... (train/algorithms/policy_loss.py)
 
         def loss(mb: PackedMicroBatch, norms: Norms, stats: UpdateStats) -> torch.Tensor:
             coef = self.last_entropy_coef = self.entropy_coef()
@@ -129,23 +135,20 @@ class Actor(Trainable):
             mask = mb.action_mask
             adv = mb.gather(batch.fields["advantages"], "advantages")
             old = mb.gather(old_logp, "old_logp") if old_logp is not None else logp.detach()
-            if cfg.loss == "gspo":
-                token_loss, st = alg.gspo_loss(logp, old, adv, mask, clip_low, clip_high)
-            else:
-                token_loss, st = alg.ppo_clip_loss(logp, old, adv, mask, clip_low, clip_high, dual_clip=cfg.dual_clip)
+            token_loss, st = clipped_loss(logp, old, adv, mask, clip_low, clip_high, dual_clip=cfg.dual_clip)
             sampler = mb.gather(batch.sampler_logp, "sampler_logp")
             if cfg.tis_cap is not None:
-                weights = alg.tis_weights(old, sampler, mask, cfg.tis_cap, level=cfg.tis_level)
+                weights = tis_weights(old, sampler, mask, cfg.tis_cap, level=cfg.tis_level)
                 token_loss = token_loss * weights
                 stats.add("tis_clipped", ((weights >= cfg.tis_cap * (1 - 1e-6)) * mask).sum())
             if coef:
                 token_loss = token_loss - coef * entropy * mask
             if kl_in_loss:
-                kl = alg.kl_estimate(logp, mb.gather(batch.fields["ref_logp"], "ref_logp"), cfg.kl.type) * mask
+                kl = kl_estimate(logp, mb.gather(batch.fields["ref_logp"], "ref_logp"), cfg.kl.type) * mask
                 token_loss = token_loss + cfg.kl.coef * kl
                 stats.add("kl", kl.detach().sum())
-            value = alg.aggregate_loss(token_loss, mask, cfg.agg_mode, n_tokens_global=norms.tokens,
-                                       n_seqs_global=norms.seqs, max_len_norm=norm_len)
+            value = aggregate_loss(token_loss, mask, cfg.agg_mode, n_tokens_global=norms.tokens,
+                                   n_seqs_global=norms.seqs, max_len_norm=norm_len)
             # Metrics as token-weighted sums; the caller divides by the global token count.
             n_mask = mask.sum()
             stats.add("loss", value.detach())
@@ -154,7 +157,7 @@ class Actor(Trainable):
             stats.add("approx_kl", st["approx_kl"] * n_mask)
             # Sampler vs trainer at the sampling weights: old log-probs when recomputed, else this
             # forward (one update per rollout: nothing has changed the weights yet).
-            mismatch = alg.sampler_mismatch_sums(old, sampler, mask)
+            mismatch = sampler_mismatch_sums(old, sampler, mask)
             stats.add("sampler_kl", mismatch["kl"])
             stats.add("sampler_abs_diff", mismatch["abs_diff"])
             stats.add("tokens", n_mask)

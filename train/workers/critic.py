@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from train.algorithms.aggregation import aggregate_loss
+from train.algorithms.value_loss import value_loss as clipped_value_loss
 from train.parallel.distributed import DistContext
 from train.parallel.layout import Layout, layout_for
 from train.parallel.packing import PackedMicroBatch
 from train.parallel.seq_parallel import gather_sequence
 from train.parallel.step_batch import StepBatch
-from train.utils import algorithms as alg
 from train.workers import base
 from train.workers.lora import LoraSettings
 from train.workers.model_init import build_model
@@ -60,9 +61,9 @@ class Critic(Trainable):
             mask = mb.action_mask
             returns = mb.gather(batch.fields["returns"], "returns")
             old = mb.gather(batch.fields["values"], "values")
-            token_loss, st = alg.value_loss(values, old, returns, mask, clip)
-            value = alg.aggregate_loss(token_loss, mask, "all_token_mean", n_tokens_global=norms.tokens,
-                                       n_seqs_global=1.0)
+            token_loss, st = clipped_value_loss(values, old, returns, mask, clip)
+            value = aggregate_loss(token_loss, mask, "all_token_mean", n_tokens_global=norms.tokens,
+                                   n_seqs_global=1.0)
             n_mask = mask.sum()
             stats.add("loss", value.detach())
             stats.add("clip_fraction", st["clip_fraction"] * n_mask)
