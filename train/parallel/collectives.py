@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 
 from train.parallel.distributed import DistContext
-from train.utils.algorithms import mean_var_from_sums
 
 
 def _active() -> bool:
@@ -35,13 +34,6 @@ def all_reduce_max_many(values: list[float], device: torch.device) -> list[float
     if _active():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
-
-
-def global_moments(local_sums: tuple[float, float, float], device: torch.device) -> tuple[float, float]:
-    """(mean, Bessel-corrected variance) over all ranks from this rank's (count, sum, sum of squares),
-    e.g. `algorithms.masked_sums(x, mask)`: one all-reduce. Ranks that must not count (the non-leaders
-    of a dp group) pass zeros."""
-    return mean_var_from_sums(*all_reduce_sum(list(local_sums), device))
 
 
 def gather_to_main(obj, ctx: DistContext) -> list | None:

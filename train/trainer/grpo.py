@@ -24,7 +24,7 @@ from typing import NoReturn
 os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
 
 if __name__ == "__main__":  # a rank started by torchrun dies with its agent, from the first moment on
-    from train.utils.lifecycle import die_with_parent
+    from train.runtime.lifecycle import die_with_parent
 
     die_with_parent()
 
@@ -41,39 +41,39 @@ from train.datasets.loading import DataError
 from train.datasets.mixture import load_sources, mixture_shares, source_names
 from train.datasets.tokenize import TokenizationError, encode
 from train.engines import build_engine
+from train.models.actor import Actor, AdapterFreeReference
+from train.models.critic import Critic
+from train.models.lora import LoraTargetError
+from train.models.model_init import ModelWeightsError
 from train.parallel.collectives import (all_gather_flat, all_reduce_max_many, all_reduce_sum, broadcast_from_main,
                                         gather_to_main)
 from train.parallel.distributed import DistContext, cleanup, init_distributed, set_cpu_threads
 from train.parallel.layout import Layout, layout_for
 from train.parallel.rollout_bridge import BridgeError
 from train.parallel.step_batch import BatchIndex, StepBatch, dispatch, exchange_index, transfer
+from train.runtime import checkpoint as ckpt
+from train.runtime.export import GB, export_hf
+from train.runtime.lifecycle import StopRequest
+from train.runtime.logging import RunLogger, test_line
+from train.runtime.run_folder import RunFolderError, claim
+from train.runtime.watchdog import Watchdog
 from train.trainer.advantages import compute_advantages
-from train.trainer.config import (ConfigError, collective_timeout_s, data_sources, env_paths,
-                                  quote_values_with_equals, resolve_aliases, role_config, rollout_ranks,
-                                  sampling_params, useless_settings, validate)
+from train.trainer.config import (ConfigError, collective_timeout_s, data_sources, quote_values_with_equals,
+                                  resolve_aliases, role_config, rollout_ranks, sampling_params, useless_settings,
+                                  validate)
 from train.trainer.data_check import PromptOverflowLog, check_data, context_length, overflowed_rows, overlong_error
 from train.trainer.governor import Governor
 from train.trainer.policy_sync import PolicySync
 from train.trainer.prefetch import RolloutPrefetcher, RolloutTimeout, StepRollout, staleness
-from train.trainer.sync_check import WeightSyncError, actor_logprobs, check_probe, probe_tolerance
 from train.trainer.step import (RunningMoments, mask_truncated, per_source_sums, rollout_metrics, select_groups,
                                 shaped_rewards, split_triples)
+from train.trainer.sync_check import WeightSyncError, actor_logprobs, check_probe, probe_tolerance
 from train.utils import algorithms as alg
 from train.utils import api_stats, hub
-from train.utils import checkpoint as ckpt
 from train.utils.disk import UNWRITABLE_ERRNOS, StorageError, is_under, unwritable_line
-from train.utils.export import GB, export_hf
-from train.utils.lifecycle import StopRequest
-from train.utils.logging import RunLogger, test_line
-from train.utils.run_folder import RunFolderError, claim
 from train.utils.torchrun_errors import record_for_torchrun
-from train.utils.watchdog import Watchdog
-from train.workers.actor import Actor, AdapterFreeReference
-from train.workers.critic import Critic
-from train.workers.env_routing import EnvRouter
+from train.workers.env_routing import EnvRouter, env_paths
 from train.workers.environment import EnvLoadError
-from train.workers.lora import LoraTargetError
-from train.workers.model_init import CheckpointError
 from train.workers.remote_rollout import RemoteEngine, RemoteRollout
 from train.workers.rollout import PROMPT_TOO_LONG, RolloutWorker, Sample, sample_seed
 from train.workers.rollout_server import serve
@@ -805,7 +805,7 @@ def run(cfg: DictConfig) -> None:
 
 
 # Mistakes a user can fix (config, data, env module, chat template): one clear line, no traceback.
-USER_ERRORS = (ConfigError, DataError, EnvLoadError, TokenizationError, ckpt.CheckpointError, CheckpointError,
+USER_ERRORS = (ConfigError, DataError, EnvLoadError, TokenizationError, ckpt.CheckpointError, ModelWeightsError,
                RunFolderError, LoraTargetError)
 
 

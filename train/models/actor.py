@@ -4,12 +4,16 @@ both over the step batch (train/parallel/step_batch.py) that this rank's dp grou
 Loss normalisation does not depend on the parallel layout: every micro-batch's loss is its *sum*
 divided by normalisers counted once over the whole mini-batch (all dp groups, all micro-batches),
 and the loss is multiplied by the number of ranks FSDP averages over (ddp * fsdp) to undo that
-averaging (train/workers/trainable.py). Ranks of one dp group (sp, tp) compute the same loss.
+averaging (train/models/trainable.py). Ranks of one dp group (sp, tp) compute the same loss.
 """
 from __future__ import annotations
 
 import torch
 
+from train.models import optim
+from train.models.lora import LoraSettings, adapters_disabled
+from train.models.model_init import build_model
+from train.models.trainable import Norms, Trainable, UpdateStats
 from train.parallel.collectives import all_reduce_sum
 from train.parallel.distributed import DistContext
 from train.parallel.fused_logprobs import FusedLogprobHead
@@ -19,10 +23,6 @@ from train.parallel.seq_parallel import gather_sequence
 from train.parallel.step_batch import StepBatch
 from train.parallel.tensor_parallel import vocab_parallel_logprobs
 from train.utils import algorithms as alg
-from train.workers import base
-from train.workers.lora import LoraSettings, adapters_disabled
-from train.workers.model_init import build_model
-from train.workers.trainable import Norms, Trainable, UpdateStats
 
 
 def policy_clip_range(cfg) -> tuple[float, float]:
@@ -58,8 +58,8 @@ class Actor(Trainable):
         self.optimizer = self.scheduler = None
         self.last_entropy_coef = 0.0
         if train:
-            self.optimizer = base.build_optimizer(self.model, cfg.lr, cfg.betas, cfg.weight_decay)
-            self.scheduler = base.build_scheduler(self.optimizer, total_updates, cfg.warmup_ratio,
+            self.optimizer = optim.build_optimizer(self.model, cfg.lr, cfg.betas, cfg.weight_decay)
+            self.scheduler = optim.build_scheduler(self.optimizer, total_updates, cfg.warmup_ratio,
                                                   cfg.scheduler, cfg.min_lr_ratio)
         else:
             self.model.eval()
