@@ -133,6 +133,8 @@ def test_a_stop_before_any_rank_started_exits_143_without_a_traceback(tmp_path):
                             env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def listening() -> bool:  # the agent hosts the rendezvous store: it is waiting there
+        import socket
+
         with socket.socket() as s:
             return s.connect_ex(("127.0.0.1", port)) == 0
 
