@@ -317,8 +317,8 @@ def build_actor(model_dir: Path, max_tokens: int, info: dict):
     import torch
     from omegaconf import OmegaConf
 
+    from train.models.actor import Actor
     from train.parallel.distributed import init_distributed
-    from train.workers.actor import Actor
 
     ctx = init_distributed()
     cfg = OmegaConf.load(ROOT / "config" / "grpo.yaml").actor

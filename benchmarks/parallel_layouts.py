@@ -200,9 +200,9 @@ def worker(args) -> None:
     from omegaconf import OmegaConf
     from transformers import AutoConfig
 
+    from train.models.actor import Actor
     from train.parallel.distributed import cleanup, init_distributed
     from train.parallel.step_batch import dispatch, exchange_index
-    from train.workers.actor import Actor
 
     torch.set_num_threads(args.threads)
     ctx = init_distributed()
@@ -298,7 +298,7 @@ def checkpoint_timings(actor, ctx, out_dir: str) -> dict:
     asynchronous save and its time to completion, and the seconds to load it back."""
     import torch.distributed as dist
 
-    from train.utils.checkpoint import Checkpointer
+    from train.runtime.checkpoint import Checkpointer
 
     folder = os.path.join(out_dir, "ckpt") if ctx.is_main else None
     holder = [folder]

@@ -39,8 +39,8 @@ CASES = {  # name: (model folder, prompts, responses, prompt tokens, reply token
 
 
 def run_case(name: str, ctx, repeats: int) -> dict:
+    from train.models.actor import Actor
     from train.parallel.step_batch import dispatch, exchange_index
-    from train.workers.actor import Actor
 
     folder, prompts, responses, prompt_len, reply_len = CASES[name]
     path = REPO / folder

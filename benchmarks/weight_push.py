@@ -40,13 +40,13 @@ def worker(args) -> None:
     from omegaconf import OmegaConf
 
     from train.engines.hf import HFEngine
+    from train.models.actor import Actor
+    from train.models.lora import adapter_state
     from train.parallel.collectives import all_gather_flat
     from train.parallel.distributed import cleanup, init_distributed
-    from train.trainer.policy_sync import PolicySync
     from train.parallel.weight_sync import unique_state
     from train.parallel.weight_sync import gather_full_tensors
-    from train.workers.actor import Actor
-    from train.workers.lora import adapter_state
+    from train.trainer.policy_sync import PolicySync
 
     torch.set_num_threads(args.threads)
     ctx = init_distributed()

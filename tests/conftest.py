@@ -82,17 +82,34 @@ def stub_tokenizer():
     return AutoTokenizer.from_pretrained(STUB_MODEL)
 
 
-def stub_config(overrides=()):
-    """config/stub.yaml composed with Hydra, a save_dir set, plus `overrides` (paths relative to ROOT)."""
+def compose_config(overrides=(), name: str = "stub", save_dir: str | None = "/tmp/x"):
+    """config/<name>.yaml composed with Hydra as a run would, `trainer.save_dir` set to `save_dir`
+    (None: left as the preset has it), plus `overrides` (paths relative to ROOT)."""
     from hydra import compose, initialize_config_dir
 
+    preset = [] if save_dir is None else [f"trainer.save_dir={save_dir}"]
     with initialize_config_dir(config_dir=str(ROOT / "config"), version_base=None):
-        return compose(config_name="stub", overrides=["trainer.save_dir=/tmp/x", *overrides])
+        return compose(config_name=name, overrides=[*preset, *overrides])
 
 
 @pytest.fixture
 def in_repo_root(monkeypatch):
     monkeypatch.chdir(ROOT)  # config paths are relative to the repo root
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a service or a rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    """10 stub prompts: with 4 per step an epoch ends inside step 3 and again inside step 5."""
+    return stub_train_slice(tmp_path_factory.mktemp("data") / "train.jsonl", 10)
 
 
 STUB_HUB_ID = "stub-org/stub-chat"

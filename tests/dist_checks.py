@@ -17,13 +17,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from train.engines.base import SamplingParams  # noqa: E402
 from train.engines.hf import HFEngine  # noqa: E402
+from train.models.actor import Actor  # noqa: E402
+from train.models.critic import Critic  # noqa: E402
+from train.models.trainable import UpdateStats  # noqa: E402
 from train.parallel.distributed import cleanup, init_distributed  # noqa: E402
 from train.parallel.step_batch import StepBatch, assign, dispatch, exchange_index  # noqa: E402
 from train.parallel.weight_sync import gather_full_tensors  # noqa: E402
 from train.parallel.weight_sync import unique_state  # noqa: E402
-from train.workers.actor import Actor  # noqa: E402
-from train.workers.critic import Critic  # noqa: E402
-from train.workers.trainable import UpdateStats  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "stub", "model")
@@ -297,10 +297,10 @@ def lora_reference(args, ctx) -> None:
     """A LoRA actor's KL reference (its adapters off) against a separately built plain actor of the
     base model: the same log-probs; the adapted policy's differ. Then a real update and a push of the
     adapters alone: the engine (LoRA layers of its own) scores like the trainer."""
+    from train.models.actor import AdapterFreeReference
+    from train.models.lora import LoraSettings
     from train.trainer.policy_sync import PolicySync
     from train.trainer.sync_check import actor_logprobs
-    from train.workers.actor import AdapterFreeReference
-    from train.workers.lora import LoraSettings
 
     class Log:
         def event(self, *a, **k): ...
@@ -622,8 +622,8 @@ def load(args, ctx) -> None:
     `from_pretrained` in one process: every weight and buffer, and the logits / values of a forward."""
     from transformers import AutoModel, AutoModelForCausalLM
 
+    from train.models.value_model import ValueModel
     from train.parallel.packing import build_packed
-    from train.workers.base import ValueModel
 
     torch.manual_seed(0)
     actor = Actor(actor_cfg(**layout_overrides(args)), ctx, args.model, pad_token_id=0, train=True,
@@ -678,7 +678,7 @@ def load(args, ctx) -> None:
 def reshard(args, ctx) -> None:
     """Load a checkpoint saved under another layout or world size (`--ckpt`), save it again at once,
     and let the test compare the two."""
-    from train.utils.checkpoint import Checkpointer
+    from train.runtime.checkpoint import Checkpointer
 
     actor = Actor(actor_cfg(**layout_overrides(args)), ctx, args.model, pad_token_id=0, train=True,
                   temperature=1.0, total_updates=100)

@@ -13,11 +13,11 @@ from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from train.parallel.distributed import cleanup, init_distributed  # noqa: E402
+from train.models.actor import Actor  # noqa: E402
+from train.models.trainable import UpdateStats  # noqa: E402
 from train.parallel.collectives import barrier  # noqa: E402
+from train.parallel.distributed import cleanup, init_distributed  # noqa: E402
 from train.parallel.step_batch import dispatch, exchange_index  # noqa: E402
-from train.workers.actor import Actor  # noqa: E402
-from train.workers.trainable import UpdateStats  # noqa: E402
 
 
 def batch(n: int = 6, vocab: int = 300) -> tuple[list[list[int]], list[list[int]], list[float]]:

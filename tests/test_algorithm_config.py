@@ -1,51 +1,42 @@
 """The algorithm keys: presets compose and validate, bad values fail with the key and an example."""
 import pytest
-from hydra import compose, initialize_config_dir
 
-from conftest import ROOT
+from conftest import compose_config
 from train.trainer.config import ConfigError, resolve_aliases, validate
 
 PRESETS = ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo"]
 
-
-def load(overrides=(), name="stub"):
-    with initialize_config_dir(config_dir=str(ROOT / "config"), version_base=None):
-        return compose(config_name=name, overrides=["trainer.save_dir=/tmp/x", *overrides])
-
-
-@pytest.fixture(autouse=True)
-def _cwd(monkeypatch):
-    monkeypatch.chdir(ROOT)
+pytestmark = pytest.mark.usefixtures("in_repo_root")  # config paths are relative to the repo root
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_presets_compose_and_validate(preset):
-    cfg = load([f"algorithm={preset}"])
+    cfg = compose_config([f"algorithm={preset}"])
     validate(cfg, world_size=2)
     assert cfg.actor.lr == 1e-4  # the stub's settings survive the preset
 
 
 def test_presets_select_the_published_settings():
-    assert load(["algorithm=dapo"]).actor.clip_high == 0.28
-    assert load(["algorithm=dapo"]).rollout.dynamic_sampling
-    assert load(["algorithm=ppo"]).adv.estimator == "gae"
-    assert load(["algorithm=gspo"]).actor.loss == "gspo"
-    assert load(["algorithm=dr_grpo"]).adv.norm_var is False
-    assert load(["algorithm=rloo"]).adv.estimator == "rloo"
-    assert load(["algorithm=reinforce_pp"]).actor.kl.reward_estimator == "k1"
+    assert compose_config(["algorithm=dapo"]).actor.clip_high == 0.28
+    assert compose_config(["algorithm=dapo"]).rollout.dynamic_sampling
+    assert compose_config(["algorithm=ppo"]).adv.estimator == "gae"
+    assert compose_config(["algorithm=gspo"]).actor.loss == "gspo"
+    assert compose_config(["algorithm=dr_grpo"]).adv.norm_var is False
+    assert compose_config(["algorithm=rloo"]).adv.estimator == "rloo"
+    assert compose_config(["algorithm=reinforce_pp"]).actor.kl.reward_estimator == "k1"
     # the default stays the seed's GRPO
-    base = load()
+    base = compose_config()
     assert (base.adv.estimator, base.actor.loss, base.actor.agg_mode, base.actor.kl.coef) == \
         ("reinforce", "ppo", "all_token_mean", 0.0)
     # command-line keys win over a preset
-    assert load(["algorithm=dapo", "actor.clip_high=0.3"]).actor.clip_high == 0.3
+    assert compose_config(["algorithm=dapo", "actor.clip_high=0.3"]).actor.clip_high == 0.3
 
 
 def test_lambda_alias():
-    cfg = load(["adv.estimator=gae", "adv.lambda=0.9"])
+    cfg = compose_config(["adv.estimator=gae", "adv.lambda=0.9"])
     resolve_aliases(cfg)
     assert cfg.adv.lamda == 0.9
-    cfg = load(["adv.estimator=gae", "adv.lambda=0.9", "adv.lamda=0.8"])
+    cfg = compose_config(["adv.estimator=gae", "adv.lambda=0.9", "adv.lamda=0.8"])
     with pytest.raises(ConfigError, match="adv.lambda.*conflicts"):
         resolve_aliases(cfg)
 
@@ -73,7 +64,7 @@ def test_lambda_alias():
 ])
 def test_bad_algorithm_values(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        validate(load(overrides), world_size=2)
+        validate(compose_config(overrides), world_size=2)
 
 
 REGISTRY_KEYS = ["adv.estimator", "actor.loss", "actor.kl.type", "actor.kl.reward_estimator", "actor.agg_mode"]
@@ -91,7 +82,7 @@ def registry_of(key):
 @pytest.mark.parametrize("key", REGISTRY_KEYS)
 def test_the_choice_lists_are_the_registries_names(key):
     with pytest.raises(ConfigError) as e:
-        validate(load([f"{key}=nope"]), world_size=2)
+        validate(compose_config([f"{key}=nope"]), world_size=2)
     message = str(e.value)
     listed = message.split("expected one of ", 1)[1].split(";", 1)[0].split(", ")
     assert tuple(listed) == registry_of(key).names()
@@ -105,4 +96,4 @@ def test_a_registered_estimator_is_a_valid_choice_with_nothing_else_edited(scope
     def zero_advantage(x, s):
         return AdvantageResult(0.0 * x.mask)
 
-    validate(load(["adv.estimator=zero_advantage"]), world_size=2)
+    validate(compose_config(["adv.estimator=zero_advantage"]), world_size=2)

@@ -7,10 +7,10 @@ from collections import Counter
 
 import pytest
 
-from conftest import read_jsonl, run_trainer, stub_train_slice
+from conftest import read_jsonl, run_trainer
 from test_trainer import _flatten, assert_same, prompts_by_step
+from train.runtime.checkpoint import consolidate
 from train.trainer.prefetch import RolloutPrefetcher, RolloutTimeout, StepRollout, staleness
-from train.utils.checkpoint import consolidate
 
 ASYNC = ["rollout.max_staleness=1", "data.prompts_per_rollout=4", "data.responses_per_prompt=4",
          "rollout.dynamic_filtering=false", "trainer.test_freq=null", "trainer.log_samples=100"]
@@ -151,12 +151,6 @@ def test_the_prefetcher_hands_over_each_step_once_in_order():
 
 
 @pytest.fixture(scope="module")
-def small_data(tmp_path_factory):
-    """10 prompts: with 4 per step an epoch ends inside step 3 and again inside step 5."""
-    return stub_train_slice(tmp_path_factory.mktemp("data") / "train.jsonl", 10)
-
-
-@pytest.fixture(scope="module")
 def async_run(tmp_path_factory, small_data):
     """6 one-step-off steps on 2 ranks over 2.4 epochs, checkpoints at 3 and 6."""
     return run_async(tmp_path_factory.mktemp("async"), small_data, 6, "trainer.save_freq=3", nproc=2)
@@ -267,15 +261,15 @@ def test_a_resume_at_another_staleness_rolls_the_pending_prompts_out_again(two_o
 
 
 def test_bad_staleness_is_refused():
-    from conftest import stub_config
+    from conftest import compose_config
     from train.trainer.config import ConfigError, validate
 
     for bad in ("-1", "1.5", "true"):
         with pytest.raises(ConfigError, match="rollout.max_staleness.*integer >= 0"):
-            validate(stub_config([f"rollout.max_staleness={bad}"]))
-    validate(stub_config(["rollout.max_staleness=3"]))
+            validate(compose_config([f"rollout.max_staleness={bad}"]))
+    validate(compose_config(["rollout.max_staleness=3"]))
     with pytest.raises(ConfigError, match="dynamic_sampling"):
-        validate(stub_config(["rollout.max_staleness=2", "rollout.dynamic_sampling=true"]))
+        validate(compose_config(["rollout.max_staleness=2", "rollout.dynamic_sampling=true"]))
 
 
 def test_pending_rollouts_of_an_older_checkpoint_keep_their_shaped_rewards():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import ROOT, STUB_MODEL, read_jsonl, run_torchrun, run_trainer, tiny_model, trainer_env
-from train.utils.checkpoint import consolidate
+from train.runtime.checkpoint import consolidate
 
 SMALL = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",
          "trainer.test_freq=null", "trainer.log_samples=100"]
@@ -146,7 +146,7 @@ def test_sigkill_while_a_checkpoint_is_written_leaves_the_previous_one(fsdp2_run
         subprocess.run(["pkill", "-9", "-f", f"trainer.save_dir={run}"], check=False)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-    from train.utils.checkpoint import find_latest
+    from train.runtime.checkpoint import find_latest
 
     assert find_latest(str(run)) == str(run / "step2")
     assert (run / "step4.tmp").exists() and not (run / "step4").exists()
@@ -186,7 +186,7 @@ def test_streamed_export_in_shards_with_the_critic(tmp_path):
     torch.testing.assert_close(critic.score.weight, trained["value_head.weight"], rtol=0, atol=0)
     ids = torch.tensor([[1, 5, 9, 13, 2]])
     values = critic(input_ids=ids).logits[0, :, 0]
-    from train.workers.base import ValueModel
+    from train.models.value_model import ValueModel
     from transformers import AutoModel
 
     reference = ValueModel(AutoModel.from_pretrained(latest / "critic"))  # the backbone, then the trained head
@@ -195,7 +195,7 @@ def test_streamed_export_in_shards_with_the_critic(tmp_path):
         reference.value_head.bias.copy_(trained["value_head.bias"])
         torch.testing.assert_close(values, reference(ids, torch.ones_like(ids))[0], rtol=0, atol=1e-6)
     tok_ids = model.generate(torch.tensor([[1, 5, 9]]), max_new_tokens=6, do_sample=False)
-    from train.workers.model_init import build_model  # noqa: F401 - the trainer's own loading of the export
+    from train.models.model_init import build_model  # noqa: F401 - the trainer's own loading of the export
     assert tok_ids.shape[1] > 3
 
 

@@ -2,30 +2,21 @@
 import re
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from conftest import ROOT, run_trainer, stub_config
+from conftest import ROOT, compose_config, run_trainer
 from train.trainer.config import ConfigError, validate
 
-
-def load(overrides=(), name="stub"):
-    with initialize_config_dir(config_dir=str(ROOT / "config"), version_base=None):
-        return compose(config_name=name, overrides=list(overrides))
-
-
-@pytest.fixture(autouse=True)
-def _cwd(monkeypatch):
-    monkeypatch.chdir(ROOT)  # config paths are relative to the repo root
+pytestmark = pytest.mark.usefixtures("in_repo_root")  # config paths are relative to the repo root
 
 
 def test_stub_config_is_valid():
-    validate(load(["trainer.save_dir=/tmp/x"]), world_size=2)
+    validate(compose_config(), world_size=2)
 
 
 def test_the_smollm2_recipe_is_valid():
     """docs/training.md's real-model recipe: data, env and settings validate (the model folder is made
     by scripts/prepare_smollm2.py, so the stub stands in for it here)."""
-    cfg = load(["trainer.save_dir=/tmp/x", "actor.model_name=stub/model"], name="smollm2")
+    cfg = compose_config(["actor.model_name=stub/model"], name="smollm2")
     validate(cfg, world_size=1)
     assert cfg.rollout.env_path == "environments/last_number.py" and cfg.data.train_data_path.endswith("arith/train.jsonl")
 
@@ -33,14 +24,14 @@ def test_the_smollm2_recipe_is_valid():
 @pytest.mark.parametrize("key", ["data.train_data_path", "actor.model_name", "rollout.env_path",
                                  "data.prompts_per_rollout"])
 def test_missing_required_key_names_it_with_an_example(key):
-    cfg = load(["trainer.save_dir=/tmp/x", f"{key}=null"])
+    cfg = compose_config([f"{key}=null"])
     with pytest.raises(ConfigError, match=rf"'{key}': is required.*Example override: {key}="):
         validate(cfg)
 
 
 def test_base_config_lists_every_required_key():
     with pytest.raises(ConfigError, match="data.train_data_path"):
-        validate(load(name="grpo"))
+        validate(compose_config(name="grpo", save_dir=None))
 
 
 @pytest.mark.parametrize("override,pattern", [
@@ -52,7 +43,7 @@ def test_base_config_lists_every_required_key():
     ("actor.kl.type=k7", "actor.kl.type"),
 ])
 def test_bad_values(override, pattern):
-    cfg = load(["trainer.save_dir=/tmp/x", override])
+    cfg = compose_config([override])
     if pattern is None:
         validate(cfg, world_size=2)
     else:
@@ -61,7 +52,7 @@ def test_bad_values(override, pattern):
 
 
 def test_test_freq_needs_test_data():
-    cfg = load(["trainer.save_dir=/tmp/x", "data.test_data_path=null", "trainer.test_freq=5"])
+    cfg = compose_config(["data.test_data_path=null", "trainer.test_freq=5"])
     with pytest.raises(ConfigError, match="data.test_data_path.*trainer.test_freq=null"):
         validate(cfg)
 
@@ -97,7 +88,7 @@ def test_values_with_equals_are_quoted_for_hydra():
     assert quote_values_with_equals(["data.train_data_path=verifiers:train?limit=32", "a=b", "--config-name",
                                      "stub", "x='y=z'"]) == [
         "data.train_data_path='verifiers:train?limit=32'", "a=b", "--config-name", "stub", "x='y=z'"]
-    cfg = load(["trainer.save_dir=/tmp/x", *quote_values_with_equals(["data.train_data_path=verifiers:eval?limit=8"])])
+    cfg = compose_config([*quote_values_with_equals(["data.train_data_path=verifiers:eval?limit=8"])])
     assert cfg.data.train_data_path == "verifiers:eval?limit=8"
 
 
@@ -119,7 +110,7 @@ def test_values_with_equals_are_quoted_for_hydra():
     ("adv.estimator=reinforce_pp adv.batch_whiten=true", "adv.batch_whiten"),
 ])
 def test_sampling_and_advantage_keys(override, pattern):
-    cfg = load(["trainer.save_dir=/tmp/x", *override.split()])
+    cfg = compose_config([*override.split()])
     if pattern is None:
         validate(cfg)
     else:
@@ -130,19 +121,20 @@ def test_sampling_and_advantage_keys(override, pattern):
 def test_every_sampling_key_reaches_the_engine_and_sglang_takes_its_own():
     from train.trainer.config import sampling_params
 
-    cfg = load(["trainer.save_dir=/tmp/x", "rollout.train_sampling_params.min_p=0.05",
+    cfg = compose_config(["rollout.train_sampling_params.min_p=0.05",
                 "rollout.train_sampling_params.stop_token_ids=[5,6]", "rollout.train_sampling_params.seed=3",
                 "rollout.train_sampling_params.repetition_penalty=1.1", "rollout.train_sampling_params.ignore_eos=true"])
     sp = sampling_params(cfg, "rollout.train_sampling_params")
     assert (sp.min_p, sp.stop_token_ids, sp.seed, sp.repetition_penalty, sp.ignore_eos) == (0.05, (5, 6), 3, 1.1, True)
-    cfg = load(["trainer.save_dir=/tmp/x", "rollout.engine=sglang", "+rollout.train_sampling_params.regex='[0-9]+'"])
+    cfg = compose_config(["rollout.engine=sglang", "+rollout.train_sampling_params.regex='[0-9]+'"])
     assert sampling_params(cfg, "rollout.train_sampling_params").extra == (("regex", "[0-9]+"),)
 
 
 def test_save_dir_defaults_to_the_experiment_name():
-    cfg = load(["trainer.experiment_name=my-exp"], name="grpo")
+    cfg = compose_config(["trainer.experiment_name=my-exp"], name="grpo", save_dir=None)
     assert cfg.trainer.save_dir == "ckpts/my-exp"
-    assert load(["trainer.experiment_name=my-exp", "trainer.save_dir=runs/x"], name="grpo").trainer.save_dir == "runs/x"
+    explicit = compose_config(["trainer.experiment_name=my-exp"], name="grpo", save_dir="runs/x")
+    assert explicit.trainer.save_dir == "runs/x"
 
 
 def model_copy(tmp_path, name, **config_changes):
@@ -162,14 +154,14 @@ def model_copy(tmp_path, name, **config_changes):
 def test_rollout_model_name_defaults_and_must_match_the_actor(tmp_path):
     from train.trainer.config import resolve_aliases
 
-    cfg = load(["trainer.save_dir=/tmp/x", "actor.model_name=null", "rollout.model_name=stub/model"])
+    cfg = compose_config(["actor.model_name=null", "rollout.model_name=stub/model"])
     resolve_aliases(cfg)
     paths = validate(cfg)
     assert paths.actor == paths.rollout == paths.tokenizer == paths.rollout_tokenizer == "stub/model"
     same = model_copy(tmp_path, "same")  # another folder with the same architecture: accepted
-    assert validate(load(["trainer.save_dir=/tmp/x", f"rollout.model_name={same}"])).rollout == str(same)
+    assert validate(compose_config([f"rollout.model_name={same}"])).rollout == str(same)
     other = model_copy(tmp_path, "other", vocab_size=640, num_hidden_layers=2)
-    cfg = load(["trainer.save_dir=/tmp/x", f"rollout.model_name={other}"])
+    cfg = compose_config([f"rollout.model_name={other}"])
     with pytest.raises(ConfigError, match=r"'rollout.model_name': .*vocab_size: 640 vs the actor's 512.*"
                                           r"num_hidden_layers: 2 vs the actor's 4.*share architecture and vocabulary"):
         validate(cfg)
@@ -185,8 +177,8 @@ def test_rollout_tokenizer_must_share_the_vocabulary(tmp_path):
     vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: same tokens, other ids
     (tok / "tokenizer.json").write_text(json.dumps(data))
     with pytest.raises(ConfigError, match="'rollout.tokenizer_name': .*different vocabularies"):
-        validate(load(["trainer.save_dir=/tmp/x", f"rollout.tokenizer_name={tok}"]))
-    assert validate(load(["trainer.save_dir=/tmp/x", f"rollout.tokenizer_name={ROOT / 'stub/model'}"]))
+        validate(compose_config([f"rollout.tokenizer_name={tok}"]))
+    assert validate(compose_config([f"rollout.tokenizer_name={ROOT / 'stub/model'}"]))
 
 
 def test_cli_unknown_sampling_key_is_one_line(tmp_path):
@@ -306,4 +298,4 @@ def test_the_new_data_and_rollout_keys_are_checked():
     for override, key in [("data.overlong_prompts=drop", "data.overlong_prompts"),
                           ("data.check_rows=0", "data.check_rows"), ("rollout.max_env_chars=0", "rollout.max_env_chars")]:
         with pytest.raises(ConfigError, match=rf"config key '{re.escape(key)}'"):
-            validate(stub_config([override]))
+            validate(compose_config([override]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import shlex
 
-from conftest import stub_config
+from conftest import compose_config
 from test_docs import Command, commands, fenced_blocks
 from train.datasets.contamination import check_contamination
 from train.datasets.mixture import load_sources
@@ -18,7 +18,7 @@ def documented_mixture() -> tuple[list[dict], list[dict]]:
             for c in commands("docs/data.md", lines) if isinstance(c, Command)]
     [mixture] = [c for c in runs if any(w.startswith("data.test_data_path={") for w in c.words)]
     overrides = [w for w in mixture.words if w.startswith(("data.", "rollout."))]
-    train_sources, test_sources = data_sources(stub_config(overrides))
+    train_sources, test_sources = data_sources(compose_config(overrides))
     return load_sources(train_sources), load_sources(test_sources)
 
 

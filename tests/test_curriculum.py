@@ -10,7 +10,7 @@ from train.datasets.contamination import check_contamination
 from train.datasets.curriculum import Curriculum, CurriculumConfig, PromptStats, prompt_id, unit_draw
 from train.datasets.dataloader import build_dataloader
 from train.datasets.loading import load_rows
-from train.utils.checkpoint import consolidate
+from train.runtime.checkpoint import consolidate
 
 
 def rows(n: int) -> list[dict]:
@@ -134,7 +134,7 @@ def test_curriculum_skips_and_resumes_exactly(tiny_data, tmp_path):
 
 
 def test_curriculum_config_errors():
-    from conftest import stub_config
+    from conftest import compose_config
     from train.trainer.config import ConfigError, validate
 
     for overrides, key in [(["data.curriculum.policy=hardest"], "data.curriculum.policy"),
@@ -143,7 +143,7 @@ def test_curriculum_config_errors():
                            (["data.curriculum.floor=0"], "data.curriculum.floor"),
                            (["data.curriculum.policy=prioritized", "rollout.max_staleness=1"], "data.curriculum.policy")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            validate(stub_config(overrides))
+            validate(compose_config(overrides))
 
 
 def test_a_contaminated_test_set_warns_or_stops_the_run(tiny_data, tmp_path):

@@ -17,10 +17,10 @@ import torch
 
 from conftest import ROOT, can_mount_in_a_namespace, read_jsonl, run_trainer, stub_train_slice, trainer_env
 from train.parallel.distributed import DistContext
-from train.utils import run_folder
-from train.utils.checkpoint import lora_mismatch
+from train.runtime import run_folder
+from train.runtime.checkpoint import lora_mismatch
+from train.runtime.run_folder import RunFolderError, claim
 from train.utils.disk import UnwritableError, explain_disk_full, is_under, unwritable_line
-from train.utils.run_folder import RunFolderError, claim
 
 SMALL = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "trainer.test_freq=null",
          "trainer.progress_bar=false"]

@@ -134,7 +134,7 @@ def test_sigterm_saves_at_the_step_boundary_and_resumes_exactly(tmp_path):
     """SIGTERM to the agent mid-run (what a scheduler's preemption sends): the ranks finish the
     step, save it, log how to resume and exit without a traceback of their own; resuming from
     `latest` ends bit for bit where an uninterrupted run does."""
-    from train.utils.checkpoint import consolidate
+    from train.runtime.checkpoint import consolidate
     from test_trainer import assert_same
 
     steps = ["trainer.total_steps=6", "trainer.save_freq=6", *SMALL]
@@ -206,7 +206,7 @@ def test_a_live_run_locks_its_folder_and_a_resume_repeats_no_step(tmp_path):
         live.kill()
         live.wait()
     time.sleep(1.0)  # the ranks die with their agent (SIGKILL from the kernel)
-    from train.utils.checkpoint import find_latest
+    from train.runtime.checkpoint import find_latest
 
     saved = int(os.path.basename(find_latest(str(run)))[4:])
     logged = max(m["step"] for m in read_jsonl(run / "metrics.jsonl"))
@@ -224,7 +224,7 @@ def test_a_live_run_locks_its_folder_and_a_resume_repeats_no_step(tmp_path):
 def test_the_export_is_replaced_in_one_atomic_step(tmp_path, monkeypatch):
     """`latest/` is swapped with its new version in one renameat2(RENAME_EXCHANGE): no moment (and no
     crash) leaves only `latest.old` and `latest.tmp` behind, as the two-rename version could."""
-    from train.utils import checkpoint
+    from train.runtime import checkpoint
 
     final, tmp = tmp_path / "latest", tmp_path / "latest.tmp"
     final.mkdir()
@@ -288,13 +288,13 @@ def test_a_huge_learning_rate_is_reported_or_rolled_back(tmp_path, governor):
 
 
 def test_a_group_of_one_with_a_group_baseline_is_flagged():
-    from conftest import stub_config
+    from conftest import compose_config
     from train.trainer.config import useless_settings
 
-    assert useless_settings(stub_config()) == []
-    [warning] = useless_settings(stub_config(["data.responses_per_prompt=1"]))
+    assert useless_settings(compose_config()) == []
+    [warning] = useless_settings(compose_config(["data.responses_per_prompt=1"]))
     assert "data.responses_per_prompt=1 with adv.estimator=reinforce" in warning
-    assert useless_settings(stub_config(["data.responses_per_prompt=1", "adv.global_norm=true"])) == []
+    assert useless_settings(compose_config(["data.responses_per_prompt=1", "adv.global_norm=true"])) == []
 
 
 BLOCKING_ENV = """
@@ -325,7 +325,7 @@ def test_the_watchdog_names_a_hung_phase_and_the_blocking_env(tmp_path):
 
 
 def test_watchdog_limits_follow_each_phase_history():
-    from train.utils.watchdog import Watchdog
+    from train.runtime.watchdog import Watchdog
 
     dog = Watchdog(None, 10.0, 0, ".")  # min_s None: only phases with a fixed limit are judged
     assert dog.limit("update") == float("inf") and dog.limit("weight push", 600.0) == 600.0

@@ -43,7 +43,7 @@ def test_a_large_relative_weight_change_panics_from_the_first_step():
 
 def test_weight_norm_counts_each_shard_once():
     """Trainable.local_weight_square (what the actor's update reduces) on one rank against a float64 norm."""
-    from train.workers.trainable import Trainable
+    from train.models.trainable import Trainable
 
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
     holder = SimpleNamespace(model=model, device=torch.device("cpu"))
@@ -125,7 +125,7 @@ def test_snapshot_restores_weights_optimizer_moments_and_scheduler():
 def test_a_non_finite_gradient_norm_skips_the_optimizer_step():
     """The step every update runs (Trainable.optimizer_step -> clip_and_step): with a NaN gradient
     the weights and Adam's state stay as they were, the gradients are cleared and the schedule moves on."""
-    from train.workers.base import build_optimizer, build_scheduler, clip_and_step
+    from train.models.optim import build_optimizer, build_scheduler, clip_and_step
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)

@@ -9,11 +9,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import STUB_MODEL, stub_config
+from conftest import STUB_MODEL, compose_config
 from train.engines.base import SamplingParams
 from train.engines.hf import HFEngine, resolve_dtype, same_storage
 from train.engines import engine_kwargs
 from train.trainer.config import ConfigError, validate
+
 
 def CUDA(test):
     """A test that needs a CUDA GPU: marked `gpu` (benchmarks/gpu_suite.py runs them) and skipped without one."""
@@ -21,22 +22,17 @@ def CUDA(test):
     return pytest.mark.gpu(skip(test))
 
 
-load = stub_config
-
-
-@pytest.fixture(autouse=True)
-def _cwd(in_repo_root):
-    pass
+pytestmark = pytest.mark.usefixtures("in_repo_root")  # config paths are relative to the repo root
 
 
 def test_defaults_are_valid_and_give_engine_arguments():
-    cfg = load()
+    cfg = compose_config()
     validate(cfg, world_size=2)
     ctx = SimpleNamespace(rank=1, world_size=2, local_rank=1, local_world_size=2, device=torch.device("cpu"))
     hf = engine_kwargs(cfg.rollout, ctx, model_path="m", tokenizer="tok", seed=42)
     assert hf == {"path": "m", "tokenizer": "tok", "device": torch.device("cpu"), "dtype": None,
                   "max_batch_size": cfg.rollout.max_batch_size, "static_cache": None, "seed": 43, "lora": None}
-    cfg = load(["rollout.engine=sglang", "rollout.tp_size=2", "rollout.gpu_memory_utilization=0.6",
+    cfg = compose_config(["rollout.engine=sglang", "rollout.tp_size=2", "rollout.gpu_memory_utilization=0.6",
                 "rollout.bucket_size_mb=256", "+rollout.sglang_kwargs.context_length=4096"])
     validate(cfg, world_size=2)
     sg = engine_kwargs(cfg.rollout, ctx, model_path="m", tokenizer="tok", seed=42)
@@ -62,7 +58,7 @@ def test_defaults_are_valid_and_give_engine_arguments():
 ])
 def test_bad_gpu_keys_fail_with_the_key_name(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        validate(load(overrides), world_size=2)
+        validate(compose_config(overrides), world_size=2)
 
 
 def test_resolve_dtype_and_same_storage():

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, read_jsonl, trainer_env
+from conftest import ROOT, free_port, read_jsonl, trainer_env
 
 # A rank without the trainer: it says it is ready, waits (bounded) for SIGTERM / SIGINT, then does what
 # FAKE_RANK_MODE says. Seconds per launch instead of a model load.
 FAKE_RANK = """
 import os, signal, sys, time
-from train.utils.lifecycle import tell_launcher
+from train.runtime.lifecycle import tell_launcher
 
 mode, got = os.environ["FAKE_RANK_MODE"], []
 for sig in (signal.SIGTERM, signal.SIGINT):
@@ -125,11 +125,7 @@ def test_ranks_that_do_not_stop_are_killed_after_the_shutdown_timeout(tmp_path):
 
 def test_a_stop_before_any_rank_started_exits_143_without_a_traceback(tmp_path):
     """SIGTERM while the agent waits in the rendezvous for a second node: nothing to save, no traceback."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = tmp_path / "rank.py"
     script.write_text("raise SystemExit(9)  # never started: the second node does not come\n")
     proc = subprocess.Popen([sys.executable, "-m", "train.launch", "--nnodes=2", "--nproc_per_node=1",
@@ -137,6 +133,8 @@ def test_a_stop_before_any_rank_started_exits_143_without_a_traceback(tmp_path):
                             env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def listening() -> bool:  # the agent hosts the rendezvous store: it is waiting there
+        import socket
+
         with socket.socket() as s:
             return s.connect_ex(("127.0.0.1", port)) == 0
 
@@ -181,8 +179,8 @@ def test_a_preempted_trainer_exits_143_and_resumes_from_the_saved_step(tmp_path)
 
 def test_the_pre_flight_check_refuses_a_folder_that_holds_a_run_as_the_trainer_does(tmp_path):
     """launch_grpo.sh's check passed such a folder and torchrun failed 9 s later; now the check
-    stops it with the trainer's own line (train/utils/run_folder.py), and a resume passes."""
-    from train.utils.run_folder import RunFolderError, replaces_a_run
+    stops it with the trainer's own line (train/runtime/run_folder.py), and a resume passes."""
+    from train.runtime.run_folder import RunFolderError, replaces_a_run
 
     run = tmp_path / "run"
     run.mkdir()

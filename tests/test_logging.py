@@ -4,7 +4,7 @@ import json
 
 from omegaconf import OmegaConf
 
-from train.utils.logging import RunLogger
+from train.runtime.logging import RunLogger
 
 
 def cfg(save_dir, wandb=False, bar=True):

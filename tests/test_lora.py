@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, STUB_MODEL, read_jsonl, run_trainer, stub_config
+from conftest import STUB_MODEL, compose_config, read_jsonl, run_trainer
 from test_distributed import assert_same_update, launch
 from test_trainer import assert_same
+from train.models.lora import LoraSettings, LoraTargetError, apply_lora, is_adapter
+from train.runtime.checkpoint import consolidate
 from train.trainer.config import ConfigError, validate
-from train.utils.checkpoint import consolidate
-from train.workers.lora import LoraSettings, LoraTargetError, apply_lora, is_adapter
 
 LORA = ("--lora", "4")
 LAYOUTS = {  # (processes, flags); on 2 ranks the groups' prompts are laid out once (actor.share_prompt)
@@ -147,7 +147,7 @@ def test_a_lora_run_resumes_exactly_and_both_exports_generate_the_trainers_token
 ])
 def test_bad_lora_settings_name_their_key(override, key):
     with pytest.raises(ConfigError, match=key):
-        validate(stub_config(override), world_size=2)
+        validate(compose_config(override), world_size=2)
 
 
 def test_unknown_or_unsupported_targets_are_refused_naming_the_key():

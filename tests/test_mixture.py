@@ -5,14 +5,14 @@ from collections import Counter
 
 import pytest
 
-from conftest import ROOT, read_jsonl, run_trainer, stub_config
+from conftest import ROOT, compose_config, read_jsonl, run_trainer
 from test_trainer import assert_same
 from train.datasets.contamination import check_contamination
 from train.datasets.dataloader import build_dataloader
 from train.datasets.errors import DataError
 from train.datasets.mixture import MixtureError, Source, check_routes, load_sources, mixture_shares, parse_sources
+from train.runtime.checkpoint import consolidate
 from train.trainer.config import ConfigError, validate
-from train.utils.checkpoint import consolidate
 
 STUB_DATA = ROOT / "stub" / "data"
 
@@ -102,7 +102,7 @@ def test_a_mixtures_config_errors_name_the_key(tmp_path):
          r"data\.train_data_path\.math\.weight"),
     ]:
         with pytest.raises(ConfigError, match=key):
-            validate(stub_config(overrides))
+            validate(compose_config(overrides))
 
 
 def weighted_loader(rank=0, world_size=1, shuffle=True):
@@ -247,7 +247,7 @@ def test_shared_instructions_are_not_contamination_but_a_leaked_item_is():
 
 
 def test_per_source_curves_are_drawn_with_their_total(tmp_path):
-    from train.utils.logging import test_line
+    from train.runtime.logging import test_line
     from train.utils.plot import _parts, plot_metrics, read_metrics
 
     rows = [{"step": s, "rewards/train": 0.1 * s, "rewards/train/math": 0.2 * s, "rewards/train/code": 0.0,

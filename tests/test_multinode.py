@@ -3,16 +3,9 @@ form one 4-rank job through launch_grpo.sh and train end to end, tensor parallel
 "node" and FSDP across them."""
 import json
 import os
-import socket
 import subprocess
 
-from conftest import ROOT, read_jsonl
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import ROOT, free_port, read_jsonl
 
 
 def launch_two_nodes(save, nproc: int, overrides: list[str]) -> list[str]:

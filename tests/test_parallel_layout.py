@@ -3,7 +3,7 @@ be laid out on the world or on the model (before any model loads)."""
 import pytest
 from transformers import LlamaConfig
 
-from conftest import stub_config
+from conftest import compose_config
 from train.trainer.config import ConfigError, role_config, validate
 from train.parallel.layout import LayoutError, Sizes, check_model_fits, layout_sizes
 
@@ -42,12 +42,7 @@ def test_model_must_split_over_tp_and_sp():
         check_model_fits(layout_sizes(2, tp=2), llama(heads=8, kv=2, vocab=50001))
 
 
-load = stub_config
-
-
-@pytest.fixture(autouse=True)
-def _cwd(in_repo_root):
-    pass
+pytestmark = pytest.mark.usefixtures("in_repo_root")  # config paths are relative to the repo root
 
 
 @pytest.mark.parametrize("overrides,world,pattern", [
@@ -60,11 +55,11 @@ def _cwd(in_repo_root):
 ])
 def test_config_checks_each_models_layout(overrides, world, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        validate(load(overrides), world_size=world)
+        validate(compose_config(overrides), world_size=world)
 
 
 def test_valid_layouts_pass_and_the_reference_mirrors_the_actor():
-    cfg = load(["actor.tp_size=2", "actor.sp_size=2", "actor.kl.coef=0.1", "ref_actor.sp_size=1"])
+    cfg = compose_config(["actor.tp_size=2", "actor.sp_size=2", "actor.kl.coef=0.1", "ref_actor.sp_size=1"])
     validate(cfg, world_size=4)
     ref = role_config(cfg, "ref_actor")
     assert (ref.tp_size, ref.sp_size) == (2, 1)  # tp from the actor, sp overridden

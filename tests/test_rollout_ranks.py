@@ -8,16 +8,15 @@ step; a stuck or stopped rollout rank ends the run with one line naming both ran
 the rollout rank was in (or that it stopped answering) and the timeout; config mistakes are refused."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, read_jsonl, run_trainer, stub_config, stub_train_slice, trainer_env
+from conftest import ROOT, compose_config, free_port, read_jsonl, run_trainer, trainer_env
 from test_async import metrics_by_step
 from test_trainer import assert_same, prompts_by_step
-from train.utils.checkpoint import consolidate
+from train.runtime.checkpoint import consolidate
 
 SMALL = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",
          "trainer.test_freq=2", "trainer.log_samples=100", "trainer.num_threads=1"]
@@ -27,12 +26,6 @@ def run(save, data, steps: int, *overrides: str, nproc: int = 1):
     run_trainer([f"trainer.save_dir={save}", f"data.train_data_path={data}", f"trainer.total_steps={steps}",
                  *SMALL, *overrides], nproc=nproc)
     return save
-
-
-@pytest.fixture(scope="module")
-def small_data(tmp_path_factory):
-    """10 prompts: with 4 per step an epoch ends inside step 3 and again inside step 5."""
-    return stub_train_slice(tmp_path_factory.mktemp("data") / "train.jsonl", 10)
 
 
 def test_one_trainer_and_one_rollout_rank_train_as_one_rank_with_its_own_engine(small_data, tmp_path):
@@ -145,10 +138,7 @@ def test_a_stopped_rollout_rank_is_named_as_stopped_answering():
     """A SIGSTOPped rollout rank publishes no status: trainer rank 0's weight broadcast times out
     saying it stopped answering and what it last said it was doing; a later send on the failed bridge
     repeats that cause (not gloo's raw "Application timeout caused pair closure")."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**trainer_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    env = {**trainer_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     ranks = [subprocess.Popen([sys.executable, "-c", STOPPED_RANK], cwd=ROOT, env={**env, "RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
@@ -173,17 +163,17 @@ def test_a_stopped_rollout_rank_is_named_as_stopped_answering():
 def test_bad_rollout_ranks_are_refused():
     from train.trainer.config import ConfigError, rollout_ranks
 
-    assert rollout_ranks(stub_config([]), 1) == 0
-    assert rollout_ranks(stub_config(["rollout.ranks=2"]), 4) == 2
+    assert rollout_ranks(compose_config([]), 1) == 0
+    assert rollout_ranks(compose_config(["rollout.ranks=2"]), 4) == 2
     for bad in ("-1", "1.5", "true"):
         with pytest.raises(ConfigError, match="rollout.ranks.*integer >= 0"):
-            rollout_ranks(stub_config([f"rollout.ranks={bad}"]), 2)
+            rollout_ranks(compose_config([f"rollout.ranks={bad}"]), 2)
     with pytest.raises(ConfigError, match="need at least as many trainer ranks.*--nproc_per_node=4"):
-        rollout_ranks(stub_config(["rollout.ranks=2"]), 3)
+        rollout_ranks(compose_config(["rollout.ranks=2"]), 3)
     with pytest.raises(ConfigError, match="hf engine only"):
-        rollout_ranks(stub_config(["rollout.ranks=1", "rollout.engine=sglang"]), 2)
+        rollout_ranks(compose_config(["rollout.ranks=1", "rollout.engine=sglang"]), 2)
     with pytest.raises(ConfigError, match="LoRA"):
-        rollout_ranks(stub_config(["rollout.ranks=1", "actor.lora.rank=4"]), 2)
+        rollout_ranks(compose_config(["rollout.ranks=1", "actor.lora.rank=4"]), 2)
     # the pre-flight check (launch_grpo.sh) validates for the trainer ranks: 3 prompts fit 1 trainer rank
     from train.trainer.config import check
 

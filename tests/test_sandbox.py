@@ -10,20 +10,13 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, free_port
 SECRET = "s3cr3t-token-that-must-not-leak"
 MAX_CONCURRENCY = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_service(max_concurrency: int = MAX_CONCURRENCY, extra_env: dict | None = None,

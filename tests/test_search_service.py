@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,19 +15,13 @@ from typing import Iterator
 import httpx
 import pytest
 
+from conftest import ROOT, free_port
 from train.workers.environment import load_env_module
 
-ROOT = Path(__file__).resolve().parents[1]
 SEARCH_DATA = ROOT / "stub" / "data" / "search"
 
 
 # ----------------------------------------------------------- helpers (other test files import these)
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @contextlib.contextmanager
 def running(cmd: list[str], health_url: str, log_path: Path, timeout: float = 180.0,

@@ -32,7 +32,6 @@ from fake_sglang import EOS, RecordingFakeSGLangEngine, expected_tokens, fake_bi
 from dataclasses import asdict
 
 from train.engines.base import SamplingParams, sampling_from_mapping
-from train.workers.lora import LoraSettings
 from train.engines.sglang import (
     ALL_TAGS,
     SGLANG_SAMPLING_KEYS,
@@ -45,6 +44,7 @@ from train.engines.sglang import (
     to_generation,
     to_sglang_sampling,
 )
+from train.models.lora import LoraSettings
 
 CACHE = ROOT / ".cache" / "sglang"
 

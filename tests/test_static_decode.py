@@ -183,9 +183,9 @@ def test_a_batch_larger_than_the_memory_limit_is_decoded_in_parts() -> None:
 
 
 def test_static_decoding_of_a_lora_engine_matches_the_dynamic_path() -> None:
-    """The engine of a LoRA run holds peft layers (train/workers/lora.py); with nonzero adapters the
+    """The engine of a LoRA run holds peft layers (train/models/lora.py); with nonzero adapters the
     static path samples what the dynamic one does."""
-    from train.workers.lora import LoraSettings, apply_lora
+    from train.models.lora import LoraSettings, apply_lora
 
     model = llama()
     apply_lora(model, LoraSettings(rank=4, alpha=8.0))

@@ -86,8 +86,8 @@ import sys, time
 sys.path.insert(0, {root!r})
 from transformers import AutoModelForCausalLM
 from train.engines.hf import HFEngine
+from train.runtime.watchdog import Watchdog
 from train.trainer.policy_sync import PolicySync
-from train.utils.watchdog import Watchdog
 
 model = AutoModelForCausalLM.from_pretrained({model!r})
 engine = HFEngine.from_pretrained({model!r}, seed=0)

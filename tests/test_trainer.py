@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import STUB_MATH, read_jsonl, run_trainer
-from train.utils.checkpoint import consolidate
+from train.runtime.checkpoint import consolidate
 
 SMALL = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",
          "trainer.test_freq=null", "trainer.log_samples=100"]
@@ -110,7 +110,7 @@ def _flatten(obj, prefix=""):
 
 
 def test_latest_resumes_and_atomic_checkpoints(tmp_path):
-    from train.utils.checkpoint import find_latest
+    from train.runtime.checkpoint import find_latest
 
     (tmp_path / "step6.tmp").mkdir()  # a crash mid-save leaves only a .tmp folder
     (tmp_path / "step5").mkdir()  # no COMPLETE marker: ignored

@@ -9,7 +9,7 @@ last and the exit code is the rank's (2: a mistake to fix, 4: a runtime failure)
 keeps torchrun's full report.
 
 Preemption: SIGTERM (a scheduler, `kill`) or SIGINT (Ctrl-C) to this process is passed on to the
-ranks, which finish the step, save it and exit 0 (train/utils/lifecycle.py); then this process
+ranks, which finish the step, save it and exit 0 (train/runtime/lifecycle.py); then this process
 exits 128 + the signal's number, 143 or 130, with no traceback. That is the code a shell gives a
 process ended by the signal: "stopped, run it again with trainer.load_ckpt_from=latest", which
 SLURM recipes and Kubernetes' `restartPolicy: ExitCode` treat as retryable, and never 0 (the run
@@ -32,7 +32,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-from train.utils.lifecycle import STOP_FILE
+from train.runtime.lifecycle import STOP_FILE
 from train.utils.torchrun_errors import recorded_line
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # the ranks' requested stop (lifecycle.StopRequest)

@@ -1,7 +1,10 @@
 """Rollout engines behind one interface (`train.engines.base.RolloutEngine`).
 
-`make_engine("hf", ...)` works everywhere. `make_engine("sglang", ...)` imports
-`train.engines.sglang` only when asked for, so this package imports without SGLang installed.
+The trainer and the rollout ranks call `build_engine(cfg.rollout, ctx, model_path=..., tokenizer=...,
+seed=...)`: the engine the `rollout:` section names, with its keyword arguments from that section
+(`engine_kwargs`). Underneath, `make_engine(name, ...)` builds one by name: `"hf"` works everywhere;
+`"sglang"` imports `train.engines.sglang` only when asked for, so this package imports without
+SGLang installed.
 """
 from __future__ import annotations
 

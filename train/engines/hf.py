@@ -171,12 +171,12 @@ class HFEngine:
     ) -> "HFEngine":
         """Load a local checkpoint directory, or a peft LoRA adapter folder (its base model, named in
         adapter_config.json, with the adapter merged in). `dtype` None means bfloat16 on CUDA,
-        float32 elsewhere. `lora` (train/workers/lora.py): LoRA layers as the trainer's actor has them,
+        float32 elsewhere. `lora` (train/models/lora.py): LoRA layers as the trainer's actor has them,
         B = 0 until the first push, which then sends adapters only. `kw` goes to the constructor;
         `eos_token_ids` defaults to the generation config's EOS ids, else the tokenizer's."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from train.workers.lora import apply_lora, base_model_of
+        from train.models.lora import apply_lora, base_model_of
 
         base = base_model_of(path)
         if base is not None:  # an adapter folder (train.serve can serve latest/adapter)

@@ -657,7 +657,7 @@ class SGLangEngine:
 
     def _push_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """LoRA: the adapters (a few MB) as one new named adapter; see the module docstring."""
-        from train.workers.lora import peft_key
+        from train.models.lora import peft_key
 
         start = time.perf_counter()
         tensors = {peft_key(name): tensor for name, tensor in self._prepared(named_tensors)}

@@ -30,6 +30,7 @@ from train.engines import ENGINE_NAMES, engine_sampling_keys
 from train.engines.base import SamplingError, SamplingParams, sampling_from_mapping
 from train.trainer.data_check import OVERLONG_CHOICES, check_data, context_length
 from train.utils import hub
+from train.workers.env_routing import env_paths
 
 
 class ConfigError(ValueError):
@@ -274,7 +275,7 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     _validate_lora(cfg)
     load = cfg.trainer.load_ckpt_from
     if load is not None and load != "latest":
-        from train.utils.checkpoint import CheckpointError, read_meta
+        from train.runtime.checkpoint import CheckpointError, read_meta
 
         try:
             read_meta(load)
@@ -303,11 +304,6 @@ def data_sources(cfg: DictConfig) -> tuple[list[Source], list[Source]]:
     except MixtureError as e:
         raise ConfigError(str(e)) from None
     return train, test
-
-
-def env_paths(cfg: DictConfig) -> str | dict[str, str]:
-    """`rollout.env_path`: one path, or source -> path."""
-    return _plain(cfg.rollout.env_path)
 
 
 def _plain(value):
@@ -533,7 +529,7 @@ def _validate_parallel(cfg: DictConfig, world_size: int, paths: ModelPaths) -> N
 
 
 def _validate_lora(cfg: DictConfig) -> None:
-    """actor.lora.* and critic.lora.* (train/workers/lora.py); LoRA under tensor parallelism is
+    """actor.lora.* and critic.lora.* (train/models/lora.py); LoRA under tensor parallelism is
     refused here rather than run with a wrong plan."""
     for role in ("actor", "critic"):
         if role == "critic" and cfg.adv.estimator != "gae":
@@ -640,9 +636,9 @@ def check(config_name: str, overrides: Sequence[str], world_size: int) -> tuple[
 
 def check_run_folder(cfg: DictConfig) -> None:
     """A trainer.save_dir that already holds a run is refused here as rank 0 would refuse it at start
-    (train/utils/run_folder.py, the same rule and line), not inside torchrun seconds later. The lock
+    (train/runtime/run_folder.py, the same rule and line), not inside torchrun seconds later. The lock
     (a live run) is not checked: on several nodes it is the run's own rank 0 that holds it."""
-    from train.utils.run_folder import RunFolderError, replaces_a_run
+    from train.runtime.run_folder import RunFolderError, replaces_a_run
 
     try:
         replaces_a_run(cfg.trainer.save_dir, cfg.trainer.load_ckpt_from, cfg.trainer.overwrite)

@@ -25,7 +25,7 @@ from typing import NoReturn
 os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
 
 if __name__ == "__main__":  # a rank started by torchrun dies with its agent, from the first moment on
-    from train.utils.lifecycle import die_with_parent
+    from train.runtime.lifecycle import die_with_parent
 
     die_with_parent()
 
@@ -42,15 +42,25 @@ from train.datasets.loading import DataError
 from train.datasets.mixture import load_sources, mixture_shares, source_names
 from train.datasets.tokenize import TokenizationError, encode
 from train.engines import build_engine
+from train.models.actor import Actor, AdapterFreeReference
+from train.models.critic import Critic
+from train.models.lora import LoraTargetError
+from train.models.model_init import ModelWeightsError
 from train.parallel.collectives import broadcast_from_main
 from train.parallel.distributed import DistContext, cleanup, init_distributed, set_cpu_threads
 from train.parallel.layout import Layout, layout_for
 from train.parallel.rollout_bridge import BridgeError
 from train.parallel.step_batch import BatchIndex, StepBatch, dispatch, exchange_index, transfer
+from train.runtime import checkpoint as ckpt
+from train.runtime.export import GB, export_hf
+from train.runtime.lifecycle import StopRequest
+from train.runtime.logging import RunLogger, test_line
+from train.runtime.run_folder import RunFolderError, claim
+from train.runtime.watchdog import Watchdog
 from train.trainer.advantages import compute_advantages
-from train.trainer.config import (ConfigError, collective_timeout_s, data_sources, env_paths,
-                                  quote_values_with_equals, resolve_aliases, role_config, rollout_ranks,
-                                  sampling_params, useless_settings, validate)
+from train.trainer.config import (ConfigError, collective_timeout_s, data_sources, quote_values_with_equals,
+                                  resolve_aliases, role_config, rollout_ranks, sampling_params, useless_settings,
+                                  validate)
 from train.trainer.data_check import PromptOverflowLog, check_data, context_length
 from train.trainer.evaluation import Evaluator
 from train.trainer.governor import Governor
@@ -60,21 +70,11 @@ from train.trainer.report import RunReport
 from train.trainer.rollouts import rollout_source
 from train.trainer.step import RunningMoments
 from train.trainer.sync_check import PROBE_TEXT, SyncProbe, WeightSyncError, probe_tolerance
-from train.utils import checkpoint as ckpt
 from train.utils import hub
 from train.utils.disk import UNWRITABLE_ERRNOS, StorageError, is_under, unwritable_line
-from train.utils.export import GB, export_hf
-from train.utils.lifecycle import StopRequest
-from train.utils.logging import RunLogger, test_line
-from train.utils.run_folder import RunFolderError, claim
 from train.utils.torchrun_errors import record_for_torchrun
-from train.utils.watchdog import Watchdog
-from train.workers.actor import Actor, AdapterFreeReference
-from train.workers.critic import Critic
-from train.workers.env_routing import EnvRouter
+from train.workers.env_routing import EnvRouter, env_paths
 from train.workers.environment import EnvLoadError
-from train.workers.lora import LoraTargetError
-from train.workers.model_init import CheckpointError
 from train.workers.remote_rollout import RemoteEngine, RemoteRollout
 from train.workers.rollout import RolloutWorker, Sample
 from train.workers.rollout_server import serve
@@ -312,7 +312,7 @@ class Trainer:
             seed_everything(self.cfg.trainer.seed + 7919 * self.start_step, self.ctx.rank)
 
     def save(self, step: int) -> float:
-        """A checkpoint of `step` (train/utils/checkpoint.py); the seconds the step loop waited."""
+        """A checkpoint of `step` (train/runtime/checkpoint.py); the seconds the step loop waited."""
         start = time.perf_counter()
         state = {"step": step, **{name: part.state_dict() for name, part in self.state.items()}}
         if self.ctx.is_main:
@@ -503,7 +503,7 @@ def run(cfg: DictConfig) -> None:
 
 
 # Mistakes a user can fix (config, data, env module, chat template): one clear line, no traceback.
-USER_ERRORS = (ConfigError, DataError, EnvLoadError, TokenizationError, ckpt.CheckpointError, CheckpointError,
+USER_ERRORS = (ConfigError, DataError, EnvLoadError, TokenizationError, ckpt.CheckpointError, ModelWeightsError,
                RunFolderError, LoraTargetError)
 
 

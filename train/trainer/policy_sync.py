@@ -16,12 +16,12 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from train.engines.base import RolloutEngine
+from train.models.lora import adapter_state, has_lora
 from train.parallel.weight_sync import gather_full_tensors, unique_state
+from train.runtime.logging import RunLogger
+from train.runtime.watchdog import Watchdog
 from train.trainer.governor import Governor, Snapshot
 from train.trainer.sync_check import PushRecord, verify_push
-from train.utils.logging import RunLogger
-from train.utils.watchdog import Watchdog
-from train.workers.lora import adapter_state, has_lora
 
 MB = 1 << 20
 

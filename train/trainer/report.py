@@ -6,9 +6,9 @@ from __future__ import annotations
 from train.datasets.loading import DataError
 from train.parallel.collectives import broadcast_from_main, gather_to_main
 from train.parallel.distributed import DistContext
+from train.runtime.logging import RunLogger
 from train.trainer.data_check import PromptOverflowLog, overflowed_rows, overlong_error
 from train.utils import api_stats
-from train.utils.logging import RunLogger
 from train.workers.rollout import Sample
 
 # The closing line's reason for each kind of step that changed no actor weight.

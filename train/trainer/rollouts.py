@@ -26,11 +26,11 @@ from train.datasets.dataloader import RLDataLoader
 from train.engines.base import SamplingParams
 from train.parallel.collectives import all_gather_flat, all_reduce_max_many, all_reduce_sum
 from train.parallel.distributed import DistContext
+from train.runtime.watchdog import Watchdog
 from train.trainer.prefetch import RolloutPrefetcher, StepRollout, staleness
 from train.trainer.report import RunReport
 from train.trainer.step import mask_truncated, rollout_metrics, select_groups, shape_rewards
 from train.algorithms.dynamic_sampling import split_quota
-from train.utils.watchdog import Watchdog
 from train.workers.rollout import PROMPT_TOO_LONG, Sample, sample_seed
 
 

@@ -164,17 +164,6 @@ def mask_truncated(samples: list[Sample]) -> None:
             s.action_mask = [0] * len(s.action_mask)
 
 
-def filter_groups(samples: list[Sample], group_size: int, dynamic_filtering: bool,
-                  mask_truncated_: bool) -> list[Sample]:
-    """select_groups on the samples' own rewards, then optional truncation masking."""
-    for s in samples:
-        s.shaped_reward = s.reward
-    kept = select_groups(samples, group_size, dynamic_filtering)
-    if mask_truncated_:
-        mask_truncated(kept)
-    return kept
-
-
 # ----------------------------------------------------------------------------------------------
 # running reward statistics (PPO reward scaling for the critic)
 

@@ -23,9 +23,8 @@ from transformers import AutoTokenizer
 from train.engines import build_engine
 from train.parallel.distributed import DistContext, set_cpu_threads
 from train.parallel.rollout_bridge import STATUS_EVERY_S, Bridge
-from train.trainer.config import env_paths
 from train.utils import hub
-from train.workers.env_routing import EnvRouter
+from train.workers.env_routing import EnvRouter, env_paths
 from train.workers.rollout import RolloutWorker
 
 

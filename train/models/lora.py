@@ -58,12 +58,11 @@ class LoraSettings:
         return cls(int(section["rank"]), float(section.get("alpha", 16.0)), float(section.get("dropout") or 0.0),
                    tuple(str(t) for t in targets))
 
-    def peft_config(self, base_model: str | None = None, task_type: str | None = None):
+    def peft_config(self):
         from peft import LoraConfig
 
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                          target_modules=list(self.target_modules), bias="none",
-                          base_model_name_or_path=base_model, task_type=task_type)
+                          target_modules=list(self.target_modules), bias="none")
 
 
 class LoraTargetError(ValueError):
@@ -109,7 +108,7 @@ def has_lora(model: torch.nn.Module) -> bool:
 
 
 class FreshAdapters:
-    """A stand-in for a checkpoint reader (train/workers/model_init.py) that holds the adapters' initial
+    """A stand-in for a checkpoint reader (train/models/model_init.py) that holds the adapters' initial
     values: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform with a = sqrt(5), as peft and nn.Linear
     draw it) from a generator seeded by (seed, name), B = 0. Every rank draws the full tensor and keeps
     its piece, so the values do not depend on the layout."""
@@ -199,11 +198,6 @@ def peft_key(name: str) -> str:
     """The name peft's adapter files use for a LoRA matrix: `base_model.model.` + the model's name
     without the adapter's name."""
     return "base_model.model." + name.replace(f".{ADAPTER_NAME}.", ".")
-
-
-def write_adapter_config(settings: LoraSettings, folder: str, base_model: str, task_type: str = "CAUSAL_LM") -> None:
-    """`adapter_config.json`: what `PeftModel.from_pretrained(base, folder)` needs besides the weights."""
-    settings.peft_config(base_model=base_model, task_type=task_type).save_pretrained(folder)
 
 
 def base_model_of(folder: str) -> str | None:

@@ -7,7 +7,7 @@ The critic (PPO) goes to `critic/` as a token-classification model with one labe
 and the value head as `score` (`AutoModelForTokenClassification.from_pretrained(latest/critic)`
 gives the values as `logits[..., 0]`; the critic can resume from that folder too).
 
-A LoRA model (train/workers/lora.py) is exported merged (W + (alpha / r) B A, computed shard by
+A LoRA model (train/models/lora.py) is exported merged (W + (alpha / r) B A, computed shard by
 shard), so `latest/` loads like any model, and its adapters alone go to `latest/adapter/` as a peft
 folder (`PeftModel.from_pretrained(base, latest/adapter)`; `python -m train.serve` serves it too).
 """
@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from train.models.lora import ADAPTER_NAME, adapter_state, has_lora, merged_state, peft_key
 from train.parallel.collectives import barrier
 from train.parallel.distributed import DistContext
 from train.parallel.weight_sync import gather_full_tensors, unique_state
-from train.utils.checkpoint import _replace_dir
+from train.runtime.checkpoint import _replace_dir
 from train.utils.disk import explain_disk_full
-from train.workers.lora import ADAPTER_NAME, adapter_state, has_lora, merged_state, peft_key
 
 GB = 1 << 30
 

@@ -1,7 +1,7 @@
 """The critic for PPO (`adv.estimator=gae`): a value head on a copy of the actor's architecture,
 with its own optimizer and scheduler, trained on the clipped value loss over the step batch.
 
-The same layout rule as the actor (train/workers/trainable.py): each micro-batch's loss is a sum
+The same layout rule as the actor (train/models/trainable.py): each micro-batch's loss is a sum
 over its action tokens divided by the global action-token count of the mini-batch (all
 micro-batches, all dp groups, counted once), times ddp * fsdp to undo FSDP's averaging.
 """
@@ -11,15 +11,15 @@ import torch
 
 from train.algorithms.aggregation import aggregate_loss
 from train.algorithms.value_loss import value_loss as clipped_value_loss
+from train.models import optim
+from train.models.lora import LoraSettings
+from train.models.model_init import build_model
+from train.models.trainable import Norms, Trainable, UpdateStats
 from train.parallel.distributed import DistContext
 from train.parallel.layout import Layout, layout_for
 from train.parallel.packing import PackedMicroBatch
 from train.parallel.seq_parallel import gather_sequence
 from train.parallel.step_batch import StepBatch
-from train.workers import base
-from train.workers.lora import LoraSettings
-from train.workers.model_init import build_model
-from train.workers.trainable import Norms, Trainable, UpdateStats
 
 
 class Critic(Trainable):
@@ -38,8 +38,8 @@ class Critic(Trainable):
                                  param_dtype=cfg.dtype,
                                  gradient_checkpointing=cfg.gradient_checkpointing, offload=bool(cfg.offload_model),
                                  lora=self.lora, lora_key="critic.lora", adapter_seed=adapter_seed)
-        self.optimizer = base.build_optimizer(self.model, cfg.lr, cfg.betas, cfg.weight_decay)
-        self.scheduler = base.build_scheduler(self.optimizer, total_updates, cfg.warmup_ratio, "constant", 1.0)
+        self.optimizer = optim.build_optimizer(self.model, cfg.lr, cfg.betas, cfg.weight_decay)
+        self.scheduler = optim.build_scheduler(self.optimizer, total_updates, cfg.warmup_ratio, "constant", 1.0)
 
     def _forward(self, mb: PackedMicroBatch) -> torch.Tensor:
         """[samples, longest - 1]: entry t holds V(state after token t), the value before action

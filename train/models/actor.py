@@ -4,7 +4,7 @@ both over the step batch (train/parallel/step_batch.py) that this rank's dp grou
 Loss normalisation does not depend on the parallel layout: every micro-batch's loss is its *sum*
 divided by normalisers counted once over the whole mini-batch (all dp groups, all micro-batches),
 and the loss is multiplied by the number of ranks FSDP averages over (ddp * fsdp) to undo that
-averaging (train/workers/trainable.py). Ranks of one dp group (sp, tp) compute the same loss.
+averaging (train/models/trainable.py). Ranks of one dp group (sp, tp) compute the same loss.
 """
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ from train.algorithms.logits import entropy_from_logits, logprobs_from_logits
 from train.algorithms.mismatch import sampler_mismatch_sums, tis_weights
 from train.algorithms.policy_loss import POLICY_LOSSES
 from train.algorithms.schedules import entropy_coef_schedule
+from train.models import optim
+from train.models.lora import LoraSettings, adapters_disabled
+from train.models.model_init import build_model
+from train.models.trainable import Norms, Trainable, UpdateStats
 from train.parallel.collectives import all_reduce_sum
 from train.parallel.distributed import DistContext
 from train.parallel.fused_logprobs import FusedLogprobHead
@@ -24,10 +28,6 @@ from train.parallel.packing import PackedMicroBatch
 from train.parallel.seq_parallel import gather_sequence
 from train.parallel.step_batch import StepBatch
 from train.parallel.tensor_parallel import vocab_parallel_logprobs
-from train.workers import base
-from train.workers.lora import LoraSettings, adapters_disabled
-from train.workers.model_init import build_model
-from train.workers.trainable import Norms, Trainable, UpdateStats
 
 
 def policy_clip_range(cfg) -> tuple[float, float]:
@@ -63,8 +63,8 @@ class Actor(Trainable):
         self.optimizer = self.scheduler = None
         self.last_entropy_coef = 0.0
         if train:
-            self.optimizer = base.build_optimizer(self.model, cfg.lr, cfg.betas, cfg.weight_decay)
-            self.scheduler = base.build_scheduler(self.optimizer, total_updates, cfg.warmup_ratio,
+            self.optimizer = optim.build_optimizer(self.model, cfg.lr, cfg.betas, cfg.weight_decay)
+            self.scheduler = optim.build_scheduler(self.optimizer, total_updates, cfg.warmup_ratio,
                                                   cfg.scheduler, cfg.min_lr_ratio)
         else:
             self.model.eval()

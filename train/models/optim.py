@@ -1,36 +1,10 @@
-"""The critic's value model, the optimizer and its schedule, and the clipped optimizer step.
-Building a model for its layout is train/workers/model_init.py."""
+"""The optimizer of a model that trains, its learning-rate schedule, and the clipped optimizer step
+(the actor's and the critic's alike). The models themselves: train/models/model_init.py."""
 from __future__ import annotations
 
 import math
 
 import torch
-
-
-class ValueModel(torch.nn.Module):
-    """The critic: the actor's architecture without its LM head, and a linear value head over the
-    final hidden state. `model.model.layers` is where FSDP / AC find the decoder blocks, as for the actor."""
-
-    def __init__(self, backbone: torch.nn.Module):
-        super().__init__()
-        self.model = backbone
-        self.config = backbone.config
-        self.value_head = torch.nn.Linear(backbone.config.hidden_size, 1)
-        # A zero head: V = 0 at the start, the same on every rank and run (no RNG drawn).
-        torch.nn.init.zeros_(self.value_head.weight)
-        torch.nn.init.zeros_(self.value_head.bias)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs) -> torch.Tensor:
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                            **kwargs).last_hidden_state
-        # [b, L]: V of the state ending at each position (a copy, not a view: FSDP hooks the output)
-        return self.value_head(hidden).squeeze(-1).clone()
-
-    def gradient_checkpointing_enable(self, **kwargs) -> None:
-        self.model.gradient_checkpointing_enable(**kwargs)
-
-    def set_attn_implementation(self, name: str) -> None:
-        self.model.set_attn_implementation(name)
 
 
 def build_optimizer(model: torch.nn.Module, lr: float, betas, weight_decay: float) -> torch.optim.Optimizer:

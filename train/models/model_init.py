@@ -19,12 +19,12 @@ from collections.abc import Callable
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from train.models.lora import FreshAdapters, LoraSettings, apply_lora, base_name, is_adapter
 from train.parallel.layout import Layout
 from train.parallel.parallelize import DTYPES, parallelize
-from train.workers.lora import FreshAdapters, LoraSettings, apply_lora, base_name, is_adapter
 
 
-class CheckpointError(ValueError):
+class ModelWeightsError(ValueError):
     """A model folder whose weights cannot fill the model; says which file or tensor."""
 
 
@@ -49,7 +49,7 @@ class WeightReader:
         else:
             bins = sorted(f for f in os.listdir(folder) if f.startswith("pytorch_model") and f.endswith(".bin"))
             if not bins:
-                raise CheckpointError(f"{folder}: no model.safetensors, safetensors index or pytorch_model*.bin")
+                raise ModelWeightsError(f"{folder}: no model.safetensors, safetensors index or pytorch_model*.bin")
             for name in bins:  # memory-mapped: only what is read is paged in
                 state = torch.load(os.path.join(folder, name), map_location="cpu", mmap=True, weights_only=True)
                 self._open[os.path.join(folder, name)] = state
@@ -90,7 +90,7 @@ def fill_from_checkpoint(model: torch.nn.Module, reader: WeightReader, rename: C
                          skip: Callable[[str], bool] = lambda k: False) -> None:
     """Copy every state-dict entry's local piece from the checkpoint (checkpoint name `rename(key)`);
     entries for which `skip(key)` holds are left alone. A missing tensor or a shape mismatch is a
-    CheckpointError naming it."""
+    ModelWeightsError naming it."""
     from torch.distributed.tensor import distribute_tensor
 
     available = set(reader.keys())
@@ -103,8 +103,8 @@ def fill_from_checkpoint(model: torch.nn.Module, reader: WeightReader, rename: C
             continue  # tied to a tensor already filled
         name = rename(key)
         if name not in available:
-            raise CheckpointError(f"{reader.folder}: no tensor '{name}' for the model's '{key}' "
-                                  f"(the checkpoint holds {len(available)} tensors, e.g. {sorted(available)[:3]})")
+            raise ModelWeightsError(f"{reader.folder}: no tensor '{name}' for the model's '{key}' "
+                                    f"(the checkpoint holds {len(available)} tensors, e.g. {sorted(available)[:3]})")
         if hasattr(value, "device_mesh"):
             block = _local_block(value)
             if block is not None:
@@ -115,9 +115,9 @@ def fill_from_checkpoint(model: torch.nn.Module, reader: WeightReader, rename: C
         else:
             piece = reader.read(name)
         if tuple(piece.shape) != tuple(local.shape):
-            raise CheckpointError(f"{reader.folder}: tensor '{name}' has shape {tuple(piece.shape)} where the model's "
-                                  f"'{key}' holds {tuple(local.shape)} on this rank (full {tuple(value.shape)}): a "
-                                  "different model shape")
+            raise ModelWeightsError(f"{reader.folder}: tensor '{name}' has shape {tuple(piece.shape)} where the "
+                                    f"model's '{key}' holds {tuple(local.shape)} on this rank (full "
+                                    f"{tuple(value.shape)}): a different model shape")
         local.copy_(piece)
         if local.numel():
             done.add(local.untyped_storage().data_ptr())
@@ -134,8 +134,8 @@ def reset_non_persistent_buffers(model: torch.nn.Module) -> None:
             continue
         config = getattr(module, "config", None)
         if config is None:
-            raise CheckpointError(f"cannot rebuild the non-persistent buffers {missing} of '{name}' "
-                                  f"({type(module).__name__}): it has no config")
+            raise ModelWeightsError(f"cannot rebuild the non-persistent buffers {missing} of '{name}' "
+                                    f"({type(module).__name__}): it has no config")
         fresh = type(module)(config)
         for b in missing:
             getattr(module, b).copy_(getattr(fresh, b))
@@ -147,10 +147,10 @@ def build_model(path: str, layout: Layout, device: torch.device, *, value_head: 
                 adapter_seed: int = 0) -> torch.nn.Module:
     """The causal LM of `path` (or with `value_head`, its backbone with a zero value head: the
     critic), wrapped for `layout`, with only this rank's shards ever allocated. With `lora` enabled,
-    LoRA adapters are injected before the parallel plan (train/workers/lora.py): the base is frozen
+    LoRA adapters are injected before the parallel plan (train/models/lora.py): the base is frozen
     and filled from `path`, the adapters start as B = 0 (the base model's outputs) and A drawn from
     `adapter_seed`; the critic's value head stays trainable."""
-    from train.workers.base import ValueModel
+    from train.models.value_model import ValueModel
 
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):

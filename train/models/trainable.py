@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from train.models import optim
 from train.parallel.collectives import all_reduce_max_many, all_reduce_sum
 from train.parallel.layout import Layout
 from train.parallel.packing import PackedMicroBatch, build_packed, plan_packs, prompt_units, unit_length
 from train.parallel.step_batch import StepBatch
-from train.workers import base
 
 
 @dataclass
@@ -186,7 +186,7 @@ class Trainable:
 
     def optimizer_step(self) -> float:
         """Global gradient clipping and the optimizer step; the pre-clip norm."""
-        return base.clip_and_step(self.model, self.optimizer, self.scheduler, self.max_grad_norm,
+        return optim.clip_and_step(self.model, self.optimizer, self.scheduler, self.max_grad_norm,
                                   self.offload_optimizer)
 
     def reduce(self, stats: UpdateStats, prefix: str, sum_keys: tuple[str, ...],

@@ -1,5 +1,5 @@
-"""Resumable checkpoints, sharded per rank with torch.distributed.checkpoint (DCP), and the streamed
-Hugging Face export. Both are written to a temporary name and renamed when complete.
+"""Resumable checkpoints, sharded per rank with torch.distributed.checkpoint (DCP), written to a
+temporary name and renamed when complete (the Hugging Face export is train/runtime/export.py).
 
     step{N}/
       dcp/                 every worker's trainable weights and optimizer state (Adam moments included; a

@@ -79,7 +79,7 @@ def refused(save_dir: str, e: OSError, resume_from: str | None) -> RunFolderErro
             f"{_what(save_dir, e.filename or save_dir)}: point trainer.save_dir at a writable folder "
             "(e.g. trainer.save_dir=runs/my_run)")
     if resume_from is not None and holds_a_run(save_dir):
-        from train.utils.checkpoint import find_latest  # (torch.distributed.checkpoint: only when needed)
+        from train.runtime.checkpoint import find_latest  # (torch.distributed.checkpoint: only when needed)
 
         latest = find_latest(save_dir)
         line += ("; to go on with the run it holds, copy the folder to a writable disk and resume there, or "
