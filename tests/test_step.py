@@ -260,7 +260,8 @@ def test_mask_truncated_keeps_the_baseline_but_drops_the_tokens():
     samples = make_samples(rng, n_groups=2, G=4)
     samples[1].finish_reason = samples[6].finish_reason = "length"
     before = sequence_values(advantages(samples, 4, cfg())[0], samples)
-    kept, _ = st.select_groups(samples, [s.reward for s in samples], 4, dynamic_filtering=False)
+    st.shape_rewards(samples, cfg())
+    kept = st.select_groups(samples, 4, dynamic_filtering=False)
     st.mask_truncated(kept)
     assert kept == samples
     assert sum(samples[1].action_mask) == 0 and sum(samples[6].action_mask) == 0
