@@ -12,10 +12,10 @@ from train.workers.rollout import PROMPT_TOO_LONG, sample_seed
 
 class Evaluator:
     def __init__(self, ctx: DistContext, *, rows: list[dict], sources: list[str], rollout, engine,
-                 sampling: SamplingParams, seed: int, report: RunReport, context) -> None:
+                 sampling: SamplingParams, seed: int, report: RunReport) -> None:
         self.ctx, self.rows, self.sources = ctx, rows, sources
         self.rollout, self.engine, self.sampling, self.seed = rollout, engine, sampling, seed
-        self.report, self.context = report, context
+        self.report = report
         self.history: list[tuple[int, float]] = []  # (step, test reward)
 
     def __call__(self, step: int) -> dict[str, float]:
@@ -32,7 +32,7 @@ class Evaluator:
              float(len(skipped)), *per_source_sums(samples, self.sources, lambda s: float(bool(s.env_error)))],
             ctx.device)
         if n_skipped:
-            self.report.prompt_overflows_at(step, skipped, 1, self.context)
+            self.report.prompt_overflows_at(step, skipped, 1)
         score = total / max(count, 1.0)
         self.history.append((step, score))
         out = {"rewards/test": score}

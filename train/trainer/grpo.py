@@ -164,12 +164,12 @@ class Trainer:
         seed_of = lambda sampling: cfg.trainer.seed if sampling.seed is None else sampling.seed  # noqa: E731
         self.evaluate = Evaluator(ctx, rows=test_rows, sources=source_names(test_rows), rollout=rollout,
                                   engine=self.engine, sampling=test_sampling, seed=seed_of(test_sampling),
-                                  report=self.report, context=context)
+                                  report=self.report)
         # Where each step's samples come from: made now, or ahead with rollout.max_staleness (rollouts.py).
         self.rollouts = rollout_source(cfg, ctx, total_steps=self.total_steps, watchdog=self.watchdog, loader=loader,
                                        rollout=rollout, engine=self.engine, sampling=train_sampling,
                                        seed=seed_of(train_sampling), curriculum=curriculum, report=self.report,
-                                       context=context, sources=source_names(train_rows))
+                                       sources=source_names(train_rows))
         # What a checkpoint holds besides the models, by name (each has state_dict / load_state_dict).
         self.state = {"test_history": self.evaluate, "reward_moments": RunningMoments(),
                       **({"governor": governor} if governor is not None else {}), "curriculum": curriculum,
@@ -302,9 +302,8 @@ class Trainer:
                 mine = [mine]
             same = (pending["world_size"] == self.ctx.world_size
                     and pending.get("max_staleness", 1) == self.cfg.rollout.max_staleness)
-            if self.cfg.rollout.max_staleness > 0 and same and mine:
-                self.rollouts.restore(mine)  # trained as they were generated: bit-exact
-            else:  # another world size or staleness, or a synchronous resume: those prompts are rolled out again
+            if not (same and mine and self.rollouts.restore(mine)):
+                # another world size or staleness, or a synchronous resume: those prompts are rolled out again
                 self.state["dataloader"].load_state_dict(pending["loader_before"])
         if rank_state is not None:
             ckpt.set_rng_state(rank_state["rng"])

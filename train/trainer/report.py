@@ -53,7 +53,7 @@ class RunReport:
                             f"a thread (at most rollout.env_workers per rank are replaced; see env/stuck_calls): "
                             f"a reward_fn or interact in {self.env_name} that never returns?")
 
-    def prompt_overflows_at(self, step: int, samples: list[Sample], group_size: int, context) -> None:
+    def prompt_overflows_at(self, step: int, samples: list[Sample], group_size: int) -> None:
         """Rows whose prompt filled the context this step (their samples were skipped): a
         `prompt_too_long` event each and a counted warning on rank 0, or, with
         data.overlong_prompts=fail, the error on every rank. Collective."""
@@ -64,7 +64,7 @@ class RunReport:
             for row in rows:
                 self.log.event("prompt_too_long", step, row)
             if self.overlong_prompts == "fail":
-                error = overlong_error(rows[0].get("row"), rows[0]["tokens"], context)
+                error = overlong_error(rows[0].get("row"), rows[0]["tokens"], self.prompt_overflows.context)
             else:
                 for line in self.prompt_overflows.add(rows):
                     self.warn(step, line)

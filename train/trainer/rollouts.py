@@ -46,12 +46,11 @@ class RolloutSource:
     """Synchronous rollouts: each step's made when the step asks for it."""
 
     def __init__(self, cfg: DictConfig, ctx: DistContext, *, loader: RLDataLoader, rollout, engine,
-                 sampling: SamplingParams, seed: int, curriculum: Curriculum, report: RunReport, context,
-                 sources: list[str]) -> None:
+                 sampling: SamplingParams, seed: int, curriculum: Curriculum, report: RunReport, sources: list[str]) -> None:
         self.cfg, self.ctx = cfg, ctx
         self.loader, self.rollout, self.engine = loader, rollout, engine
         self.sampling, self.seed = sampling, seed
-        self.curriculum, self.report, self.context, self.sources = curriculum, report, context, sources
+        self.curriculum, self.report, self.sources = curriculum, report, sources
 
     # -- the step's calls ------------------------------------------------------------------
     def next(self, step: int, trainer_version: int) -> StepSamples:
@@ -77,8 +76,10 @@ class RolloutSource:
         """Finished rollouts not yet trained on (what a checkpoint keeps)."""
         return []
 
-    def restore(self, rollouts: list[StepRollout]) -> None:
-        raise RuntimeError("a synchronous run has no pending rollouts to restore")
+    def restore(self, rollouts: list[StepRollout]) -> bool:
+        """Take over rollouts a checkpoint kept; whether they were taken (a synchronous run rolls their
+        prompts out again)."""
+        return False
 
     def close(self) -> bool:
         """Whether nothing is left running (the rollout worker's loop may then be closed)."""
@@ -138,7 +139,7 @@ class RolloutSource:
         out = rollout_metrics(all_samples, len(all_samples) // n, n, cfg, ctx,
                               rewards=[s.shaped_reward for s in all_samples], sources=self.sources)
         if out["prompt_overflow_ratio/train"] > 0:  # (all-reduced: every rank takes this branch)
-            self.report.prompt_overflows_at(step, all_samples, n, self.context)
+            self.report.prompt_overflows_at(step, all_samples, n)
         out["time/rollout_s"] = rollout_s
         out.update(self._engine_metrics(step, counters))
         out.update(self._staleness_metrics(all_samples, trainer_version))
@@ -235,8 +236,9 @@ class PrefetchedRollouts(RolloutSource):
     def pending(self) -> list[StepRollout]:
         return self.prefetch.pending()
 
-    def restore(self, rollouts: list[StepRollout]) -> None:
+    def restore(self, rollouts: list[StepRollout]) -> bool:
         self.prefetch.restore(with_rewards_on_samples(rollouts))  # trained as they were generated: bit-exact
+        return True
 
     def close(self) -> bool:
         return self.prefetch.close()
