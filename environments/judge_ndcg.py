@@ -50,6 +50,7 @@ import searchr1  # noqa: E402
 from searchr1 import extract_answer, targets  # noqa: E402
 
 from train.utils.api_stats import ApiCallRecorder  # noqa: E402
+from train.utils.http_pool import pool_limits  # noqa: E402
 
 recorder = ApiCallRecorder()
 
@@ -231,7 +232,7 @@ class _LoopJudge:
         n = int(_setting("JUDGE_CONCURRENCY", "16"))
         self.limit = asyncio.Semaphore(n)
         self.http = httpx.AsyncClient(timeout=timeout, transport=transport,
-                                      limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
+                                      limits=pool_limits(n))
         # Retries are ours (counted, with backoff), so the SDK's own are off.
         self.client = openai.AsyncOpenAI(base_url=_setting("JUDGE_BASE_URL", "http://127.0.0.1:8001/v1"),
                                          api_key=_setting("JUDGE_API_KEY", "none"), timeout=timeout,

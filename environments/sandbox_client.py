@@ -38,10 +38,11 @@ class _LoopState:
         if client.url:
             import httpx
 
+            from train.utils.http_pool import pool_limits
+
             self.http = httpx.AsyncClient(
                 base_url=client.url,
-                limits=httpx.Limits(max_connections=client.max_concurrency,
-                                    max_keepalive_connections=client.max_concurrency),
+                limits=pool_limits(client.max_concurrency),
                 timeout=httpx.Timeout(client.request_timeout_s, connect=10.0))
         else:
             self.executor = SandboxExecutor(client.limits, client.max_concurrency)

@@ -35,6 +35,7 @@ import string
 import httpx
 
 from train.utils.api_stats import ApiCallRecorder
+from train.utils.http_pool import pool_limits
 
 ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -65,7 +66,7 @@ class SearchClient:
             client = httpx.AsyncClient(
                 base_url=_setting("SEARCH_URL", "http://127.0.0.1:8000").rstrip("/"),
                 timeout=float(_setting("SEARCH_TIMEOUT_S", "10")),
-                limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
+                limits=pool_limits(n))
             self._per_loop[loop] = (client, asyncio.Semaphore(n))
         return self._per_loop[loop]
 

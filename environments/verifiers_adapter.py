@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 from train.datasets.verifiers_source import (TASK_FIELD, ensure_import_paths, list_tool_schemas,
                                              load_taskset, run_coroutine, task_messages, toolset_specs)
-from train.utils.api_stats import ApiCallRecorder
+from train.utils.api_stats import ApiCallRecorder, describe
 
 CONVERSATION_FIELD = "verifiers_conversation"
 TOOL_TIMEOUT_S = float(os.environ.get("VERIFIERS_TOOL_TIMEOUT_S", "30"))
@@ -336,12 +336,14 @@ class VerifiersAdapter:
         try:
             result = await asyncio.wait_for(call(), TOOL_TIMEOUT_S)
         except asyncio.TimeoutError:
-            self.recorder.record(f"tool/{name}", time.perf_counter() - start, ok=False)
+            self.recorder.record(f"tool/{name}", time.perf_counter() - start, ok=False,
+                                 error=f"timed out after {TOOL_TIMEOUT_S:g} s")
             return f"Error: tool {name!r} timed out after {TOOL_TIMEOUT_S:g} s"
         except Exception as e:  # noqa: BLE001 - a broken tool is the model's observation, not a crash
-            self.recorder.record(f"tool/{name}", time.perf_counter() - start, ok=False)
+            self.recorder.record(f"tool/{name}", time.perf_counter() - start, ok=False, error=describe(e))
             return f"Error: tool {name!r} failed: {type(e).__name__}: {e}"
-        self.recorder.record(f"tool/{name}", time.perf_counter() - start, ok=not result.is_error)
+        self.recorder.record(f"tool/{name}", time.perf_counter() - start, ok=not result.is_error,
+                             error="the tool returned an error" if result.is_error else None)
         return _result_text(result)
 
     async def reward_fn(self, messages: list[dict], answer: Any) -> float:

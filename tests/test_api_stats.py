@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from train.utils.api_stats import ApiCallRecorder, summarize
+from train.utils.api_stats import ApiCallRecorder, errors_by_kind, summarize
 
 
 def test_summarize_hand_computed():
@@ -36,5 +36,17 @@ def test_recorder_times_waits_and_errors():
     calls = rec.pop()
     assert len(calls) == 2 and rec.pop() == []
     assert sum(not c["ok"] for c in calls) == 1
+    assert [c["error"] for c in calls if not c["ok"]] == ["RuntimeError: x"]  # what failed is kept
     assert max(c["wait_s"] for c in calls) >= 0.04  # the second call waited on the limiter
     assert all(c["latency_s"] >= 0.04 for c in calls)
+
+
+def test_failed_calls_are_named_by_kind_and_frequency():
+    calls = [{"type": "search", "latency_s": 1.0, "wait_s": 0.0, "ok": False, "error": "ReadTimeout: timed out"}] * 3
+    calls += [{"type": "search", "latency_s": 1.0, "wait_s": 0.0, "ok": False, "error": "RemoteProtocolError: x"}]
+    calls += [{"type": "search", "latency_s": 1.0, "wait_s": 0.0, "ok": True},
+              {"type": "judge", "latency_s": 1.0, "wait_s": 0.0, "ok": False}]  # a record without its error
+    assert errors_by_kind(calls) == {"search": {"ReadTimeout: timed out": 3, "RemoteProtocolError: x": 1},
+                                     "judge": {"failed": 1}}
+    assert errors_by_kind(calls, keep=1) == {"search": {"ReadTimeout: timed out": 3}, "judge": {"failed": 1}}
+    assert errors_by_kind(calls[4:5]) == {}

@@ -96,6 +96,9 @@ class RunReport:
         stats = api_stats.summarize(all_calls)
         if stats:
             self.log.event("api_stats", step, {"stats": stats})
+        errors = api_stats.errors_by_kind(all_calls)
+        if errors:  # what failed, even when a retry then succeeded (the counts are in the stats)
+            self.log.event("api_errors", step, {"errors": errors})
         return stats
 
     def _env_errors(self, step: int, gathered: list[dict]) -> None:

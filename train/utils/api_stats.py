@@ -4,6 +4,8 @@ An env module owns an `ApiCallRecorder` (one per process, created when the modul
 each call in `recorder.call(kind, limiter)`, and exposes `pop_api_calls = recorder.pop`. The
 trainer collects the records after every rollout, gathers them to rank 0 and logs, per kind:
 count, errors, p50/p95/p99/max latency and the time spent waiting on the local concurrency limit.
+A failed call keeps its error (`ExceptionClass: message`, cut to 200 characters), so a run's log can
+say what failed even when a retry then succeeded.
 """
 from __future__ import annotations
 
@@ -27,23 +29,46 @@ class ApiCallRecorder:
         if limiter is not None:
             await limiter.acquire()
         started = time.perf_counter()
-        ok = False
+        error: BaseException | None = None
         try:
             yield
-            ok = True
+        except BaseException as e:
+            error = e
+            raise
         finally:
             if limiter is not None:
                 limiter.release()
-            self.record(kind, time.perf_counter() - started, started - queued, ok)
+            self.record(kind, time.perf_counter() - started, started - queued, error is None,
+                        error=None if error is None else describe(error))
 
-    def record(self, kind: str, latency_s: float, wait_s: float = 0.0, ok: bool = True) -> None:
+    def record(self, kind: str, latency_s: float, wait_s: float = 0.0, ok: bool = True,
+               error: str | None = None) -> None:
+        row = {"type": kind, "latency_s": latency_s, "wait_s": wait_s, "ok": ok}
+        if not ok:
+            row["error"] = error or "failed"
         with self._lock:
-            self._records.append({"type": kind, "latency_s": latency_s, "wait_s": wait_s, "ok": ok})
+            self._records.append(row)
 
     def pop(self) -> list[dict]:
         with self._lock:
             records, self._records = self._records, []
         return records
+
+
+def describe(error: BaseException) -> str:
+    """`ExceptionClass: message`, one line, at most 200 characters."""
+    text = f"{type(error).__name__}: {error}".strip().rstrip(":")
+    return " ".join(text.split())[:200]
+
+
+def errors_by_kind(records: list[dict], keep: int = 5) -> dict[str, dict[str, int]]:
+    """Per call type, how often each distinct error occurred (the `keep` most frequent)."""
+    out: dict[str, dict[str, int]] = {}
+    for r in records:
+        if not r["ok"]:
+            seen = out.setdefault(r["type"], {})
+            seen[r.get("error", "failed")] = seen.get(r.get("error", "failed"), 0) + 1
+    return {kind: dict(sorted(seen.items(), key=lambda kv: -kv[1])[:keep]) for kind, seen in out.items()}
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
