@@ -92,6 +92,21 @@ def compose_config(overrides=(), name: str = "stub", save_dir: str | None = "/tm
         return compose(config_name=name, overrides=[*preset, *overrides])
 
 
+def run_config(overrides: dict | None = None, name: str = "grpo"):
+    """The typed config (train/trainer/schema.py's RunConfig) of config/<name>.yaml with `overrides`
+    ({dotted key: value}, any value OmegaConf holds) set on the composed config, as a run loads it."""
+    from omegaconf import OmegaConf
+
+    from train.trainer.config import resolve_aliases
+    from train.trainer.schema import load
+
+    cfg = compose_config(name=name, save_dir=None)
+    for key, value in (overrides or {}).items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    resolve_aliases(cfg)
+    return load(cfg)
+
+
 @pytest.fixture
 def in_repo_root(monkeypatch):
     monkeypatch.chdir(ROOT)  # config paths are relative to the repo root

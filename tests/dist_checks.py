@@ -568,7 +568,7 @@ def advantages(args, ctx) -> None:
                       [sampler[i] for i in mine], layout, 1, ctx.device)
         sb.fields["ref_logp"] = [ref[i] for i in source]
         sb.fields["values"] = [values[i] for i in source]
-        metrics = compute_advantages(sb, cfg, ctx.device)
+        metrics = compute_advantages(sb, cfg.adv, cfg.actor.kl, ctx.device)
         mine_adv = {i: (a, sb.fields.get("returns", [None] * len(sb))[j]) for j, (i, a) in
                     enumerate(zip(source, sb.fields["advantages"]))}
         everything = [mine_adv]

@@ -124,10 +124,10 @@ def test_every_sampling_key_reaches_the_engine_and_sglang_takes_its_own():
     cfg = compose_config(["rollout.train_sampling_params.min_p=0.05",
                 "rollout.train_sampling_params.stop_token_ids=[5,6]", "rollout.train_sampling_params.seed=3",
                 "rollout.train_sampling_params.repetition_penalty=1.1", "rollout.train_sampling_params.ignore_eos=true"])
-    sp = sampling_params(cfg, "rollout.train_sampling_params")
+    sp = sampling_params(cfg.rollout, "train_sampling_params")
     assert (sp.min_p, sp.stop_token_ids, sp.seed, sp.repetition_penalty, sp.ignore_eos) == (0.05, (5, 6), 3, 1.1, True)
     cfg = compose_config(["rollout.engine=sglang", "+rollout.train_sampling_params.regex='[0-9]+'"])
-    assert sampling_params(cfg, "rollout.train_sampling_params").extra == (("regex", "[0-9]+"),)
+    assert sampling_params(cfg.rollout, "train_sampling_params").extra == (("regex", "[0-9]+"),)
 
 
 def test_save_dir_defaults_to_the_experiment_name():
@@ -199,7 +199,7 @@ def test_the_pre_flight_check_says_ok_or_the_error_line(capsys):
         "ok (data read: the first 1000 rows of stub/data/math/train.jsonl, all 256 rows of stub/data/math/test.jsonl; "
         "later rows are checked when the run loads them, data.check_rows=null reads them all here)")
     assert main(["--check", "--nproc", "2", "--config-name", "stub", "trainer.save_dir=/tmp/x", "actor.lr=-1"]) == 2
-    assert capsys.readouterr().err.strip() == ("error: config key 'actor.lr': must be > 0, got -1. "
+    assert capsys.readouterr().err.strip() == ("error: config key 'actor.lr': expected a number > 0, got -1. "
                                                "Example override: actor.lr=1e-6")
     assert main(["--check", "--nproc", "3", "--config-name", "stub", "trainer.save_dir=/tmp/x"]) == 2
     assert "not divisible by the 3 data-parallel ranks" in capsys.readouterr().err
@@ -220,7 +220,7 @@ def test_a_rank_s_error_line_ends_the_launch(tmp_path):
     from conftest import trainer_env
     from train.utils.torchrun_errors import record_for_torchrun, recorded_line
 
-    line = "error: config key 'actor.lr': must be > 0, got -1. Example override: actor.lr=1e-6"
+    line = "error: config key 'actor.lr': expected a number > 0, got -1. Example override: actor.lr=1e-6"
     os.environ["TORCHELASTIC_ERROR_FILE"] = str(tmp_path / "error.json")
     try:
         record_for_torchrun(line)

@@ -18,7 +18,7 @@ def documented_mixture() -> tuple[list[dict], list[dict]]:
             for c in commands("docs/data.md", lines) if isinstance(c, Command)]
     [mixture] = [c for c in runs if any(w.startswith("data.test_data_path={") for w in c.words)]
     overrides = [w for w in mixture.words if w.startswith(("data.", "rollout."))]
-    train_sources, test_sources = data_sources(compose_config(overrides))
+    train_sources, test_sources = data_sources(compose_config(overrides).data)
     return load_sources(train_sources), load_sources(test_sources)
 
 

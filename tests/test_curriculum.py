@@ -1,16 +1,22 @@
 """Per-prompt pass rates and the sampling policies that use them (data.curriculum.*), and the
 train/test contamination check (issue 19)."""
+import dataclasses
 import json
 
 import pytest
 
-from conftest import STUB_MATH, read_jsonl, run_trainer, stub_train_slice
+from conftest import STUB_MATH, compose_config, read_jsonl, run_trainer, stub_train_slice
 from test_trainer import assert_same, prompts_by_step
 from train.datasets.contamination import check_contamination
-from train.datasets.curriculum import Curriculum, CurriculumConfig, PromptStats, prompt_id, unit_draw
+from train.datasets.config import CurriculumConfig
+from train.datasets.curriculum import Curriculum, PromptStats, prompt_id, unit_draw
 from train.datasets.dataloader import build_dataloader
 from train.datasets.loading import load_rows
 from train.runtime.checkpoint import consolidate
+from train.utils.typed_config import build
+
+# The defaults of config/grpo.yaml; each test changes what it needs with dataclasses.replace.
+BASE = build(CurriculumConfig, compose_config([]).data.curriculum, "data.curriculum")
 
 
 def rows(n: int) -> list[dict]:
@@ -37,7 +43,7 @@ def test_the_pass_rate_summary_kept_step_by_step_equals_a_recount():
     import random
 
     data = rows(50)
-    cur = Curriculum(CurriculumConfig(policy="skip_saturated", low=0.1, high=0.9), data, 0)
+    cur = Curriculum(dataclasses.replace(BASE, policy="skip_saturated", low=0.1, high=0.9), data, 0)
     draw = random.Random(0)
     for step in range(1, 120):
         cur.record(step, [(cur.id_of(draw.randrange(50)), draw.choice([0.0, 0.25, 0.5, 1.0])) for _ in range(8)])
@@ -53,7 +59,8 @@ def test_the_pass_rate_summary_kept_step_by_step_equals_a_recount():
 
 def test_skip_saturated_skips_and_rechecks_by_the_rule():
     data = rows(4)
-    cur = Curriculum(CurriculumConfig(policy="skip_saturated", min_visits=2, low=0.0, high=1.0, recheck=0.25), data, 3)
+    cfg = dataclasses.replace(BASE, policy="skip_saturated", min_visits=2, low=0.0, high=1.0, recheck=0.25)
+    cur = Curriculum(cfg, data, 3)
     solved = cur.id_of(0)
     cur.stats.update(1, [(solved, 1.0)])
     assert cur.accept(0, 0, 0)  # one visit: not judged yet
@@ -66,7 +73,7 @@ def test_skip_saturated_skips_and_rechecks_by_the_rule():
 
 def test_prioritized_takes_prompts_in_proportion_to_their_weight():
     data = rows(2)
-    cur = Curriculum(CurriculumConfig(policy="prioritized", floor=0.02), data, 0)
+    cur = Curriculum(dataclasses.replace(BASE, policy="prioritized", floor=0.02), data, 0)
     cur.stats.update(1, [(cur.id_of(0), 0.5), (cur.id_of(1), 1.0)])
     n = 4000
     half = sum(cur.accept(0, e, 0) for e in range(n)) / n
@@ -77,7 +84,7 @@ def test_prioritized_takes_prompts_in_proportion_to_their_weight():
 
 def test_no_prompt_is_unreachable_and_batches_fill():
     data = rows(10)
-    cur = Curriculum(CurriculumConfig(policy="skip_saturated", min_visits=1, recheck=0.05), data, 0)
+    cur = Curriculum(dataclasses.replace(BASE, policy="skip_saturated", min_visits=1, recheck=0.05), data, 0)
     cur.stats.update(1, [(cur.id_of(i), 1.0) for i in range(10)])  # every prompt "always solved"
     loader = build_dataloader(data, batch_size=4, rank=0, world_size=1, seed=0, accept=cur.accept)
     seen = set()

@@ -1,19 +1,21 @@
 """RunLogger: the files a run leaves, the progress bar, wandb in offline mode, rank-0 only."""
+import dataclasses
 import io
 import json
 
-from omegaconf import OmegaConf
-
+from conftest import run_config
 from train.runtime.logging import RunLogger
 
 
 def cfg(save_dir, wandb=False, bar=True):
-    return OmegaConf.create({"trainer": {"save_dir": str(save_dir), "use_wandb": wandb, "project": "p",
-                                         "experiment_name": "e", "progress_bar": bar}})
+    """(the trainer section, the whole config) as the trainer hands them to its logger."""
+    run = run_config({"trainer.save_dir": str(save_dir), "trainer.use_wandb": wandb, "trainer.project": "p",
+                      "trainer.experiment_name": "e", "trainer.progress_bar": bar})
+    return run.trainer, {"trainer": dataclasses.asdict(run.trainer)}
 
 
 def test_metrics_events_and_nonfinite_values(tmp_path):
-    log = RunLogger(cfg(tmp_path, bar=False), is_main=True, total_steps=3)
+    log = RunLogger(*cfg(tmp_path, bar=False), is_main=True, total_steps=3)
     log.log_metrics(1, {"rewards/train": 0.5, "actor/grad_norm": float("nan"), "x": float("inf")})
     log.event("checkpoint", 1, {"path": "p"})
     log.close()
@@ -25,7 +27,7 @@ def test_metrics_events_and_nonfinite_values(tmp_path):
 
 
 def test_other_ranks_write_nothing(tmp_path):
-    log = RunLogger(cfg(tmp_path / "r1"), is_main=False, total_steps=3)
+    log = RunLogger(*cfg(tmp_path / "r1"), is_main=False, total_steps=3)
     log.log_metrics(1, {"a": 1.0})
     log.event("x", 1, {})
     log.progress(1, {"rewards/train": 1.0})
@@ -45,7 +47,7 @@ def test_progress_bar_shows_step_reward_and_eta(tmp_path, monkeypatch):
         original(self, *a, **kw)
 
     monkeypatch.setattr(tqdm.tqdm, "__init__", init)
-    log = RunLogger(cfg(tmp_path), is_main=True, total_steps=4)
+    log = RunLogger(*cfg(tmp_path), is_main=True, total_steps=4)
     log.progress(1, {"rewards/train": 0.25})
     log.progress(2, {"rewards/train": 0.5, "rewards/test": 0.75})
     log.close()
@@ -56,7 +58,7 @@ def test_progress_bar_shows_step_reward_and_eta(tmp_path, monkeypatch):
 def test_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    log = RunLogger(cfg(tmp_path, wandb=True, bar=False), is_main=True, total_steps=2)
+    log = RunLogger(*cfg(tmp_path, wandb=True, bar=False), is_main=True, total_steps=2)
     log.log_metrics(1, {"rewards/train": 0.5})
     log.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))

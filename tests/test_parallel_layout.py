@@ -4,7 +4,7 @@ import pytest
 from transformers import LlamaConfig
 
 from conftest import compose_config
-from train.trainer.config import ConfigError, role_config, validate
+from train.trainer.config import ConfigError, load, role_config, validate
 from train.parallel.layout import LayoutError, Sizes, check_model_fits, layout_sizes
 
 
@@ -61,5 +61,5 @@ def test_config_checks_each_models_layout(overrides, world, pattern):
 def test_valid_layouts_pass_and_the_reference_mirrors_the_actor():
     cfg = compose_config(["actor.tp_size=2", "actor.sp_size=2", "actor.kl.coef=0.1", "ref_actor.sp_size=1"])
     validate(cfg, world_size=4)
-    ref = role_config(cfg, "ref_actor")
+    ref = role_config(load(cfg), "ref_actor")
     assert (ref.tp_size, ref.sp_size) == (2, 1)  # tp from the actor, sp overridden

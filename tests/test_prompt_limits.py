@@ -10,9 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from conftest import ROOT, STUB_MATH, read_jsonl, run_trainer
+from conftest import STUB_MATH, read_jsonl, run_config, run_trainer
 from train.datasets.errors import DataError
 from train.datasets.loading import load_rows
 from train.engines.base import Generation, SamplingParams
@@ -26,10 +25,8 @@ LONG = "x " * 2500  # ~5000 stub tokens: past the stub's 512-token context
 
 
 def cfg(**overrides):
-    c = OmegaConf.load(ROOT / "config" / "grpo.yaml")
-    for k, v in overrides.items():
-        OmegaConf.update(c, k, v)
-    return c
+    """The run's typed config (config/grpo.yaml) with `overrides`."""
+    return run_config(overrides)
 
 
 def math_rows(path: Path, n: int, long_every: int | None = 2, long_from: int = 0) -> Path:
@@ -113,17 +110,17 @@ def test_skipped_rows_are_never_trained_and_are_counted_apart():
                       n_turns=1, turn_lengths=[2])
 
     samples = [sample(0, 1.0), sample(0, 0.0), sample(1, 0.0, True), sample(1, 0.0, True)]
-    st.shape_rewards(samples, cfg())
+    st.shape_rewards(samples, cfg().rollout)
     kept = st.select_groups(samples, 2, dynamic_filtering=False)
     assert kept == samples[:2]
-    m = st.rollout_metrics(samples, 2, 2, cfg(), CTX)
+    m = st.rollout_metrics(samples, 2, 2, cfg().rollout, CTX)
     assert m["prompt_overflow_ratio/train"] == 0.5 and m["context_overflow_ratio/train"] == 0.5
     assert m["rewards/train"] == 0.5 and m["prompt_length/train"] == 2.0 and m["response_length/train"] == 2.0
     assert m["trajectory_length/train_max"] == 4 and m["dynamic_filtering_ratio"] == 0.0  # the one real group
 
 
 def data_cfg(**overrides):
-    return cfg(**{"data.contamination_ngram": 13, **overrides})
+    return cfg(**{"data.contamination_ngram": 13, **overrides}).data
 
 
 def test_the_start_up_check_warns_fails_or_refuses_an_all_long_data_set(tmp_path, stub_tokenizer):
@@ -274,4 +271,4 @@ def test_env_truncated_ratio_is_a_metric():
     cut = [{"type": "env_truncated", "turn": 0, "chars": 10, "kept": 5}]
     samples = [Sample(0, [], None, [1, 2], [0, 1], [0.0] * 2, events=events, n_turns=1, turn_lengths=[1])
                for events in (cut, [], [], [])]
-    assert st.rollout_metrics(samples, 2, 2, cfg(**{"rollout.max_turns": 2}), CTX)["env/truncated_ratio/train"] == 0.25
+    assert st.rollout_metrics(samples, 2, 2, cfg(**{"rollout.max_turns": 2}).rollout, CTX)["env/truncated_ratio/train"] == 0.25

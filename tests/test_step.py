@@ -8,9 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from conftest import ROOT
+from conftest import ROOT, run_config
 from train.parallel.step_batch import dispatch, exchange_index
 from train.trainer import step as st
 from train.trainer.advantages import compute_advantages
@@ -33,7 +32,7 @@ def advantages(samples, G, c, ref=None, values=None, rewards=None, reward_scale=
         batch.fields["ref_logp"] = [r.float() for r in ref]
     if values is not None:
         batch.fields["values"] = [v.float() for v in values]
-    metrics = compute_advantages(batch, c, CTX.device, reward_scale=reward_scale)
+    metrics = compute_advantages(batch, c.adv, c.actor.kl, CTX.device, reward_scale=reward_scale)
     return batch.fields["advantages"], batch.fields.get("returns"), metrics
 
 
@@ -49,10 +48,8 @@ def sequence_values(adv, samples):
 
 
 def cfg(**overrides):
-    c = OmegaConf.load(ROOT / "config" / "grpo.yaml")
-    for k, v in overrides.items():
-        OmegaConf.update(c, k, v)
-    return c
+    """The run's typed config (config/grpo.yaml) with `overrides`, as the trainer's parts receive it."""
+    return run_config(overrides)
 
 
 def make_samples(rng, n_groups=3, G=4, binary=False):
@@ -221,7 +218,7 @@ def test_overlong_shaping_and_group_selection():
         s.reward = 1.0  # every group is uninformative before shaping
     c = cfg(**{"rollout.train_sampling_params.max_new_tokens": 8, "rollout.overlong_buffer": 4,
                "rollout.overlong_penalty": 0.5})
-    st.shape_rewards(samples, c)
+    st.shape_rewards(samples, c.rollout)
     rewards = [s.shaped_reward for s in samples]
     for s in samples:
         L = s.n_action_tokens
@@ -231,12 +228,12 @@ def test_overlong_shaping_and_group_selection():
     informative = [len(set(rewards[g * 3:(g + 1) * 3])) > 1 for g in range(2)]
     assert kept == [s for g, ok in enumerate(informative) if ok for s in samples[g * 3:(g + 1) * 3]]
     off = cfg(**{"rollout.overlong_buffer": None})
-    st.shape_rewards(samples, off)
+    st.shape_rewards(samples, off.rollout)
     assert [(s.shaped_reward, s.overlong_penalty) for s in samples] == [(1.0, 0.0)] * 6
     assert st.select_groups(samples, 3, True) == []  # unshaped: nothing kept
     frac = cfg(**{"rollout.train_sampling_params.max_new_tokens": 10, "rollout.overlong_buffer": 0.2})
     L = np.array([s.n_action_tokens for s in samples])
-    st.shape_rewards(samples, frac)
+    st.shape_rewards(samples, frac.rollout)
     np.testing.assert_allclose([s.overlong_penalty for s in samples], -np.clip((L - 8) / 2, 0, 1))
 
 
@@ -260,7 +257,7 @@ def test_mask_truncated_keeps_the_baseline_but_drops_the_tokens():
     samples = make_samples(rng, n_groups=2, G=4)
     samples[1].finish_reason = samples[6].finish_reason = "length"
     before = sequence_values(advantages(samples, 4, cfg())[0], samples)
-    st.shape_rewards(samples, cfg())
+    st.shape_rewards(samples, cfg().rollout)
     kept = st.select_groups(samples, 4, dynamic_filtering=False)
     st.mask_truncated(kept)
     assert kept == samples
@@ -284,7 +281,7 @@ def test_rollout_metrics_trajectory_and_turn_lengths():
 
     samples = [sample(10, [4, 2, 6], 3, 1.0), sample(10, [5], 0, 0.0), sample(12, [3, 7], 5, 1.0),
                sample(12, [2], 0, 1.0)]
-    m = st.rollout_metrics(samples, 2, 2, cfg(**{"rollout.max_turns": 3}), CTX)
+    m = st.rollout_metrics(samples, 2, 2, cfg(**{"rollout.max_turns": 3}).rollout, CTX)
     lengths = [len(s.ids) for s in samples]
     assert lengths == [10 + 12 + 6, 15, 12 + 10 + 5, 14]
     assert m["trajectory_length/train"] == pytest.approx(np.mean(lengths))
@@ -310,11 +307,11 @@ def test_rollout_metrics_count_tool_calls_and_errors():
 
     samples = [sample([("42", False)], [("Error: bad JSON", True), ("7", False)]), sample(),
                sample([("Error: unknown tool 'calc'", True)]), sample()]
-    m = st.rollout_metrics(samples, 2, 2, cfg(**{"rollout.max_turns": 3}), CTX)
+    m = st.rollout_metrics(samples, 2, 2, cfg(**{"rollout.max_turns": 3}).rollout, CTX)
     assert m["tools/calls_per_sample"] == pytest.approx(4 / 4)
     assert m["tools/call_rate"] == pytest.approx(2 / 4)
     assert m["tools/errors"] == 2
-    single = st.rollout_metrics(samples, 2, 2, cfg(**{"rollout.max_turns": 1}), CTX)
+    single = st.rollout_metrics(samples, 2, 2, cfg(**{"rollout.max_turns": 1}).rollout, CTX)
     assert not any(k.startswith("tools/") for k in single)
 
 

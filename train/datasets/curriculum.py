@@ -28,7 +28,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-POLICIES = ("uniform", "skip_saturated", "prioritized")
+from train.datasets.config import POLICIES, CurriculumConfig
 
 
 def prompt_id(row: dict) -> str:
@@ -54,18 +54,6 @@ class PromptStat:
     visits: int = 0
     ema: float = 0.0  # EMA of the group pass rate (the first visit sets it)
     last_step: int = 0
-
-
-@dataclass(frozen=True)
-class CurriculumConfig:
-    policy: str = "uniform"
-    ema_decay: float = 0.7  # ema <- decay * ema + (1 - decay) * pass rate
-    pass_threshold: float = 1.0  # a response passes when its reward >= this
-    min_visits: int = 2  # skip_saturated: visits before a prompt may be skipped
-    low: float = 0.0  # skip_saturated: EMA pass rate at or below: never solved
-    high: float = 1.0  # skip_saturated: at or above: always solved
-    recheck: float = 0.1  # skip_saturated: probability per epoch that a saturated prompt is rolled out anyway
-    floor: float = 0.02  # prioritized: weight p (1 - p) + floor
 
 
 class PromptStats:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from train.engines.base import Generation, RolloutEngine, SamplingParams
 
@@ -50,7 +50,7 @@ def make_engine(name: str, *args: Any, **kwargs: Any) -> RolloutEngine:
     raise ValueError(f"unknown rollout engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
 
 
-def engine_kwargs(rollout: DictConfig, ctx: Any, *, model_path: str, tokenizer: Any, seed: int,
+def engine_kwargs(rollout: Any, ctx: Any, *, model_path: str, tokenizer: Any, seed: int,
                   lora: Any = None) -> dict[str, Any]:
     """Keyword arguments for `make_engine(rollout.engine, **kwargs)` from the `rollout:` config
     section (every key is in config/grpo.yaml); `ctx` is the DistContext."""
@@ -69,7 +69,8 @@ def engine_kwargs(rollout: DictConfig, ctx: Any, *, model_path: str, tokenizer: 
             "dtype": rollout.dtype or "bfloat16",
             "seed": seed,
             "offload_weights": bool(rollout.offload_weights),
-            "engine_kwargs": OmegaConf.to_container(extra, resolve=True) if extra else None,
+            "engine_kwargs": (OmegaConf.to_container(extra, resolve=True) if OmegaConf.is_config(extra)
+                              else dict(extra)) if extra else None,
             "lora": lora,
         }
     return {
@@ -78,15 +79,16 @@ def engine_kwargs(rollout: DictConfig, ctx: Any, *, model_path: str, tokenizer: 
         "device": ctx.device,
         "dtype": rollout.dtype,  # None: bfloat16 on CUDA, float32 on CPU
         "max_batch_size": rollout.max_batch_size,
-        "static_cache": rollout.get("static_cache"),  # None: on CUDA (train/engines/static_decode.py)
+        "static_cache": rollout.static_cache,  # None: on CUDA (train/engines/static_decode.py)
         "seed": seed + ctx.rank,
         "lora": lora,  # the actor's LoRA layers (None: a full model); pushes then send adapters only
     }
 
 
-def build_engine(rollout: DictConfig, ctx: Any, *, model_path: str, tokenizer: Any, seed: int,
+def build_engine(rollout: Any, ctx: Any, *, model_path: str, tokenizer: Any, seed: int,
                  lora: Any = None) -> RolloutEngine:
-    """The rollout engine a run's config asks for, on this rank; `lora` (LoraSettings): the actor's
-    adapters, which the engine holds in the same form."""
+    """The rollout engine a run's config asks for, on this rank: `rollout` is the rollout section
+    (train/workers/config.py's RolloutConfig); `lora` (LoraSettings): the actor's adapters, which the
+    engine holds in the same form."""
     return make_engine(rollout.engine, **engine_kwargs(rollout, ctx, model_path=model_path, tokenizer=tokenizer,
                                                        seed=seed, lora=lora))

@@ -17,6 +17,7 @@ from train.algorithms.mismatch import sampler_mismatch_sums, tis_weights
 from train.algorithms.policy_loss import POLICY_LOSSES
 from train.algorithms.schedules import entropy_coef_schedule
 from train.models import optim
+from train.models.config import ActorConfig
 from train.models.lora import LoraSettings, adapters_disabled
 from train.models.model_init import build_model
 from train.models.trainable import Norms, Trainable, UpdateStats
@@ -30,7 +31,7 @@ from train.parallel.step_batch import StepBatch
 from train.parallel.tensor_parallel import vocab_parallel_logprobs
 
 
-def policy_clip_range(cfg) -> tuple[float, float]:
+def policy_clip_range(cfg: ActorConfig) -> tuple[float, float]:
     """(clip_low, clip_high): explicit actor.clip_low/clip_high win; otherwise PPO uses actor.clip on
     both sides and GSPO its own small sequence-level ranges (actor.gspo_clip_low/high, 3e-4/4e-4 in the paper)."""
     if cfg.loss == "gspo":
@@ -42,7 +43,7 @@ def policy_clip_range(cfg) -> tuple[float, float]:
 
 
 class Actor(Trainable):
-    def __init__(self, cfg, ctx: DistContext, model_path: str, *, pad_token_id: int, train: bool,
+    def __init__(self, cfg: ActorConfig, ctx: DistContext, model_path: str, *, pad_token_id: int, train: bool,
                  temperature: float, total_updates: int = 1, layout: Layout | None = None, adapter_seed: int = 0):
         layout = layout or layout_for(cfg, ctx.world_size, ctx.device.type, "actor")
         super().__init__(layout, ctx.device, pad_token_id, cfg.max_length_per_device,
@@ -52,7 +53,7 @@ class Actor(Trainable):
         self.total_updates = total_updates
         self.temperature = temperature
         # actor.lora: adapters on a frozen base (a reference, train=False, is always the plain model)
-        self.lora = LoraSettings.from_config(cfg.get("lora")) if train else LoraSettings()
+        self.lora = LoraSettings.from_config(cfg.lora) if train else LoraSettings()
         # Built on the meta device and filled shard by shard: no rank ever holds the whole model.
         self.model = build_model(model_path, self.layout, ctx.device,
                                  param_dtype=cfg.dtype,

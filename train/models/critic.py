@@ -12,6 +12,7 @@ import torch
 from train.algorithms.aggregation import aggregate_loss
 from train.algorithms.value_loss import value_loss as clipped_value_loss
 from train.models import optim
+from train.models.config import CriticConfig
 from train.models.lora import LoraSettings
 from train.models.model_init import build_model
 from train.models.trainable import Norms, Trainable, UpdateStats
@@ -23,7 +24,7 @@ from train.parallel.step_batch import StepBatch
 
 
 class Critic(Trainable):
-    def __init__(self, cfg, ctx: DistContext, model_path: str, *, pad_token_id: int, total_updates: int = 1,
+    def __init__(self, cfg: CriticConfig, ctx: DistContext, model_path: str, *, pad_token_id: int, total_updates: int = 1,
                  layout: Layout | None = None, adapter_seed: int = 0):
         layout = layout or layout_for(cfg, ctx.world_size, ctx.device.type, "critic")
         super().__init__(layout, ctx.device, pad_token_id, cfg.max_length_per_device,
@@ -33,7 +34,7 @@ class Critic(Trainable):
         # The backbone of `model_path` (or a critic this trainer exported) and a value head, built on
         # the meta device and filled shard by shard; critic.lora: adapters on the backbone, the value
         # head fully trained.
-        self.lora = LoraSettings.from_config(cfg.get("lora"))
+        self.lora = LoraSettings.from_config(cfg.lora)
         self.model = build_model(model_path, self.layout, ctx.device, value_head=True,
                                  param_dtype=cfg.dtype,
                                  gradient_checkpointing=cfg.gradient_checkpointing, offload=bool(cfg.offload_model),

@@ -22,7 +22,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -50,13 +50,13 @@ class LoraSettings:
         return self.alpha / self.rank
 
     @classmethod
-    def from_config(cls, section: Mapping | None) -> "LoraSettings":
-        """From a `lora:` config section (None or rank 0: off); values are checked by the config."""
-        if not section or not section.get("rank"):
+    def from_config(cls, section) -> "LoraSettings":
+        """From a `lora:` config section (train/models/config.py's LoraConfig; None or rank 0: off),
+        checked by the config."""
+        if section is None or not section.rank:
             return cls()
-        targets = section.get("target_modules") or DEFAULT_TARGETS
-        return cls(int(section["rank"]), float(section.get("alpha", 16.0)), float(section.get("dropout") or 0.0),
-                   tuple(str(t) for t in targets))
+        return cls(int(section.rank), float(section.alpha), float(section.dropout or 0.0),
+                   tuple(str(t) for t in section.target_modules))
 
     def peft_config(self):
         from peft import LoraConfig

@@ -125,7 +125,8 @@ def build_layout(world: int, device_type: str, ddp: int = 1, tp: int = 1, sp: in
     return Layout(sizes, model_mesh, data_mesh)
 
 
-def layout_for(cfg, world: int, device_type: str, prefix: str, timeout_s: float | None = None) -> Layout:
-    """A model's layout from its config section (`ddp_size`, `tp_size`, `sp_size`; absent = 1)."""
-    return build_layout(world, device_type, ddp=cfg.get("ddp_size") or 1, tp=cfg.get("tp_size") or 1,
-                        sp=cfg.get("sp_size") or 1, prefix=prefix, timeout_s=timeout_s)
+def layout_for(section, world: int, device_type: str, prefix: str, timeout_s: float | None = None) -> Layout:
+    """A model's layout from its config section (`ddp_size`, `tp_size`, `sp_size`; absent or null = 1)."""
+    size = lambda key: getattr(section, key, None) or 1  # noqa: E731
+    return build_layout(world, device_type, ddp=size("ddp_size"), tp=size("tp_size"), sp=size("sp_size"),
+                        prefix=prefix, timeout_s=timeout_s)

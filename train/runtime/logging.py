@@ -6,9 +6,12 @@ import json
 import math
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
+
+from train.runtime.config import TrainerConfig
 
 MAX_SOURCES_SHOWN = 4  # a mixture's per-source rewards on the progress bar, when it has at most this many
 
@@ -40,9 +43,12 @@ def drop_rows_after(path: str, step: int) -> None:
 
 
 class RunLogger:
-    def __init__(self, cfg: DictConfig, is_main: bool, total_steps: int, start_step: int = 0):
+    def __init__(self, settings: TrainerConfig, config: Mapping, is_main: bool, total_steps: int,
+                 start_step: int = 0):
+        """`settings`: the trainer section; `config`: the whole run's config, written to config.yaml
+        (and to wandb) as the run was given it."""
         self.is_main = is_main
-        self.save_dir = cfg.trainer.save_dir
+        self.save_dir = settings.save_dir
         self.metrics_file = self.trajectories_file = None
         self.wandb = None
         self.bar = None
@@ -50,19 +56,20 @@ class RunLogger:
             return
         os.makedirs(self.save_dir, exist_ok=True)
         with open(os.path.join(self.save_dir, "config.yaml"), "w") as f:
-            f.write(OmegaConf.to_yaml(cfg, resolve=True))
+            f.write(OmegaConf.to_yaml(config, resolve=True))
         metrics, trajectories = (os.path.join(self.save_dir, n) for n in ("metrics.jsonl", "trajectories.jsonl"))
         if start_step > 0:  # a resume: what a crashed run logged after its checkpoint is re-done, not repeated
             drop_rows_after(metrics, start_step)
             drop_rows_after(trajectories, start_step)
         self.metrics_file = open(metrics, "a", buffering=1)
         self.trajectories_file = open(trajectories, "a", buffering=1)
-        if cfg.trainer.use_wandb:
+        if settings.use_wandb:
             import wandb  # imported only when asked for
 
-            self.wandb = wandb.init(project=cfg.trainer.project, name=cfg.trainer.experiment_name,
-                                    config=OmegaConf.to_container(cfg, resolve=True), dir=self.save_dir)
-        if cfg.trainer.progress_bar:
+            self.wandb = wandb.init(project=settings.project, name=settings.experiment_name,
+                                    config=OmegaConf.to_container(OmegaConf.create(config), resolve=True),
+                                    dir=self.save_dir)
+        if settings.progress_bar:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)

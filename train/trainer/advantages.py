@@ -17,11 +17,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from omegaconf import DictConfig
 
 from train.algorithms.advantages import ESTIMATORS, AdvantageInputs, AdvantageSettings
+from train.algorithms.config import AdvConfig
 from train.algorithms.kl import kl_estimate
 from train.algorithms.moments import group_sums, masked_sums
+from train.models.config import KLConfig
 from train.parallel.collectives import all_reduce_sum
 from train.parallel.step_batch import StepBatch
 
@@ -38,17 +39,16 @@ def unpadded(x: torch.Tensor, batch: StepBatch) -> list[torch.Tensor]:
     return [x[i, : batch.mask[i].numel()].float().clone() for i in range(len(batch))]
 
 
-def compute_advantages(batch: StepBatch, cfg: DictConfig, device: torch.device,
+def compute_advantages(batch: StepBatch, adv: AdvConfig, kl_cfg: KLConfig, device: torch.device,
                        reward_scale: float = 1.0) -> dict[str, float]:
     """Write `advantages` (and for an estimator with a critic `returns`) into batch.fields; return
-    the advantage metrics."""
+    the advantage metrics. `kl_cfg` (actor.kl) says whether and how KL enters the reward."""
     n = len(batch)
     lead = 1.0 if batch.is_leader else 0.0
     width = max([m.numel() for m in batch.mask] + [1])
     mask = padded(batch.mask, width) > 0
     rewards = batch.rewards
-    kl_cfg = cfg.actor.kl
-    estimator = ESTIMATORS.get(cfg.adv.estimator)
+    estimator = ESTIMATORS.get(adv.estimator)
     has_ref = "ref_logp" in batch.fields
     kl_in_reward = has_ref and kl_cfg.reward_estimator is not None and kl_cfg.coef > 0
     kl_tok = None
@@ -84,7 +84,6 @@ def compute_advantages(batch: StepBatch, cfg: DictConfig, device: torch.device,
         batch_sums=tuple(flat[3 * n_groups: 3 * n_groups + 3].tolist()), global_sum=global_sum,
         token_kl=kl_tok if kl_in_reward and not estimator.per_sequence else None, kl_coef=float(kl_cfg.coef),
         values=padded(batch.fields["values"], width) if estimator.needs_critic else None, reward_scale=reward_scale)
-    adv = cfg.adv
     settings = AdvantageSettings(norm_var=bool(adv.norm_var), global_norm=bool(adv.global_norm),
                                  batch_whiten=bool(adv.batch_whiten), gamma=float(adv.gamma),
                                  lamda=float(adv.lamda), whiten=bool(adv.whiten))

@@ -9,6 +9,7 @@ checks of train/trainer/data_check.py on the first `data.check_rows` rows of eac
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -17,24 +18,19 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from train.algorithms.advantages import ESTIMATORS
-from train.algorithms.aggregation import AGG_MODES
-from train.algorithms.kl import KL_ESTIMATORS
-from train.algorithms.mismatch import TIS_LEVELS
-from train.algorithms.policy_loss import POLICY_LOSSES
-from train.algorithms.schedules import ENTROPY_SCHEDULES
-from train.datasets.curriculum import POLICIES
 from train.datasets.errors import DataError
 from train.datasets.mixture import MixtureError, Source, load_sources, parse_sources
-from train.engines import ENGINE_NAMES, engine_sampling_keys
+from train.engines import engine_sampling_keys
 from train.engines.base import SamplingError, SamplingParams, sampling_from_mapping
-from train.trainer.data_check import OVERLONG_CHOICES, check_data, context_length
+from train.models.config import ActorConfig, CriticConfig
+from train.runtime.config import TrainerConfig
+from train.trainer.data_check import check_data, context_length
+from train.trainer.schema import RunConfig, load
 from train.utils import hub
+from train.utils.typed_config import ConfigError, fail as _fail
 from train.workers.env_routing import env_paths
 
-
-class ConfigError(ValueError):
-    pass
+__all__ = ["ConfigError", "ModelPaths", "validate", "load", "resolve_aliases", "role_config", "sampling_params"]
 
 
 # Keys the user must choose, with an example override for the error message.
@@ -73,27 +69,6 @@ class ModelPaths:
 
 def _get(cfg: DictConfig, key: str):
     return OmegaConf.select(cfg, key, default=None)
-
-
-def _fail(key: str, problem: str, example: str | None = None) -> None:
-    msg = f"config key '{key}': {problem}"
-    if example:
-        msg += f". Example override: {example}"
-    raise ConfigError(msg)
-
-
-def _positive_int(cfg: DictConfig, key: str, allow_none: bool = False) -> None:
-    value = _get(cfg, key)
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        _fail(key, f"expected a positive integer, got {value!r}", f"{key}=1")
-
-
-def _choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> None:
-    value = _get(cfg, key)
-    if value not in choices:
-        _fail(key, f"expected one of {', '.join(choices)}; got {value!r}", f"{key}={choices[0]}")
 
 
 def _number(cfg: DictConfig, key: str, low: float | None = None, high: float | None = None, *,
@@ -192,93 +167,44 @@ def rollout_ranks(cfg: DictConfig, world_size: int) -> int:
 def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = None) -> ModelPaths:
     """Raise ConfigError for the first missing or inconsistent key; return the local folders of
     every model. `resolve` turns model names into folders (default: `hub.resolve_all` in this
-    process; the trainer passes one that fetches once per node)."""
+    process; the trainer passes one that fetches once per node).
+
+    Each key's type, bounds and choices, unknown keys, and the relations within one section are
+    checked by the sections' classes (`load`, train/trainer/schema.py); what is checked here relates
+    sections to each other, to the world size, to the files and models on disk."""
     for key, example in REQUIRED.items():
         if _get(cfg, key) is None:
             extra = " and so is rollout.model_name" if key == "actor.model_name" else ""
             _fail(key, f"is required (it is null in config/grpo.yaml{extra})", example)
-
-    _positive_int(cfg, "data.prompts_per_rollout")
-    _positive_int(cfg, "data.responses_per_prompt")
-    _positive_int(cfg, "actor.max_length_per_device")
-    _positive_int(cfg, "actor.max_inference_length_per_device", allow_none=True)
-    _positive_int(cfg, "actor.update_per_rollout")
-    _positive_int(cfg, "actor.mini_batches")
-    _positive_int(cfg, "rollout.max_turns")
-    _positive_int(cfg, "rollout.max_total_length", allow_none=True)
-    _positive_int(cfg, "rollout.max_env_chars", allow_none=True)
-    _positive_int(cfg, "data.check_rows", allow_none=True)
-    _choice(cfg, "data.overlong_prompts", OVERLONG_CHOICES)
-    _positive_int(cfg, "trainer.warn_skipped_steps", allow_none=True)
-    _positive_int(cfg, "rollout.max_batch_size")
-    _positive_int(cfg, "rollout.env_workers")
-    _positive_int(cfg, "trainer.n_epochs")
-    for key in ("trainer.total_steps", "trainer.save_freq", "trainer.test_freq"):
-        _positive_int(cfg, key, allow_none=True)
-    _number(cfg, "trainer.model_fetch_timeout_s", 0.0, low_open=True, allow_none=True,
-            example="trainer.model_fetch_timeout_s=7200")
-    _positive_int(cfg, "trainer.keep_last_n", allow_none=True)
-    _number(cfg, "trainer.export_shard_gb", 0.0, low_open=True, example="trainer.export_shard_gb=2")
-    _number(cfg, "trainer.watchdog_min_s", 0.0, low_open=True, allow_none=True, example="trainer.watchdog_min_s=1800")
-    _number(cfg, "trainer.watchdog_factor", 1.0, example="trainer.watchdog_factor=10")
-    collective_timeout_s(cfg)
-    _positive_int(cfg, "trainer.sync_probe_every", allow_none=True)
-    _number(cfg, "trainer.sync_probe_tol", 0.0, low_open=True, allow_none=True, example="trainer.sync_probe_tol=0.001")
-    _number(cfg, "rollout.push_timeout_s", 0.0, low_open=True, allow_none=True, example="rollout.push_timeout_s=600")
-    _number(cfg, "rollout.async_timeout_s", 0.0, low_open=True, example="rollout.async_timeout_s=1800")
-    _validate_curriculum(cfg)
-    staleness = _get(cfg, "rollout.max_staleness")
-    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
-        _fail("rollout.max_staleness", f"expected an integer >= 0 (0: synchronous; k: step N+k's rollout overlaps "
-              f"step N's update, samples k weight versions old), got {staleness!r}", "rollout.max_staleness=1")
-    if staleness and _get(cfg, "rollout.dynamic_sampling"):
-        _fail("rollout.max_staleness", f"{staleness} cannot be combined with rollout.dynamic_sampling=true (its refill "
-              "rounds need all ranks between the rollout and the update)", "rollout.max_staleness=0")
-    for key in ("trainer.async_save", "trainer.save_on_signal", "trainer.overwrite", "trainer.verify_push",
-                "actor.share_prompt"):
-        if not isinstance(_get(cfg, key), bool):
-            _fail(key, f"expected true or false, got {_get(cfg, key)!r}", f"{key}=true")
-
-    # Choice lists come from the registries of the code that implements them (train/algorithms/), read
-    # at each check: an estimator or loss registered there is a valid choice, with nothing else to edit.
-    _choice(cfg, "actor.agg_mode", AGG_MODES.names())
-    _choice(cfg, "actor.kl.type", KL_ESTIMATORS.names())
-    if _get(cfg, "actor.kl.reward_estimator") is not None:
-        _choice(cfg, "actor.kl.reward_estimator", KL_ESTIMATORS.names())
-    _choice(cfg, "adv.estimator", ESTIMATORS.names())  # train/algorithms/advantages.py
-    _choice(cfg, "actor.loss", POLICY_LOSSES.names())
-    _choice(cfg, "rollout.engine", ENGINE_NAMES)
-    _choice(cfg, "actor.scheduler", ("constant", "cosine"))
-    _choice(cfg, "actor.dtype", ("float32", "bfloat16"))
+    run = load(cfg)
     for section in SAMPLING_SECTIONS:
-        sampling_params(cfg, section)
-    _validate_algorithms(cfg)
-    _validate_gpu_keys(cfg, world_size)
+        sampling_params(run.rollout, section.split(".")[1])
+    rollout, data, trainer = run.rollout, run.data, run.trainer
+    if rollout.max_staleness and rollout.dynamic_sampling:
+        _fail("rollout.max_staleness", f"{rollout.max_staleness} cannot be combined with rollout.dynamic_sampling=true "
+              "(its refill rounds need all ranks between the rollout and the update)", "rollout.max_staleness=0")
+    if data.curriculum.policy != "uniform" and rollout.max_staleness:
+        _fail("data.curriculum.policy", f"{data.curriculum.policy} needs rollout.max_staleness=0 (the next batch is "
+              "drawn before this step's pass rates are known)", "data.curriculum.policy=uniform")
+    _validate_algorithms(run)
+    _validate_gpu_keys(run, world_size)
 
-    ppr = cfg.data.prompts_per_rollout
+    ppr = data.prompts_per_rollout
     if ppr % world_size != 0:
         _fail("data.prompts_per_rollout", f"{ppr} is not divisible by the {world_size} data-parallel ranks",
               f"data.prompts_per_rollout={max(world_size, ppr - ppr % world_size)}")
-    if cfg.actor.lr <= 0:
-        _fail("actor.lr", f"must be > 0, got {cfg.actor.lr}", "actor.lr=1e-6")
-    if not 0.0 <= cfg.actor.warmup_ratio < 1.0:
-        _fail("actor.warmup_ratio", f"must be in [0, 1), got {cfg.actor.warmup_ratio}", "actor.warmup_ratio=0.05")
-    if cfg.actor.kl.coef < 0:
-        _fail("actor.kl.coef", f"must be >= 0, got {cfg.actor.kl.coef}", "actor.kl.coef=0.001")
-    if cfg.rollout.env_timeout_s <= 0:
-        _fail("rollout.env_timeout_s", "must be > 0", "rollout.env_timeout_s=30")
-    if cfg.trainer.test_freq is not None and _get(cfg, "data.test_data_path") is None:
+    if trainer.test_freq is not None and data.test_data_path is None:
         _fail("data.test_data_path", "is required when trainer.test_freq is set",
               "data.test_data_path=stub/data/math/test.jsonl (or trainer.test_freq=null)")
 
-    _validate_sources(cfg)
-    _validate_lora(cfg)
-    load = cfg.trainer.load_ckpt_from
-    if load is not None and load != "latest":
+    _validate_sources(run)
+    _validate_lora(run)
+    load_from = trainer.load_ckpt_from
+    if load_from is not None and load_from != "latest":
         from train.runtime.checkpoint import CheckpointError, read_meta
 
         try:
-            read_meta(load)
+            read_meta(load_from)
         except CheckpointError as e:
             raise ConfigError(str(e)) from None
 
@@ -286,8 +212,8 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
         paths = ModelPaths.from_resolved((resolve or hub.resolve_all)(model_names(cfg)))
     except hub.ModelNotFound as e:
         raise ConfigError(str(e)) from None
-    _validate_parallel(cfg, world_size, paths)
-    if (_get(cfg, "actor.lora.rank") or 0) > 0 and os.path.realpath(paths.rollout) != os.path.realpath(paths.actor):
+    _validate_parallel(run, world_size, paths)
+    if run.actor.lora.rank > 0 and os.path.realpath(paths.rollout) != os.path.realpath(paths.actor):
         _fail("rollout.model_name", f"with actor.lora.rank > 0 the engine must hold the actor's base model "
               f"({paths.actor}): a push sends only the adapters, not {paths.rollout}'s weights",
               "rollout.model_name=null")
@@ -295,11 +221,12 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     return paths
 
 
-def data_sources(cfg: DictConfig) -> tuple[list[Source], list[Source]]:
-    """The train and test sources (train/datasets/mixture.py); test is [] without a test set."""
+def data_sources(data) -> tuple[list[Source], list[Source]]:
+    """The train and test sources of the data section (train/datasets/mixture.py); test is [] without
+    a test set."""
     try:
-        train = parse_sources(_plain(_get(cfg, "data.train_data_path")), "data.train_data_path")
-        test_value = _plain(_get(cfg, "data.test_data_path"))
+        train = parse_sources(_plain(data.train_data_path), "data.train_data_path")
+        test_value = _plain(data.test_data_path)
         test = [] if test_value is None else parse_sources(test_value, "data.test_data_path", weights=False)
     except MixtureError as e:
         raise ConfigError(str(e)) from None
@@ -310,11 +237,11 @@ def _plain(value):
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
-def _validate_sources(cfg: DictConfig) -> None:
+def _validate_sources(run: RunConfig) -> None:
     """Data sources well formed; every environment file exists; with environments per source, every
     named source has one."""
-    train, test = data_sources(cfg)
-    envs = env_paths(cfg)
+    train, test = data_sources(run.data)
+    envs = env_paths(run.rollout)
     where = f"relative paths are from {os.getcwd()}"
     if isinstance(envs, str):
         if not os.path.exists(envs):
@@ -334,43 +261,17 @@ def _validate_sources(cfg: DictConfig) -> None:
                       f"{', '.join(map(str, envs))})", f"rollout.env_path.{source.name}=environments/eq.py")
 
 
-def _validate_curriculum(cfg: DictConfig) -> None:
-    key = "data.curriculum"
-    _choice(cfg, f"{key}.policy", POLICIES)
-    _number(cfg, f"{key}.ema_decay", 0.0, 1.0, example=f"{key}.ema_decay=0.7")
-    if _get(cfg, f"{key}.ema_decay") == 1.0:
-        _fail(f"{key}.ema_decay", "1.0 would never move the average", f"{key}.ema_decay=0.7")
-    _number(cfg, f"{key}.pass_threshold", example=f"{key}.pass_threshold=1.0")
-    _positive_int(cfg, f"{key}.min_visits")
-    _number(cfg, f"{key}.low", 0.0, 1.0, example=f"{key}.low=0.0")
-    _number(cfg, f"{key}.high", 0.0, 1.0, example=f"{key}.high=1.0")
-    if cfg.data.curriculum.low >= cfg.data.curriculum.high:
-        _fail(f"{key}.low", f"{cfg.data.curriculum.low} is not below {key}.high={cfg.data.curriculum.high}",
-              f"{key}.low=0.0")
-    # Both keep every prompt reachable: a skipped prompt can come back, a solved one keeps a weight.
-    _number(cfg, f"{key}.recheck", 0.0, 1.0, low_open=True, example=f"{key}.recheck=0.1")
-    _number(cfg, f"{key}.floor", 0.0, low_open=True, example=f"{key}.floor=0.02")
-    _positive_int(cfg, "data.contamination_ngram")
-    if not isinstance(_get(cfg, "data.fail_on_contamination"), bool):
-        _fail("data.fail_on_contamination", f"expected true or false, got {_get(cfg, 'data.fail_on_contamination')!r}",
-              "data.fail_on_contamination=true")
-    if cfg.data.curriculum.policy != "uniform" and _get(cfg, "rollout.max_staleness"):
-        _fail(f"{key}.policy", f"{cfg.data.curriculum.policy} needs rollout.max_staleness=0 (the next batch is drawn "
-              "before this step's pass rates are known)", f"{key}.policy=uniform")
-
-
-def sampling_params(cfg: DictConfig, section: str) -> SamplingParams:
-    """`rollout.train_sampling_params` / `test_sampling_params` as SamplingParams, every key checked
-    against what the configured engine takes."""
-    values = _get(cfg, section)
-    if not isinstance(values, DictConfig):
+def sampling_params(rollout, name: str) -> SamplingParams:
+    """The rollout section's `train_sampling_params` / `test_sampling_params` (`name`) as
+    SamplingParams, every key checked against what the configured engine takes."""
+    section, values = f"rollout.{name}", _plain(getattr(rollout, name))
+    if not isinstance(values, Mapping):
         _fail(section, f"expected a mapping of sampling parameters, got {values!r}",
               f"{section}.max_new_tokens=128")
-    engine = cfg.rollout.engine
     try:
-        return sampling_from_mapping(OmegaConf.to_container(values, resolve=True), engine_sampling_keys(engine))
+        return sampling_from_mapping(dict(values), engine_sampling_keys(rollout.engine))
     except SamplingError as e:
-        _fail(f"{section}.{e.key}", f"{e.problem} (rollout.engine={engine})")
+        _fail(f"{section}.{e.key}", f"{e.problem} (rollout.engine={rollout.engine})")
 
 
 ARCH_FIELDS = ("model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers",
@@ -400,103 +301,50 @@ def _validate_rollout_model(paths: ModelPaths) -> None:
                   "rollout.tokenizer_name=null (the actor's)")
 
 
-def _validate_algorithms(cfg: DictConfig) -> None:
-    """Keys of the algorithm set (issue 7): estimators, critic, clipping, KL, TIS, DAPO, governor."""
-    _choice(cfg, "actor.tis_level", TIS_LEVELS)
-    _number(cfg, "actor.tis_cap", 0.0, low_open=True, allow_none=True, example="actor.tis_cap=2.0")
-    _number(cfg, "actor.clip", 0.0, low_open=True, example="actor.clip=0.2")
-    for key in ("actor.clip_low", "actor.clip_high", "actor.gspo_clip_low", "actor.gspo_clip_high"):
-        _number(cfg, key, 0.0, low_open=True, allow_none=True, example=f"{key}=0.28")
-    if _get(cfg, "actor.clip_low") is not None and cfg.actor.clip_low >= 1.0:
-        _fail("actor.clip_low", f"must be < 1 (the ratio floor is 1 - clip_low), got {cfg.actor.clip_low}",
-              "actor.clip_low=0.2")
-    _number(cfg, "actor.dual_clip", 1.0, low_open=True, allow_none=True, example="actor.dual_clip=3.0")
-    _number(cfg, "actor.target_kl", 0.0, low_open=True, allow_none=True, example="actor.target_kl=0.02")
-    _positive_int(cfg, "actor.loss_norm_length", allow_none=True)
-    _number(cfg, "actor.entropy.coef", 0.0, example="actor.entropy.coef=0.001")
-    _number(cfg, "actor.entropy.min_coef", 0.0, example="actor.entropy.min_coef=0.0")
-    _choice(cfg, "actor.entropy.schedule", ENTROPY_SCHEDULES)
-    _positive_int(cfg, "actor.entropy.decay_steps", allow_none=True)
-    if cfg.actor.entropy.schedule != "constant" and cfg.actor.entropy.min_coef > cfg.actor.entropy.coef:
-        _fail("actor.entropy.min_coef", f"the floor {cfg.actor.entropy.min_coef} is above the start coef "
-              f"{cfg.actor.entropy.coef}", f"actor.entropy.min_coef={cfg.actor.entropy.coef / 10:g}")
-
-    _number(cfg, "adv.gamma", 0.0, 1.0, low_open=True, example="adv.gamma=1.0")
-    _number(cfg, "adv.lamda", 0.0, 1.0, example="adv.lamda=0.95")
-    if cfg.adv.estimator in ("reinforce", "rloo") and _get(cfg, "adv.gamma") != 1.0:
-        _fail("adv.gamma", f"{cfg.adv.estimator} has one advantage per sequence; discounting needs "
+def _validate_algorithms(run: RunConfig) -> None:
+    """Relations between the algorithm keys (issue 7): estimators, critic, KL, DAPO."""
+    adv, kl, rollout = run.adv, run.actor.kl, run.rollout
+    if adv.estimator in ("reinforce", "rloo") and adv.gamma != 1.0:
+        _fail("adv.gamma", f"{adv.estimator} has one advantage per sequence; discounting needs "
               "adv.estimator=reinforce_pp or gae", "adv.estimator=gae")
-    if cfg.adv.estimator == "gae":
-        _positive_int(cfg, "critic.max_inference_length_per_device", allow_none=True)
-        for key in ("critic.update_per_rollout", "critic.mini_batches", "critic.max_length_per_device"):
-            _positive_int(cfg, key)
-        _number(cfg, "critic.lr", 0.0, low_open=True, example="critic.lr=1e-5")
-        _number(cfg, "critic.clip", 0.0, low_open=True, allow_none=True, example="critic.clip=0.5")
-        _number(cfg, "critic.max_grad_norm", 0.0, low_open=True, example="critic.max_grad_norm=1.0")
-        _number(cfg, "critic.warmup_ratio", 0.0, 1.0, example="critic.warmup_ratio=0.0")
-
-    if _get(cfg, "adv.global_norm") and _get(cfg, "adv.batch_whiten"):
+    if adv.global_norm and adv.batch_whiten:
         _fail("adv.batch_whiten", "adv.global_norm already normalises with batch statistics; set only one",
               "adv.batch_whiten=false")
-    if _get(cfg, "adv.global_norm") and cfg.adv.estimator not in ("reinforce", "rloo"):
+    if adv.global_norm and adv.estimator not in ("reinforce", "rloo"):
         _fail("adv.global_norm", f"shares the baseline across prompts for reinforce and rloo, not "
-              f"{cfg.adv.estimator}", "adv.global_norm=false")
-    if _get(cfg, "adv.batch_whiten") and cfg.adv.estimator not in ("reinforce", "rloo"):
-        _fail("adv.batch_whiten", f"whitens reinforce/rloo advantages; {cfg.adv.estimator} has adv.whiten "
+              f"{adv.estimator}", "adv.global_norm=false")
+    if adv.batch_whiten and adv.estimator not in ("reinforce", "rloo"):
+        _fail("adv.batch_whiten", f"whitens reinforce/rloo advantages; {adv.estimator} has adv.whiten "
               "or normalises by itself", "adv.batch_whiten=false")
-    kl = cfg.actor.kl
-    if kl.reward_estimator is not None and cfg.adv.estimator in ("reinforce", "rloo") and kl.coef == 0:
+    if kl.reward_estimator is not None and adv.estimator in ("reinforce", "rloo") and kl.coef == 0:
         _fail("actor.kl.coef", "actor.kl.reward_estimator is set but the KL coefficient is 0",
               "actor.kl.coef=0.01")
 
-    n = cfg.data.responses_per_prompt
-    if cfg.rollout.dynamic_sampling:
-        _positive_int(cfg, "rollout.dynamic_sampling_max_rounds")
-        if n < 2:
-            _fail("rollout.dynamic_sampling", "needs groups (data.responses_per_prompt >= 2): a group of "
-                  "one is never informative", "data.responses_per_prompt=8")
-    limit = cfg.rollout.train_sampling_params.max_new_tokens * cfg.rollout.max_turns
-    buf = _get(cfg, "rollout.overlong_buffer")
+    if rollout.dynamic_sampling and run.data.responses_per_prompt < 2:
+        _fail("rollout.dynamic_sampling", "needs groups (data.responses_per_prompt >= 2): a group of "
+              "one is never informative", "data.responses_per_prompt=8")
+    limit = rollout.train_sampling_params["max_new_tokens"] * rollout.max_turns
+    buf = rollout.overlong_buffer
     if buf is not None:
         if isinstance(buf, bool) or not isinstance(buf, (int, float)) or buf <= 0 or \
                 (isinstance(buf, float) and buf >= 1.0) or (isinstance(buf, int) and buf > limit):
             _fail("rollout.overlong_buffer", f"expected a token count in [1, {limit}] (max_new_tokens x "
                   f"max_turns) or a fraction in (0, 1) of it, got {buf!r}", "rollout.overlong_buffer=0.2")
-    _number(cfg, "rollout.overlong_penalty", 0.0, example="rollout.overlong_penalty=1.0")
-
-    gov = cfg.trainer.governor
-    _number(cfg, "trainer.governor.max_weight_change", 0.0, low_open=True,
-            example="trainer.governor.max_weight_change=0.05")  # also the warning's threshold without the governor
-    if gov.enable:
-        _positive_int(cfg, "trainer.governor.window")
-        _positive_int(cfg, "trainer.governor.min_history")
-        _positive_int(cfg, "trainer.governor.min_panics")
-        _number(cfg, "trainer.governor.k_sigma", 0.0, low_open=True, example="trainer.governor.k_sigma=6")
-        _number(cfg, "trainer.governor.rel_std_floor", 0.0, example="trainer.governor.rel_std_floor=0.25")
-        if gov.min_history > gov.window:
-            _fail("trainer.governor.min_history", f"{gov.min_history} is above the window {gov.window}",
-                  f"trainer.governor.min_history={gov.window}")
-        if not gov.watch:
-            _fail("trainer.governor.watch", "lists no metric", "trainer.governor.watch=[actor/loss,actor/grad_norm]")
 
 
 PARALLEL_KEYS = ("ddp_size", "tp_size", "sp_size", "offload_model", "offload_optimizer")
 
 
-def role_config(cfg: DictConfig, role: str) -> DictConfig:
+def role_config(run: RunConfig, role: str) -> ActorConfig | CriticConfig:
     """The config section a model is built from: `actor`, `critic`, or `ref_actor` (the actor's
     section with ref_actor's non-null parallel keys on top: the reference mirrors the actor unless told)."""
     if role != "ref_actor":
-        return cfg[role]
-    merged = OmegaConf.create(OmegaConf.to_container(cfg.actor, resolve=True))
-    for key in PARALLEL_KEYS:
-        value = _get(cfg, f"ref_actor.{key}")
-        if value is not None:
-            merged[key] = value
-    return merged
+        return getattr(run, role)
+    told = {key: getattr(run.ref_actor, key, None) for key in PARALLEL_KEYS}  # (no offload_optimizer: no optimizer)
+    return dataclasses.replace(run.actor, **{key: value for key, value in told.items() if value is not None})
 
 
-def _validate_parallel(cfg: DictConfig, world_size: int, paths: ModelPaths) -> None:
+def _validate_parallel(run: RunConfig, world_size: int, paths: ModelPaths) -> None:
     """Each model's ddp/tp/sp sizes must lay out on the world and split its heads and vocabulary
     (docs/parallelism.md); reads the model's config.json, not its weights."""
     from transformers import AutoConfig
@@ -504,21 +352,14 @@ def _validate_parallel(cfg: DictConfig, world_size: int, paths: ModelPaths) -> N
     from train.parallel.layout import LayoutError, check_model_fits, layout_sizes
 
     roles = ["actor"]
-    if cfg.actor.kl.coef > 0:
+    if run.actor.kl.coef > 0:
         roles.append("ref_actor")
-    if cfg.adv.estimator == "gae":
+    if run.adv.estimator == "gae":
         roles.append("critic")
     for role in roles:
-        for key in ("ddp_size", "tp_size", "sp_size"):
-            _positive_int(cfg, f"{role}.{key}", allow_none=True)  # ref_actor's null: the actor's, checked as such
-        section = role_config(cfg, role)
-        for key in ("offload_model", "offload_optimizer"):
-            value = section.get(key)
-            if value is not None and not isinstance(value, bool):
-                _fail(f"{role}.{key}", f"expected true or false, got {value!r}", f"{role}.{key}=true")
+        section = role_config(run, role)
         try:
-            sizes = layout_sizes(world_size, section.get("ddp_size") or 1, section.get("tp_size") or 1,
-                                 section.get("sp_size") or 1, prefix=role)
+            sizes = layout_sizes(world_size, section.ddp_size, section.tp_size, section.sp_size, prefix=role)
         except LayoutError as e:
             raise ConfigError(f"config: {e}") from None
         path = {"actor": paths.actor, "ref_actor": paths.reference, "critic": paths.critic}[role]
@@ -528,67 +369,32 @@ def _validate_parallel(cfg: DictConfig, world_size: int, paths: ModelPaths) -> N
             raise ConfigError(f"config: {e} (model {path})") from None
 
 
-def _validate_lora(cfg: DictConfig) -> None:
-    """actor.lora.* and critic.lora.* (train/models/lora.py); LoRA under tensor parallelism is
-    refused here rather than run with a wrong plan."""
+def _validate_lora(run: RunConfig) -> None:
+    """LoRA under tensor parallelism is refused here rather than run with a wrong plan (the adapters'
+    own keys are checked by LoraConfig)."""
     for role in ("actor", "critic"):
-        if role == "critic" and cfg.adv.estimator != "gae":
+        if role == "critic" and run.adv.estimator != "gae":
             continue
-        key = f"{role}.lora"
-        rank = _get(cfg, f"{key}.rank")
-        if rank is None or rank == 0:
-            continue
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            _fail(f"{key}.rank", f"expected 0 (off) or a positive integer, got {rank!r}", f"{key}.rank=16")
-        _number(cfg, f"{key}.alpha", 0.0, low_open=True, example=f"{key}.alpha=32")
-        dropout = _get(cfg, f"{key}.dropout")
-        if dropout is not None:
-            _number(cfg, f"{key}.dropout", 0.0, 1.0, example=f"{key}.dropout=0.05")
-            if dropout >= 1.0:
-                _fail(f"{key}.dropout", f"must be below 1, got {dropout!r}", f"{key}.dropout=0.05")
-        targets = _plain(_get(cfg, f"{key}.target_modules"))
-        if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
-            _fail(f"{key}.target_modules", f"expected a non-empty list of module names, got {targets!r}",
-                  f"'{key}.target_modules=[q_proj,v_proj]'")
-        if (_get(cfg, f"{role}.tp_size") or 1) > 1:
-            _fail(f"{key}.rank", f"LoRA with tensor parallelism ({role}.tp_size="
-                  f"{_get(cfg, f'{role}.tp_size')}) is not supported: the adapters would need their own TP plan; "
-                  f"use FSDP (and {role}.sp_size for long sequences) instead", f"{role}.tp_size=1")
+        section = getattr(run, role)
+        if section.lora.rank > 0 and section.tp_size > 1:
+            _fail(f"{role}.lora.rank", f"LoRA with tensor parallelism ({role}.tp_size={section.tp_size}) is not "
+                  f"supported: the adapters would need their own TP plan; use FSDP (and {role}.sp_size for long "
+                  "sequences) instead", f"{role}.tp_size=1")
 
 
-def _validate_gpu_keys(cfg: DictConfig, world_size: int) -> None:
-    """rollout.dtype/tp_size/gpu_memory_utilization/bucket_size_mb/base_port/offload_weights/
-    sglang_kwargs/static_cache and actor.use_liger_kernel (docs/gpu.md). Absent keys keep their defaults."""
-    if _get(cfg, "rollout.dtype") is not None:
-        _choice(cfg, "rollout.dtype", ("bfloat16", "float32", "float16"))
-    _positive_int(cfg, "rollout.tp_size", allow_none=True)
-    tp = _get(cfg, "rollout.tp_size") or 1
-    if tp > 1 and cfg.rollout.engine != "sglang":
-        _fail("rollout.tp_size", f"tensor-parallel rollout ({tp}) needs the sglang engine", "rollout.engine=sglang")
-    if world_size % tp:
-        _fail("rollout.tp_size", f"{tp} does not divide the {world_size} ranks", "rollout.tp_size=1")
-    _number(cfg, "rollout.gpu_memory_utilization", 0.0, 1.0, low_open=True, allow_none=True,
-            example="rollout.gpu_memory_utilization=0.5")
-    _number(cfg, "rollout.bucket_size_mb", 0.0, low_open=True, allow_none=True, example="rollout.bucket_size_mb=512")
-    port = _get(cfg, "rollout.base_port")
-    if port is not None and (not isinstance(port, int) or isinstance(port, bool)
-                             or not 1024 <= port <= 65535 - world_size):
-        _fail("rollout.base_port", f"expected a port in [1024, {65535 - world_size}] (one per rank), got {port!r}",
-              "rollout.base_port=30000")
-    extra = _get(cfg, "rollout.sglang_kwargs")
-    if extra is not None and not isinstance(extra, DictConfig):
-        _fail("rollout.sglang_kwargs", f"expected a mapping of sglang ServerArgs fields, got {extra!r}",
-              "'rollout.sglang_kwargs={context_length: 8192}'")
-    offload = _get(cfg, "rollout.offload_weights")
-    if offload is not None and not isinstance(offload, bool):
-        _fail("rollout.offload_weights", f"expected true or false, got {offload!r}", "rollout.offload_weights=true")
-    static = _get(cfg, "rollout.static_cache")
-    if static is not None and not isinstance(static, bool):
-        _fail("rollout.static_cache", f"expected true, false or null, got {static!r}", "rollout.static_cache=false")
-    liger = _get(cfg, "actor.use_liger_kernel")
-    if liger is not None and not isinstance(liger, bool):
-        _fail("actor.use_liger_kernel", f"expected true or false, got {liger!r}", "actor.use_liger_kernel=true")
-    if liger and (_get(cfg, "actor.tp_size") or 1) > 1:
+def _validate_gpu_keys(run: RunConfig, world_size: int) -> None:
+    """The GPU keys' relations to the engine and the world (docs/gpu.md); their types and bounds are
+    RolloutConfig's and ActorConfig's."""
+    rollout = run.rollout
+    if rollout.tp_size > 1 and rollout.engine != "sglang":
+        _fail("rollout.tp_size", f"tensor-parallel rollout ({rollout.tp_size}) needs the sglang engine",
+              "rollout.engine=sglang")
+    if world_size % rollout.tp_size:
+        _fail("rollout.tp_size", f"{rollout.tp_size} does not divide the {world_size} ranks", "rollout.tp_size=1")
+    if rollout.base_port > 65535 - world_size:
+        _fail("rollout.base_port", f"expected a port in [1024, {65535 - world_size}] (one per rank), got "
+              f"{rollout.base_port!r}", "rollout.base_port=30000")
+    if run.actor.use_liger_kernel and run.actor.tp_size > 1:
         _fail("actor.use_liger_kernel", "the fused log-prob head needs an unsharded lm_head (actor.tp_size=1)",
               "actor.use_liger_kernel=false")
 
@@ -629,48 +435,49 @@ def check(config_name: str, overrides: Sequence[str], world_size: int) -> tuple[
     cfg = compose(config_name, overrides)
     resolve_aliases(cfg)
     paths = validate(cfg, world_size - rollout_ranks(cfg, world_size))  # the trainer ranks (rollout.ranks)
-    check_run_folder(cfg)
-    warnings, read = check_data_preview(cfg, paths)
+    run = load(cfg)
+    check_run_folder(run.trainer)
+    warnings, read = check_data_preview(run, paths)
     return useless_settings(cfg) + warnings, read
 
 
-def check_run_folder(cfg: DictConfig) -> None:
+def check_run_folder(trainer: TrainerConfig) -> None:
     """A trainer.save_dir that already holds a run is refused here as rank 0 would refuse it at start
     (train/runtime/run_folder.py, the same rule and line), not inside torchrun seconds later. The lock
     (a live run) is not checked: on several nodes it is the run's own rank 0 that holds it."""
     from train.runtime.run_folder import RunFolderError, replaces_a_run
 
     try:
-        replaces_a_run(cfg.trainer.save_dir, cfg.trainer.load_ckpt_from, cfg.trainer.overwrite)
+        replaces_a_run(trainer.save_dir, trainer.load_ckpt_from, trainer.overwrite)
     except RunFolderError as e:
         raise ConfigError(str(e)) from None
     except OSError as e:  # a folder this user cannot list
-        raise ConfigError(f"trainer.save_dir '{cfg.trainer.save_dir}' cannot be read: {e.strerror or e}: point "
+        raise ConfigError(f"trainer.save_dir '{trainer.save_dir}' cannot be read: {e.strerror or e}: point "
                           "trainer.save_dir at a folder of yours (e.g. trainer.save_dir=runs/my_run)") from None
 
 
-def check_data_preview(cfg: DictConfig, paths: ModelPaths) -> tuple[list[str], str]:
+def check_data_preview(run: RunConfig, paths: ModelPaths) -> tuple[list[str], str]:
     """The trainer's data checks (train/trainer/data_check.py: sources routed, contamination, prompts
     that fill the context; UTF-8 and the row contract as the loader reads) on the first
     `data.check_rows` rows of each source, read with the trainer's loader: (warnings, what was read).
     Test data is read only when the run evaluates (trainer.test_freq), as the trainer does."""
     from transformers import AutoTokenizer
 
-    limit = cfg.data.check_rows
-    train, test = data_sources(cfg)
+    limit = run.data.check_rows
+    train, test = data_sources(run.data)
     read, rows = [], {"train": [], "test": []}
-    for split, sources in (("train", train), ("test", test if cfg.trainer.test_freq else [])):
+    for split, sources in (("train", train), ("test", test if run.trainer.test_freq else [])):
         for source in sources:
             part = load_sources([source], None if limit is None else limit + 1)  # one more: is there a rest?
             rest = limit is not None and len(part) > limit
             rows[split] += part[:limit] if rest else part
             read.append(f"the first {limit} rows of {source.path}" if rest else f"all {len(part)} rows of {source.path}")
     tokenizer = AutoTokenizer.from_pretrained(paths.rollout_tokenizer)
-    if cfg.actor.chat_template:
-        tokenizer.chat_template = cfg.actor.chat_template
-    envs = env_paths(cfg)
-    found = check_data(cfg, rows["train"], rows["test"], envs if isinstance(envs, Mapping) else {}, tokenizer,
-                       context_length(cfg, paths.actor))
+    if run.actor.chat_template:
+        tokenizer.chat_template = run.actor.chat_template
+    envs = env_paths(run.rollout)
+    found = check_data(run.data, rows["train"], rows["test"], envs if isinstance(envs, Mapping) else {}, tokenizer,
+                       context_length(run.rollout.max_total_length, paths.actor))
     note = "data read: " + ", ".join(read)
     if any(r.startswith("the first") for r in read):
         note += "; later rows are checked when the run loads them, data.check_rows=null reads them all here"

@@ -18,15 +18,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig
-
+from train.datasets.config import DataConfig
 from train.datasets.contamination import check_contamination
 from train.datasets.errors import DataError
 from train.datasets.mixture import check_routes
 from train.datasets.tokenize import check_prompt_lengths
 from train.workers.rollout import PROMPT_TOO_LONG, Sample
-
-OVERLONG_CHOICES = ("skip", "fail")
 
 
 @dataclass(frozen=True)
@@ -36,10 +33,10 @@ class Context:
     key: str
 
 
-def context_length(cfg: DictConfig, model_path: str) -> Context:
+def context_length(max_total_length: int | None, model_path: str) -> Context:
     """`rollout.max_total_length`, or the model's max_position_embeddings when it is null."""
-    if cfg.rollout.max_total_length:
-        n = int(cfg.rollout.max_total_length)
+    if max_total_length:
+        n = int(max_total_length)
         return Context(n, f"rollout.max_total_length={n}")
     from transformers import AutoConfig
 
@@ -72,7 +69,7 @@ class DataCheck:
     overlong_rows: list[str] = field(default_factory=list)
 
 
-def check_data(cfg: DictConfig, train_rows: list[dict], test_rows: list[dict], routes: Mapping[str, Any],
+def check_data(data: DataConfig, train_rows: list[dict], test_rows: list[dict], routes: Mapping[str, Any],
                tokenizer, context: Context) -> DataCheck:
     """Run every data check on the rows given (all of them in the trainer; the first data.check_rows
     of each source in --check). Raises DataError for what stops the run."""
@@ -80,31 +77,31 @@ def check_data(cfg: DictConfig, train_rows: list[dict], test_rows: list[dict], r
         check_routes(train_rows, routes, "data.train_data_path")
         check_routes(test_rows, routes, "data.test_data_path")
     out = DataCheck()
-    n = cfg.data.contamination_ngram
+    n = data.contamination_ngram
     contamination = check_contamination(train_rows, test_rows, n) if test_rows else None
     if contamination is not None and contamination.found:
-        if cfg.data.fail_on_contamination:
+        if data.fail_on_contamination:
             raise DataError(f"data.fail_on_contamination: {contamination.summary(n)}")
         out.warnings.append(f"{contamination.summary(n)}; test rewards overstate generalisation "
                             "(data.fail_on_contamination=true stops such runs)")
     for key, rows in (("data.train_data_path", train_rows), ("data.test_data_path", test_rows)):
         if rows:
-            _prompt_lengths(cfg, key, rows, tokenizer, context, out)
+            _prompt_lengths(data, key, rows, tokenizer, context, out)
     return out
 
 
-def _prompt_lengths(cfg: DictConfig, key: str, rows: list[dict], tokenizer, context: Context, out: DataCheck) -> None:
-    report = check_prompt_lengths(rows, tokenizer, context.tokens, cfg.data.check_rows)
+def _prompt_lengths(data: DataConfig, key: str, rows: list[dict], tokenizer, context: Context, out: DataCheck) -> None:
+    report = check_prompt_lengths(rows, tokenizer, context.tokens, data.check_rows)
     if not report.too_long:
         return
     where, tokens = report.too_long[0]
     checked = (f"all {report.checked} prompts" if report.checked == report.total
-               else f"the {report.checked} prompts checked (data.check_rows={cfg.data.check_rows} of each source)")
+               else f"the {report.checked} prompts checked (data.check_rows={data.check_rows} of each source)")
     if report.all_too_long:
         raise DataError(f"{key}: {checked} are as long as the {context.tokens}-token context ({context.key}) or "
                         f"longer, e.g. {where} ({tokens} tokens): the run would skip every step. Raise "
                         f"rollout.max_total_length (up to what the model was trained for) or shorten the prompts")
-    if cfg.data.overlong_prompts == "fail":
+    if data.overlong_prompts == "fail":
         raise DataError(overlong_error(where, tokens, context))
     named = report.too_long[:NAMED]
     line = overlong_warning(where, tokens, context)

@@ -36,7 +36,7 @@ import transformers
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
-from train.datasets.curriculum import Curriculum, CurriculumConfig
+from train.datasets.curriculum import Curriculum
 from train.datasets.dataloader import build_dataloader
 from train.datasets.loading import DataError
 from train.datasets.mixture import load_sources, mixture_shares, source_names
@@ -67,6 +67,7 @@ from train.trainer.governor import Governor
 from train.trainer.policy_sync import PolicySync
 from train.trainer.prefetch import RolloutTimeout, StepRollout
 from train.trainer.report import RunReport
+from train.trainer.schema import load
 from train.trainer.rollouts import rollout_source
 from train.trainer.step import RunningMoments
 from train.trainer.sync_check import PROBE_TEXT, SyncProbe, WeightSyncError, probe_tolerance
@@ -102,13 +103,14 @@ class Models:
 class Trainer:
     """One run: its parts, built from the config, and the step loop (`fit`, `train_step`)."""
 
-    def __init__(self, cfg: DictConfig, ctx: DistContext):
-        self.cfg, self.ctx = cfg, ctx
-        resolve_aliases(cfg)
-        timeout = cfg.trainer.model_fetch_timeout_s
+    def __init__(self, given: DictConfig, ctx: DistContext):
+        resolve_aliases(given)
+        timeout = given.trainer.model_fetch_timeout_s
         # Before anything heavy loads; Hub models are fetched once per node here.
-        self.paths = paths = validate(cfg, ctx.world_size,
+        self.paths = paths = validate(given, ctx.world_size,
                                       resolve=lambda names: hub.resolve_on_node(names, ctx.local_rank, timeout))
+        # From here on the typed sections (train/trainer/schema.py); each part receives its own.
+        self.cfg, self.ctx = cfg, ctx = load(given), ctx
         # The folder is this run's (or the resumed run's) before anything loads or is written into it.
         self.run_folder, moved = claim(cfg.trainer.save_dir, cfg.trainer.load_ckpt_from, cfg.trainer.overwrite, ctx)
         set_cpu_threads(ctx, cfg.trainer.num_threads)
@@ -122,23 +124,23 @@ class Trainer:
             self.tokenizer.chat_template = rollout_tokenizer.chat_template = cfg.actor.chat_template
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         # Each row's environment: one for all, or one per data source (rollout.env_path as a mapping).
-        env = EnvRouter(env_paths(cfg), timeout_s=cfg.rollout.env_timeout_s,
+        env = EnvRouter(env_paths(cfg.rollout), timeout_s=cfg.rollout.env_timeout_s,
                         max_workers=cfg.rollout.env_workers, max_turns=cfg.rollout.max_turns)
-        train_sources, test_sources = data_sources(cfg)
+        train_sources, test_sources = data_sources(cfg.data)
         train_rows = load_sources(train_sources)
         test_rows = load_sources(test_sources) if cfg.trainer.test_freq else []
         # The conversation limit, from the config (rollout.max_total_length) or the model's, before any model loads.
-        context = context_length(cfg, paths.actor)
+        context = context_length(cfg.rollout.max_total_length, paths.actor)
         found = self._check_data(train_rows, test_rows, env, rollout_tokenizer, context)
         # Per-prompt pass rates, kept in every run; a policy other than uniform also decides what is drawn.
-        curriculum = Curriculum(CurriculumConfig(**cfg.data.curriculum), train_rows, cfg.trainer.seed)
+        curriculum = Curriculum(cfg.data.curriculum, train_rows, cfg.trainer.seed)
         accept = curriculum.accept if cfg.data.curriculum.policy != "uniform" else None
         loader = build_dataloader(train_rows, batch_size=cfg.data.prompts_per_rollout // ctx.world_size,
                                   rank=ctx.rank, world_size=ctx.world_size, seed=cfg.trainer.seed,
                                   shuffle=cfg.data.shuffle, accept=accept, **mixture_shares(train_sources, train_rows))
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.n_epochs * loader.batches_per_epoch
-        train_sampling = sampling_params(cfg, "rollout.train_sampling_params")
-        test_sampling = sampling_params(cfg, "rollout.test_sampling_params")
+        train_sampling = sampling_params(cfg.rollout, "train_sampling_params")
+        test_sampling = sampling_params(cfg.rollout, "test_sampling_params")
         temperature = train_sampling.temperature or 1.0
         self.models = self._build_models(pad_id, temperature)
         gov = cfg.trainer.governor
@@ -151,8 +153,8 @@ class Trainer:
         self.start_step = saved[0]["step"] if saved is not None else 0
         self.trainer_version = self.start_step  # the step whose update made the actor's weights
         self.engine.weight_version = self.start_step
-        self.log = RunLogger(cfg, ctx.is_main, self.total_steps, self.start_step)
-        self.report = RunReport(self.log, ctx, env_files=env_paths(cfg), env_name=env.name,
+        self.log = RunLogger(cfg.trainer, given, ctx.is_main, self.total_steps, self.start_step)
+        self.report = RunReport(self.log, ctx, env_files=env_paths(cfg.rollout), env_name=env.name,
                                 env_error_reward=cfg.rollout.env_error_reward, log_samples=cfg.trainer.log_samples,
                                 warn_skipped_steps=cfg.trainer.warn_skipped_steps,
                                 freeze_steps=cfg.actor.freeze_steps, overlong_prompts=cfg.data.overlong_prompts,
@@ -166,7 +168,7 @@ class Trainer:
                                   engine=self.engine, sampling=test_sampling, seed=seed_of(test_sampling),
                                   report=self.report)
         # Where each step's samples come from: made now, or ahead with rollout.max_staleness (rollouts.py).
-        self.rollouts = rollout_source(cfg, ctx, total_steps=self.total_steps, watchdog=self.watchdog, loader=loader,
+        self.rollouts = rollout_source(cfg.rollout, cfg.data, ctx, total_steps=self.total_steps, watchdog=self.watchdog, loader=loader,
                                        rollout=rollout, engine=self.engine, sampling=train_sampling,
                                        seed=seed_of(train_sampling), curriculum=curriculum, report=self.report,
                                        sources=source_names(train_rows))
@@ -178,7 +180,7 @@ class Trainer:
             self._restore(*saved)
         if moved:
             self.log.write(f"trainer.overwrite: the run that was in {cfg.trainer.save_dir} is now in {moved}")
-        for warning in useless_settings(cfg) + found.warnings:  # (contamination, prompts that fill the context)
+        for warning in useless_settings(given) + found.warnings:  # (contamination, prompts that fill the context)
             self.report.warn(self.start_step, warning)
         self.sync = PolicySync(self.models.actor.model, self.engine, cfg.rollout.bucket_size_mb, governor,
                                self.models.trained, self.log, verify=cfg.trainer.verify_push, watchdog=self.watchdog,
@@ -198,7 +200,7 @@ class Trainer:
         """Rank 0 checks the data (train/trainer/data_check.py: sources routed, contamination, which hashes
         the training n-grams, the first data.check_rows prompts' lengths); every rank gets the outcome."""
         try:
-            found = (check_data(self.cfg, train_rows, test_rows, env.routes, tokenizer, context)
+            found = (check_data(self.cfg.data, train_rows, test_rows, env.routes, tokenizer, context)
                      if self.ctx.is_main else None)
         except DataError as e:
             found = f"{e}"
@@ -213,7 +215,7 @@ class Trainer:
 
         def layout(role: str) -> Layout:  # models with the same sizes share their meshes (one set of groups)
             section = role_config(cfg, role)
-            key = tuple(section.get(k) or 1 for k in ("ddp_size", "tp_size", "sp_size"))
+            key = tuple(getattr(section, k) or 1 for k in ("ddp_size", "tp_size", "sp_size"))
             if key not in layouts:
                 layouts[key] = layout_for(section, ctx.world_size, ctx.device.type, role,
                                           timeout_s=ctx.collective_timeout_s)
@@ -394,7 +396,7 @@ class Trainer:
                 moments = self.state["reward_moments"]
                 moments.update(index.reward)
                 scale = 1.0 / (moments.std + 1e-8) if moments.count > 1 else 1.0
-        metrics = compute_advantages(batch, cfg, device, reward_scale=scale)
+        metrics = compute_advantages(batch, cfg.adv, cfg.actor.kl, device, reward_scale=scale)
         if m.critic is not None:
             transfer(batch, critic_batch, ["returns"], device)
             metrics.update(m.critic.update(critic_batch))
@@ -485,11 +487,14 @@ def run(cfg: DictConfig) -> None:
     transformers.utils.logging.disable_progress_bar()  # our own bar is the one to watch
     stop = StopRequest()
     stop.install()
+    resolve_aliases(cfg)
     ranks = rollout_ranks(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     ctx = init_distributed(collective_timeout_s(cfg), ranks, cfg.rollout.async_timeout_s)
     try:
         if ctx.is_rollout_rank:  # rollout.ranks > 0: this rank only generates and scores, for the trainer ranks
-            serve(cfg, ctx)
+            run_cfg = load(cfg)
+            serve(run_cfg.rollout, ctx, chat_template=run_cfg.actor.chat_template, seed=run_cfg.trainer.seed,
+                  num_threads=run_cfg.trainer.num_threads)
             return
         trainer = Trainer(cfg, ctx)
         try:

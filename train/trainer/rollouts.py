@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
 
+from train.datasets.config import DataConfig
 from train.datasets.curriculum import Curriculum
 from train.datasets.dataloader import RLDataLoader
 from train.engines.base import SamplingParams
@@ -31,6 +31,7 @@ from train.trainer.prefetch import RolloutPrefetcher, StepRollout, staleness
 from train.trainer.report import RunReport
 from train.trainer.step import mask_truncated, rollout_metrics, select_groups, shape_rewards
 from train.algorithms.dynamic_sampling import split_quota
+from train.workers.config import RolloutConfig
 from train.workers.rollout import PROMPT_TOO_LONG, Sample, sample_seed
 
 
@@ -45,9 +46,10 @@ class StepSamples:
 class RolloutSource:
     """Synchronous rollouts: each step's made when the step asks for it."""
 
-    def __init__(self, cfg: DictConfig, ctx: DistContext, *, loader: RLDataLoader, rollout, engine,
-                 sampling: SamplingParams, seed: int, curriculum: Curriculum, report: RunReport, sources: list[str]) -> None:
-        self.cfg, self.ctx = cfg, ctx
+    def __init__(self, settings: RolloutConfig, data: DataConfig, ctx: DistContext, *, loader: RLDataLoader,
+                 rollout, engine, sampling: SamplingParams, seed: int, curriculum: Curriculum, report: RunReport,
+                 sources: list[str]) -> None:
+        self.settings, self.data, self.ctx = settings, data, ctx
         self.loader, self.rollout, self.engine = loader, rollout, engine
         self.sampling, self.seed = sampling, seed
         self.curriculum, self.report, self.sources = curriculum, report, sources
@@ -91,14 +93,14 @@ class RolloutSource:
         on the prefetch thread while the main thread trains (`on_generated`: see RolloutWorker.rollout)."""
         loader_before = self.loader.state_dict()
         rows = self.loader.next_batch()
-        n = self.cfg.data.responses_per_prompt
+        n = self.data.responses_per_prompt
         # round 0 keeps the seeds of a plain step; refills draw fresh ones
         seed = sample_seed(self.seed, step, (round_ * self.ctx.world_size + self.ctx.rank) * len(rows) * n)
         before = self._engine_counters()
         samples, rollout_s = self.rollout.rollout(rows, n, self.sampling, seed, what=f"step {step}'s rollout",
                                                   on_generated=on_generated)
         counters = tuple(a - b for a, b in zip(self._engine_counters(), before))
-        shape_rewards(samples, self.cfg)
+        shape_rewards(samples, self.settings)
         return StepRollout(step, samples, rollout_s, counters, loader_before, list(self.loader.last_indices))
 
     def collect(self, step: int, first: StepRollout, trainer_version: int) -> StepSamples:
@@ -109,15 +111,15 @@ class RolloutSource:
         (informative) groups of all ranks reach `prompts_per_rollout`, at most
         `rollout.dynamic_sampling_max_rounds` rounds; the surplus is trimmed evenly across ranks. Each
         decision uses all-reduced counts, so every rank runs the same number of rounds."""
-        cfg, ctx = self.cfg, self.ctx
-        n = cfg.data.responses_per_prompt
-        dynamic = cfg.rollout.dynamic_sampling
-        target = cfg.data.prompts_per_rollout
+        settings, ctx = self.settings, self.ctx
+        n = self.data.responses_per_prompt
+        dynamic = settings.dynamic_sampling
+        target = self.data.prompts_per_rollout
         all_samples, kept = [], []
         rollout_s, rounds, counters = 0.0, 0, [0.0, 0.0]
-        max_rounds = cfg.rollout.dynamic_sampling_max_rounds if dynamic else 1
+        max_rounds = settings.dynamic_sampling_max_rounds if dynamic else 1
         pass_rates: list[tuple[int, float]] = []  # (row index, share of its group that passed)
-        threshold = cfg.data.curriculum.pass_threshold
+        threshold = self.data.curriculum.pass_threshold
         while rounds < max_rounds:
             got = first if rounds == 0 else self.make(step, rounds)
             samples = got.samples
@@ -128,7 +130,7 @@ class RolloutSource:
             rollout_s += got.rollout_s
             counters = [a + b for a, b in zip(counters, got.engine_counters)]
             all_samples += samples
-            kept += select_groups(samples, n, cfg.rollout.dynamic_filtering or dynamic)
+            kept += select_groups(samples, n, settings.dynamic_filtering or dynamic)
             if not dynamic:
                 break
             counts = [0.0] * ctx.world_size
@@ -136,7 +138,7 @@ class RolloutSource:
             counts = [int(c) for c in all_reduce_sum(counts, ctx.device)]
             if sum(counts) >= target:
                 break
-        out = rollout_metrics(all_samples, len(all_samples) // n, n, cfg, ctx,
+        out = rollout_metrics(all_samples, len(all_samples) // n, n, settings, ctx,
                               rewards=[s.shaped_reward for s in all_samples], sources=self.sources)
         if out["prompt_overflow_ratio/train"] > 0:  # (all-reduced: every rank takes this branch)
             self.report.prompt_overflows_at(step, all_samples, n)
@@ -144,7 +146,7 @@ class RolloutSource:
         out.update(self._engine_metrics(step, counters))
         out.update(self._staleness_metrics(all_samples, trainer_version))
         out.update(self._record_pass_rates(step, pass_rates))
-        if cfg.rollout.overlong_buffer:
+        if settings.overlong_buffer:
             total, count = all_reduce_sum([sum(s.overlong_penalty for s in all_samples), float(len(all_samples))],
                                           ctx.device)
             out["rewards/overlong_penalty"] = total / max(count, 1.0)
@@ -156,7 +158,7 @@ class RolloutSource:
             if sum(counts) < target:
                 self.report.log.event("dynamic_sampling.short", step, {"rounds": rounds, "groups": sum(counts),
                                                                        "target": target})
-        if cfg.rollout.mask_truncated:
+        if settings.mask_truncated:
             mask_truncated(kept)
         return StepSamples(all_samples, kept, out)
 
@@ -197,12 +199,13 @@ class PrefetchedRollouts(RolloutSource):
     """`rollout.max_staleness=k`: while step N trains, step N+k's rollout runs in the background with
     the weights of step N-1; steps N+1 .. N+k-1's are finished and queued (train/trainer/prefetch.py)."""
 
-    def __init__(self, cfg: DictConfig, ctx: DistContext, *, total_steps: int, watchdog: Watchdog, **parts) -> None:
-        super().__init__(cfg, ctx, **parts)
+    def __init__(self, settings: RolloutConfig, data: DataConfig, ctx: DistContext, *, total_steps: int,
+                 watchdog: Watchdog, **parts) -> None:
+        super().__init__(settings, data, ctx, **parts)
         self.total_steps, self.watchdog = total_steps, watchdog
-        self.k = cfg.rollout.max_staleness
+        self.k = settings.max_staleness
         self.prefetch = RolloutPrefetcher(lambda step, generated: self.make(step, on_generated=generated),
-                                          cfg.rollout.async_timeout_s)
+                                          settings.async_timeout_s)
 
     def next(self, step: int, trainer_version: int) -> StepSamples:
         self.engine.wake()
@@ -288,9 +291,9 @@ def with_rewards_on_samples(rollouts: list[StepRollout]) -> list[StepRollout]:
     return rollouts
 
 
-def rollout_source(cfg: DictConfig, ctx: DistContext, *, total_steps: int, watchdog: Watchdog,
-                   **parts) -> RolloutSource:
+def rollout_source(settings: RolloutConfig, data: DataConfig, ctx: DistContext, *, total_steps: int,
+                   watchdog: Watchdog, **parts) -> RolloutSource:
     """The synchronous source, or the prefetching one with `rollout.max_staleness` >= 1."""
-    if cfg.rollout.max_staleness > 0:
-        return PrefetchedRollouts(cfg, ctx, total_steps=total_steps, watchdog=watchdog, **parts)
-    return RolloutSource(cfg, ctx, **parts)
+    if settings.max_staleness > 0:
+        return PrefetchedRollouts(settings, data, ctx, total_steps=total_steps, watchdog=watchdog, **parts)
+    return RolloutSource(settings, data, ctx, **parts)

@@ -8,16 +8,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
 
 from train.algorithms.dynamic_sampling import informative_groups
 from train.algorithms.moments import merge_moments
 from train.algorithms.shaping import overlong_penalty
 from train.parallel.distributed import DistContext
 from train.parallel.collectives import all_reduce_max, all_reduce_sum
+from train.workers.config import RolloutConfig
 from train.workers.rollout import PROMPT_TOO_LONG, Sample
 
-def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, cfg: DictConfig,
+def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, rollout: RolloutConfig,
                     ctx: DistContext, rewards: list[float] | None = None,
                     sources: Sequence[str] = ()) -> dict[str, float]:
     """Global (all-rank) rollout statistics, computed before any filtering. `rewards/train` is the
@@ -33,7 +33,7 @@ def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, cfg: 
     n_groups = len(groups)
     too_long = float(sum(s.finish_reason == PROMPT_TOO_LONG for s in samples))
     samples = [s for s in samples if s.finish_reason != PROMPT_TOO_LONG]
-    max_turns = int(cfg.rollout.max_turns)
+    max_turns = int(rollout.max_turns)
     per_turn = [0.0] * (2 * max_turns)  # (token sum, count) of each turn index
     for s in samples:
         for k, n in enumerate(s.turn_lengths[:max_turns]):
@@ -61,7 +61,7 @@ def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, cfg: 
     longest = all_reduce_max(float(max((len(s.ids) for s in samples), default=0)), ctx.device)
     every = max(count + too_long, 1.0)  # the skipped rows' samples too
     count = max(count, 1.0)
-    filtering = cfg.rollout.dynamic_filtering or cfg.rollout.dynamic_sampling
+    filtering = rollout.dynamic_filtering or rollout.dynamic_sampling
     out = {
         "rewards/train": reward / count,
         "response_length/train": tokens / count,
@@ -122,21 +122,21 @@ def split_triples(values: list[float]) -> list[tuple[float, float, float]]:
     return [tuple(values[i:i + 3]) for i in range(0, len(values), 3)]
 
 
-def shape_rewards(samples: list[Sample], cfg: DictConfig) -> None:
+def shape_rewards(samples: list[Sample], rollout: RolloutConfig) -> None:
     """Each sample's `shaped_reward` (reward + DAPO overlong penalty) and `overlong_penalty`. The
     penalty grows linearly from 0 to `rollout.overlong_penalty` over the last `rollout.overlong_buffer`
     tokens (a count, or a fraction of the limit) before the length limit, max_new_tokens x max_turns
     sampled tokens; off when the buffer is null."""
-    buffer = cfg.rollout.overlong_buffer
+    buffer = rollout.overlong_buffer
     if not buffer:
         for s in samples:
             s.shaped_reward, s.overlong_penalty = s.reward, 0.0
         return
-    limit = cfg.rollout.train_sampling_params.max_new_tokens * cfg.rollout.max_turns
+    limit = rollout.train_sampling_params["max_new_tokens"] * rollout.max_turns
     if isinstance(buffer, float):  # a fraction of the limit (DAPO: 4096 of 20480 = 0.2)
         buffer = max(1, round(buffer * limit))
     lengths = torch.tensor([float(s.n_action_tokens) for s in samples], dtype=torch.float64)
-    pen = overlong_penalty(lengths, limit, min(buffer, limit), cfg.rollout.overlong_penalty).tolist()
+    pen = overlong_penalty(lengths, limit, min(buffer, limit), rollout.overlong_penalty).tolist()
     for s, p in zip(samples, pen):
         s.shaped_reward, s.overlong_penalty = s.reward + p, p
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
+from train.workers.config import RolloutConfig
 from train.workers.environment import Environment
 
 
-def env_paths(cfg: DictConfig) -> str | dict[str, str]:
+def env_paths(rollout: RolloutConfig) -> str | dict[str, str]:
     """`rollout.env_path`: one path, or source -> path."""
-    value = cfg.rollout.env_path
+    value = rollout.env_path
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 

@@ -17,13 +17,13 @@ import traceback
 from collections.abc import Callable, Iterator
 
 import torch
-from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from train.engines import build_engine
 from train.parallel.distributed import DistContext, set_cpu_threads
 from train.parallel.rollout_bridge import STATUS_EVERY_S, Bridge
 from train.utils import hub
+from train.workers.config import RolloutConfig
 from train.workers.env_routing import EnvRouter, env_paths
 from train.workers.rollout import RolloutWorker
 
@@ -97,10 +97,12 @@ def local_folder(folder: str, name: str, kind: str) -> str:
 
 
 class RolloutServer:
-    def __init__(self, cfg: DictConfig, ctx: DistContext) -> None:
-        self.cfg, self.ctx, self.bridge = cfg, ctx, ctx.bridge
+    def __init__(self, settings: RolloutConfig, ctx: DistContext, *, chat_template: str | None, seed: int,
+                 num_threads: int | None) -> None:
+        self.settings, self.ctx, self.bridge = settings, ctx, ctx.bridge
+        self.chat_template, self.seed, self.num_threads = chat_template, seed, num_threads
         self.clients = ctx.split.clients_of(ctx.rank)
-        self.timeout_s = float(cfg.rollout.async_timeout_s)
+        self.timeout_s = float(settings.async_timeout_s)
         self.worker: RolloutWorker | None = None
         self.status = StatusBeacon(self.bridge)
 
@@ -120,21 +122,20 @@ class RolloutServer:
             self.bridge.send(message, client, what)
 
     def setup(self, hello: dict) -> None:
-        cfg = self.cfg
-        set_cpu_threads(self.ctx, cfg.trainer.num_threads)
+        settings = self.settings
+        set_cpu_threads(self.ctx, self.num_threads)
         model_dir, tokenizer_dir = (local_folder(hello[key], hello[f"{key}_name"], kind)
                                     for key, kind in (("model", "model"), ("tokenizer", "tokenizer")))
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        if cfg.actor.chat_template:
-            tokenizer.chat_template = cfg.actor.chat_template
-        env = EnvRouter(env_paths(cfg), timeout_s=cfg.rollout.env_timeout_s, max_workers=cfg.rollout.env_workers,
-                        max_turns=cfg.rollout.max_turns)
+        if self.chat_template:
+            tokenizer.chat_template = self.chat_template
+        env = EnvRouter(env_paths(settings), timeout_s=settings.env_timeout_s, max_workers=settings.env_workers,
+                        max_turns=settings.max_turns)
         self.status.longest_call = env.longest_call
-        engine = build_engine(cfg.rollout, self.ctx, model_path=model_dir, tokenizer=tokenizer,
-                              seed=cfg.trainer.seed)
-        self.worker = RolloutWorker(engine, env, tokenizer, max_turns=cfg.rollout.max_turns,
-                                    env_error_reward=cfg.rollout.env_error_reward,
-                                    max_total_length=hello["max_total_length"], max_env_chars=cfg.rollout.max_env_chars)
+        engine = build_engine(settings, self.ctx, model_path=model_dir, tokenizer=tokenizer, seed=self.seed)
+        self.worker = RolloutWorker(engine, env, tokenizer, max_turns=settings.max_turns,
+                                    env_error_reward=settings.env_error_reward,
+                                    max_total_length=hello["max_total_length"], max_env_chars=settings.max_env_chars)
 
     def rollout(self, requests: list[dict]) -> list[dict]:
         engine = self.worker.engine
@@ -200,9 +201,11 @@ class RolloutServer:
             self.worker.close()
 
 
-def serve(cfg: DictConfig, ctx: DistContext) -> None:
-    """Serve the trainer ranks until they stop (a rollout rank's whole run)."""
-    server = RolloutServer(cfg, ctx)
+def serve(settings: RolloutConfig, ctx: DistContext, *, chat_template: str | None, seed: int,
+          num_threads: int | None) -> None:
+    """Serve the trainer ranks until they stop (a rollout rank's whole run): `settings` is the rollout
+    section; the actor's chat template, the run's seed and torch threads come with it."""
+    server = RolloutServer(settings, ctx, chat_template=chat_template, seed=seed, num_threads=num_threads)
     try:
         server.serve()
     finally:

@@ -1,0 +1,22 @@
+"""The `adv:` section (config/grpo.yaml) as typed settings: the advantage estimator and its
+normalisation. The estimator's choices are the registry's (train/algorithms/advantages.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+from train.algorithms.advantages import ESTIMATORS
+from train.utils.typed_config import setting
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvConfig:
+    """`adv.*` (its alias `adv.lambda` is resolved into `adv.lamda` before this is built)."""
+    estimator: str = setting("reinforce (group baseline, GRPO) | rloo | reinforce_pp | reinforce_pp_baseline | "
+                             "gae (PPO)", choices=ESTIMATORS.names)
+    norm_var: bool = setting("divide by the std (Bessel-corrected); false: Dr. GRPO")
+    global_norm: bool = setting("reinforce/rloo: one baseline (and std) shared by the whole batch, all ranks, "
+                                "instead of per group")
+    batch_whiten: bool = setting("reinforce/rloo: per-group advantages, then whitened by the batch mean/std")
+    whiten: bool = setting("gae: whiten advantages over all ranks' action tokens")
+    gamma: float = setting("discount over action tokens (reinforce_pp, gae)", gt=0, le=1, example="1.0")
+    lamda: float = setting("GAE lambda (adv.lambda=... works too)", ge=0, le=1, example="0.95")

@@ -1,0 +1,141 @@
+"""The model sections of config/grpo.yaml as typed settings: `actor:` (model, optimizer, loss,
+entropy, KL, LoRA, layout), `ref_actor:` and `critic:`. Choice lists are the registries of
+train/algorithms/, read at each check."""
+from __future__ import annotations
+
+import dataclasses
+
+from train.algorithms.aggregation import AGG_MODES
+from train.algorithms.kl import KL_ESTIMATORS
+from train.algorithms.mismatch import TIS_LEVELS
+from train.algorithms.policy_loss import POLICY_LOSSES
+from train.algorithms.schedules import ENTROPY_SCHEDULES
+from train.utils.typed_config import SectionError, setting
+
+DTYPES = ("float32", "bfloat16")  # actor.dtype, critic.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """`actor.lora.*` / `critic.lora.*`: adapters on a frozen base (train/models/lora.py)."""
+    rank: int = setting("0: full fine-tuning; e.g. 16 (use a higher lr than a full fine-tune)", ge=0,
+                        expect="0 (off) or a positive integer", example="16")
+    alpha: float = setting("the update is (alpha / rank) * B A", gt=0, example="32")
+    dropout: float = setting("dropout on the adapters' input while training", ge=0, lt=1, example="0.05")
+    target_modules: list[str] = setting("the module names that get adapters")
+
+    def check(self) -> None:
+        if self.rank > 0 and (not self.target_modules or not all(self.target_modules)):
+            raise SectionError("target_modules", f"expected a non-empty list of module names, got {self.target_modules!r}",
+                               "[q_proj,v_proj]")
+
+
+@dataclasses.dataclass(frozen=True)
+class EntropyConfig:
+    """`actor.entropy.*`: the entropy bonus and its schedule."""
+    coef: float = setting("entropy bonus (subtracted from the loss)", ge=0, example="0.001")
+    schedule: str = setting("constant | linear | cosine decay from coef to min_coef", choices=ENTROPY_SCHEDULES)
+    min_coef: float = setting("the schedule's floor", ge=0, example="0.0")
+    decay_steps: int | None = setting("optimizer steps to reach the floor (null: all of the run's)", ge=1)
+
+    def check(self) -> None:
+        if self.schedule != "constant" and self.min_coef > self.coef:
+            raise SectionError("min_coef", f"the floor {self.min_coef} is above the start coef {self.coef}",
+                               f"{self.coef / 10:g}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KLConfig:
+    """`actor.kl.*`: the KL penalty to the reference actor, in the loss or in the reward."""
+    coef: float = setting(">0 loads a reference actor", ge=0, example="0.001")
+    type: str = setting("the KL estimator in the loss: k1 | k2 | k3 | low_var_kl", choices=KL_ESTIMATORS.names)
+    reward_estimator: str | None = setting("set (e.g. k1) to put KL in the reward instead of the loss",
+                                           choices=KL_ESTIMATORS.names)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorConfig:
+    """`actor.*`: the policy that trains."""
+    model_name: str | None = setting("must choose: a local HF model folder or a Hub id")
+    tokenizer_name: str | None = setting("a folder or a Hub id (null: model_name)")
+    chat_template: str | None = setting("optional Jinja template that replaces the tokenizer's")
+    dtype: str = setting("float32 | bfloat16 (bf16 compute via FSDP2 mixed precision; fp32 master weights)",
+                         choices=DTYPES)
+    max_length_per_device: int = setting("tokens per packed micro-batch per device in the update (x sp_size "
+                                         "per pack)", ge=1)
+    max_inference_length_per_device: int | None = setting("the same for no-grad passes (null: 2x the above)", ge=1)
+    lr: float = setting("the learning rate", gt=0, example="1e-6")
+    weight_decay: float = setting("AdamW weight decay")
+    betas: list[float] = setting("AdamW betas")
+    warmup_ratio: float = setting("share of the steps with a linear lr warmup", ge=0, lt=1, example="0.05")
+    scheduler: str = setting("constant | cosine", choices=("constant", "cosine"))
+    min_lr_ratio: float = setting("cosine floor, as a fraction of lr")
+    max_grad_norm: float = setting("gradient clipping norm")
+    update_per_rollout: int = setting("passes over each rollout batch (>1 recomputes old log-probs)", ge=1)
+    mini_batches: int = setting("optimizer steps per pass", ge=1)
+    freeze_steps: int = setting("steps during which the actor is not updated (the critic still is)", ge=0)
+    target_kl: float | None = setting("stop the update_per_rollout epochs once approx_kl exceeds this", gt=0,
+                                      example="0.02")
+    loss: str = setting("ppo (token ratio) | gspo (sequence ratio)", choices=POLICY_LOSSES.names)
+    clip: float = setting("PPO clip; clip_low/clip_high override it (DAPO clip-higher)", gt=0, example="0.2")
+    clip_low: float | None = setting("the ratio floor is 1 - clip_low (null: clip)", gt=0, lt=1, example="0.2")
+    clip_high: float | None = setting("the ratio ceiling is 1 + clip_high (null: clip)", gt=0, example="0.28")
+    gspo_clip_low: float | None = setting("GSPO's sequence-ratio clip range, low side (used when clip_low is null)",
+                                          gt=0, example="0.28")
+    gspo_clip_high: float | None = setting("GSPO's sequence-ratio clip range, high side (used when clip_high is "
+                                           "null)", gt=0, example="0.28")
+    dual_clip: float | None = setting("dual-clip bound on negative-advantage ratios (null: off)", gt=1,
+                                      example="3.0")
+    agg_mode: str = setting("all_token_mean | seq_mean_token_mean | seq_mean_token_sum_norm | seq_mean_token_sum",
+                            choices=AGG_MODES.names)
+    loss_norm_length: int | None = setting("constant normaliser for seq_mean_token_sum_norm (null: max_new_tokens)",
+                                           ge=1)
+    entropy: EntropyConfig = setting("the entropy bonus")
+    kl: KLConfig = setting("the KL penalty to the reference actor")
+    tis_cap: float | None = setting("truncated importance sampling of the sampler/trainer mismatch (null: 2.0 with "
+                                    "rollout.max_staleness >= 1, else off)", gt=0, example="2.0")
+    tis_level: str = setting("token | sequence (product of the token ratios)", choices=TIS_LEVELS)
+    gradient_checkpointing: bool = setting("recompute activations in the backward pass")
+    use_liger_kernel: bool = setting("fused log-prob/entropy head, no [batch, seq, vocab] logits")
+    share_prompt: bool = setting("each group's prompt laid out once per packed row in every pass")
+    lora: LoraConfig = setting("LoRA adapters on a frozen base")
+    ddp_size: int = setting("replicas: FSDP2 hybrid sharding replicates over ddp, shards over fsdp", ge=1)
+    tp_size: int = setting("tensor parallel size (heads, MLP, vocab-parallel lm_head)", ge=1)
+    sp_size: int = setting("Ulysses sequence parallel: each packed row split over sp ranks", ge=1)
+    offload_model: bool = setting("FSDP2 CPU offload of parameters and gradients (optimizer step on CPU)")
+    offload_optimizer: bool = setting("Adam moments on the CPU between steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class RefActorConfig:
+    """`ref_actor.*`: the KL reference (actor.kl.coef > 0); null keys take the actor's value."""
+    model_name: str | None = setting("a folder or a Hub id (null: actor.model_name)")
+    ddp_size: int | None = setting("null: the actor's", ge=1)
+    tp_size: int | None = setting("null: the actor's", ge=1)
+    sp_size: int | None = setting("null: the actor's", ge=1)
+    offload_model: bool | None = setting("null: the actor's")
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticConfig:
+    """`critic.*`: the value model of PPO (adv.estimator=gae), a value head on the actor's architecture."""
+    model_name: str | None = setting("its backbone, a folder or a Hub id (null: actor.model_name)")
+    ddp_size: int = setting("the critic's own layout (see actor.ddp_size)", ge=1)
+    tp_size: int = setting("the critic's tensor parallel size", ge=1)
+    sp_size: int = setting("the critic's sequence parallel size", ge=1)
+    offload_model: bool = setting("FSDP2 CPU offload of parameters and gradients")
+    offload_optimizer: bool = setting("Adam moments on the CPU between steps")
+    dtype: str = setting("float32 | bfloat16 (as actor.dtype)", choices=DTYPES)
+    gradient_checkpointing: bool = setting("recompute activations in the backward pass")
+    lora: LoraConfig = setting("adapters on the critic's backbone (as actor.lora); the value head trains fully")
+    lr: float = setting("the learning rate", gt=0, example="1e-5")
+    weight_decay: float = setting("AdamW weight decay")
+    betas: list[float] = setting("AdamW betas")
+    warmup_ratio: float = setting("share of the steps with a linear lr warmup", ge=0, le=1, example="0.0")
+    max_grad_norm: float = setting("gradient clipping norm", gt=0, example="1.0")
+    max_length_per_device: int = setting("tokens per packed micro-batch per device in the update", ge=1)
+    max_inference_length_per_device: int | None = setting("the same for no-grad passes (null: 2x the above)", ge=1)
+    update_per_rollout: int = setting("passes over each rollout batch", ge=1)
+    mini_batches: int = setting("optimizer steps per pass", ge=1)
+    clip: float | None = setting("value clip around the pre-update values (null: unclipped)", gt=0, example="0.5")
+    reward_norm: bool = setting("scale rewards by 1 / running std of all rewards seen (the critic's targets)")

@@ -1,0 +1,65 @@
+"""The `trainer:` section (config/grpo.yaml) as typed settings: steps, checkpoints, evaluation,
+logging and the safety nets (watchdog, sync probe, governor)."""
+from __future__ import annotations
+
+import dataclasses
+
+from train.utils.typed_config import SectionError, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class GovernorConfig:
+    """`trainer.governor.*`: roll back catastrophic updates (NaN/inf, k-sigma spikes)."""
+    enable: bool = setting("roll back catastrophic updates")
+    watch: list[str] = setting("the metrics judged for spikes")
+    max_weight_change: float = setting("an update changing the actor's weight norm by more than this fraction is a "
+                                       "panic (warned about when the governor is off)", gt=0, example="0.05")
+    window: int = setting("accepted steps in the running window", ge=1)
+    min_history: int = setting("spikes are judged once the window holds this many", ge=1)
+    k_sigma: float = setting("a value this many standard deviations from the window mean is a spike", gt=0,
+                             example="6")
+    rel_std_floor: float = setting("the spread is at least this fraction of |window mean|", ge=0, example="0.25")
+    min_panics: int = setting("consecutive panics before a rollback", ge=1)
+
+    def check(self) -> None:
+        if self.min_history > self.window:
+            raise SectionError("min_history", f"{self.min_history} is above the window {self.window}",
+                               str(self.window))
+        if self.enable and not self.watch:
+            raise SectionError("watch", "lists no metric", "[actor/loss,actor/grad_norm]")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """`trainer.*`: the run."""
+    project: str = setting("the wandb project")
+    experiment_name: str = setting("the run's name")
+    save_dir: str | None = setting("must choose: the run folder (metrics, trajectories, checkpoints, latest/)")
+    n_epochs: int = setting("passes over the train data", ge=1)
+    total_steps: int | None = setting("steps to train (null: n_epochs x batches per epoch)", ge=1)
+    save_freq: int | None = setting("checkpoint every N steps (null: only the final export)", ge=1)
+    overwrite: bool = setting("save_dir holds another run: true moves it aside and starts over")
+    warn_skipped_steps: int | None = setting("warn when this many steps in a row made no update (null: never)", ge=1)
+    watchdog_min_s: float | None = setting("a step phase running past max(this, watchdog_factor x its longest) "
+                                           "dumps stacks and ends the rank (null: off)", gt=0, example="1800")
+    watchdog_factor: float = setting("the watchdog's multiple of a phase's longest run", ge=1, example="10")
+    save_on_signal: bool = setting("SIGTERM / SIGINT: a checkpoint at the next step boundary, then exit 0")
+    collective_timeout_s: float = setting("a collective waiting longer fails the run", gt=0, example="600")
+    verify_push: bool = setting("after each weight push the engine's checksums must equal what was sent")
+    sync_probe_every: int | None = setting("every N steps the engine's and the trainer's log-probs of a fixed "
+                                           "sequence must agree (null: never)", ge=1)
+    sync_probe_tol: float | None = setting("the probe's largest mean |log-prob difference| (null: 1e-3 in float32, "
+                                           "0.1 with bf16 anywhere)", gt=0, example="0.001")
+    test_freq: int | None = setting("evaluate every N steps, and before/after (null: no evaluation)", ge=1)
+    load_ckpt_from: str | None = setting("resume from: latest | a step{N} folder")
+    async_save: bool = setting("write checkpoint shards in the background while training goes on")
+    keep_last_n: int | None = setting("keep only the newest N complete checkpoints (null: all)", ge=1)
+    export_shard_gb: float = setting("latest/: safetensors shards of at most this size", gt=0, example="2")
+    model_fetch_timeout_s: float | None = setting("how long ranks wait for their node's local rank 0 to download "
+                                                  "Hub models", gt=0, example="7200")
+    use_wandb: bool = setting("log metrics to Weights & Biases")
+    seed: int = setting("the run's seed")
+    num_threads: int | None = setting("torch threads per rank (null: cores / local ranks)", ge=1)
+    log_samples: int = setting("sampled conversations per rank written to trajectories.jsonl each step", ge=0)
+    progress_bar: bool = setting("show the progress bar")
+    governor: GovernorConfig = setting("roll back catastrophic updates (NaN/inf, k-sigma spikes)")
