@@ -200,7 +200,7 @@ def section_tests(args, work: Path) -> dict:
     log = work / "pytest_gpu.log"
     # Only the files that hold `gpu` tests: collecting the others would import the service and
     # verifiers stacks, which a bare CUDA image does not have (and the gpu tests do not need).
-    files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py")
+    files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("test_*.py")
                    if "mark.gpu" in f.read_text())
     if not files:
         raise RuntimeError("no test file under tests/ has a test marked gpu")

@@ -1,12 +1,16 @@
-"""Shared test helpers: the bundled stub model and a launcher for real trainer runs."""
+"""Shared test helpers for tests/unit and tests/integration: the bundled stub model, a launcher for
+real trainer runs, and services started for real (tests/README.md)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -168,3 +172,77 @@ def scoped_registries(monkeypatch):
     for registry in (ESTIMATORS, AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES):
         monkeypatch.setattr(registry, "_entries", dict(registry._entries))
         monkeypatch.setattr(registry, "_listed", list(registry._listed))
+
+
+# ------------------------------------------------ services started for real (the integration tests)
+SEARCH_DATA = ROOT / "stub" / "data" / "search"
+
+
+@contextlib.contextmanager
+def running(cmd: list[str], health_url: str, log_path: Path, timeout: float = 180.0,
+            env: dict | None = None) -> Iterator[subprocess.Popen]:
+    """Start a server process, wait until `health_url` answers 200, stop it afterwards."""
+    import httpx
+
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+                                 "TRANSFORMERS_OFFLINE": "1", **(env or {})})
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"{cmd[:3]} exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(health_url, timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{cmd[:3]} not healthy after {timeout}s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.3)
+        yield proc
+    finally:
+        stop(proc)
+        log.close()
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Terminate a process (kill it after 15 s) and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def build_index(index_path: Path) -> None:
+    """The search index of the stub corpus (stub/data/search), built by its documented command."""
+    cmd = [sys.executable, "environments/build_search_index.py", "--corpus_path", str(SEARCH_DATA / "corpus.jsonl"),
+           "--index_path", str(index_path)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "indexed 60 documents" in out.stdout
+
+
+@contextlib.contextmanager
+def search_service(tmp: Path, top_k: int = 3) -> Iterator[str]:
+    """environments/local_search_service.py on the stub corpus, started for real; its URL."""
+    index = tmp / "stub.index"
+    if not index.exists():
+        build_index(index)
+    port = free_port()
+    cmd = [sys.executable, "environments/local_search_service.py", "--index_path", str(index),
+           "--corpus_path", str(SEARCH_DATA / "corpus.jsonl"), "--top_k", str(top_k), "--port", str(port)]
+    url = f"http://127.0.0.1:{port}"
+    with running(cmd, url + "/health", tmp / "search.log"):
+        yield url
+
+
+@pytest.fixture(scope="session")
+def search_tiny(request):
+    """stub/model taught the protocol's shapes (stub/data/search/warm_model.py), cached."""
+    warm = load_file(ROOT / "stub" / "data" / "search" / "warm_model.py")
+    return str(warm.cached(request.config.cache.mkdir("search-tiny")))

@@ -197,7 +197,7 @@ def lora_overrides(args) -> dict:
 
 
 def packing(args, ctx) -> None:
-    """Packed actor vs a plain per-sequence reference (see tests/test_packing.py)."""
+    """Packed actor vs a plain per-sequence reference (see tests/integration/test_packing.py)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """A RECORDING FAKE of `sglang.Engine` for the adapter tests. It is not SGLang and runs no model.
 
-It records every call (method name and keyword arguments, so tests/test_sglang_adapter.py can
+It records every call (method name and keyword arguments, so tests/integration/test_sglang_adapter.py can
 check them against the real wheel's signatures) and enforces the rules of the real engine that the
 adapter relies on (read from SGLang 0.5.23's source):
 - `async_generate` must run on `engine.loop`; the synchronous methods call

@@ -1,4 +1,4 @@
-"""Run under torchrun (gloo, CPU) by tests/test_fused_logprobs.py: the actor with
+"""Run under torchrun (gloo, CPU) by tests/integration/test_fused_logprobs.py: the actor with
 actor.use_liger_kernel=true vs false on the stub model under FSDP2 gives the same log-probs,
 entropy and gradients. Rank 0 saves both to --out."""
 from __future__ import annotations

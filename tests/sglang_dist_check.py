@@ -1,4 +1,4 @@
-"""Run under `torchrun --nproc_per_node=2` (gloo, CPU) by tests/test_sglang_adapter.py: the sglang
+"""Run under `torchrun --nproc_per_node=2` (gloo, CPU) by tests/integration/test_sglang_adapter.py: the sglang
 adapter with tp_size=2 over the RECORDING FAKE engine (tests/fake_sglang.py). Rank 0 owns the engine,
 rank 1 forwards its prompts. Writes rank{N}.json into --out."""
 from __future__ import annotations

@@ -3,7 +3,7 @@
 GPU only, optional extra (`pip install -r requirements-gpu.txt`). Nothing here imports SGLang at
 module import time; `SGLangEngine(...)` does, on every rank (non-owners serialize their share of
 each weight push with SGLang's helpers; only owners build an engine). Checked against the
-source of the pinned wheel (tests/test_sglang_adapter.py) and a recording fake; it has NOT been run
+source of the pinned wheel (tests/integration/test_sglang_adapter.py) and a recording fake; it has NOT been run
 on a real SGLang install in this project (see docs/gpu.md).
 
 Layout. Ranks are split into rollout TP groups of `tp_size` consecutive ranks on one node
@@ -161,7 +161,7 @@ def engine_init_kwargs(
 
 
 # SGLang-only sampling parameters passed through from the config (`SamplingParams.extra`): fields of
-# sglang.srt.sampling.sampling_params.SamplingParams (tests/test_sglang_adapter.py checks them
+# sglang.srt.sampling.sampling_params.SamplingParams (tests/integration/test_sglang_adapter.py checks them
 # against the pinned wheel). Left out: `n` (data.responses_per_prompt), beam search, streaming,
 # text-only options the adapter sets itself, and SGLang's internal fields.
 SGLANG_SAMPLING_KEYS = ("min_new_tokens", "stop_regex", "json_schema", "regex", "ebnf", "structural_tag",

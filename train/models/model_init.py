@@ -8,7 +8,8 @@ the number of ranks from start-up on. Layouts whose local piece is not one block
 (FSDP over TP-sharded rows) read that one tensor whole and keep their piece. Non-persistent buffers
 (rotary frequencies) are recomputed the way the model's own constructor computes them, tied
 embeddings stay tied, and the critic's value head starts at zero: the result is what
-`from_pretrained` gives, bit for bit (tests/test_model_init.py).
+`from_pretrained` gives, bit for bit
+(tests/integration/test_checkpoints.py::test_meta_loading_equals_from_pretrained).
 """
 from __future__ import annotations
 

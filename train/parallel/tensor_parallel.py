@@ -63,7 +63,7 @@ class VocabParallelHead(ColwiseParallel):
 class _DropUnflattenedMeshNotice(logging.Filter):
     """DTensor's note that a redistribution over the (fsdp, tp) mesh dims runs as one collective per
     dim (the gradient norm for clipping: two all-reduces): correct, only not fused
-    (tests/test_distributed.py checks tp=2 and fsdp2xtp2 against one process). Flattening the mesh
+    (tests/integration/test_distributed.py checks tp=2 and fsdp2xtp2 against one process). Flattening the mesh
     would change the reduction order."""
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -183,7 +183,7 @@ class Checkpointer:
         """Rank 0 marks the folder complete, renames it and applies the retention (no collective)."""
         if not self.ctx.is_main:
             return
-        if TEST_DELAY_S:  # tests/test_checkpoints.py kills the run inside this window
+        if TEST_DELAY_S:  # tests/integration/test_checkpoints.py kills the run inside this window
             time.sleep(TEST_DELAY_S)
         open(os.path.join(tmp, COMPLETE), "w").close()
         _replace_dir(tmp, final)

@@ -14,8 +14,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import ROOT
-from tests.test_search_service import free_port, running
+from conftest import ROOT, free_port, running
 from train.datasets.tokenize import prompt_ids
 from train.engines.base import SamplingParams
 from train.engines.hf import HFEngine

@@ -1,7 +1,7 @@
 """The bundled stub (stub/build_stub.py): tiny model, tokenizer, chat template and data.
 
 Fast by default (a few seconds). The model rebuild check trains for ~30 s and is marked `slow`:
-it runs only when selected, e.g. `pytest -m slow tests/test_stub.py`.
+it runs only when selected, e.g. `pytest -m slow tests/unit/test_stub.py`.
 """
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_file
+from conftest import ROOT, load_file
 
-ROOT = Path(__file__).resolve().parents[1]
 STUB = ROOT / "stub"
 MODEL_DIR = STUB / "model"
 DATA_DIR = STUB / "data"

@@ -3,17 +3,8 @@ documented command: the trajectories show the searches and the passages that cam
 from __future__ import annotations
 
 import httpx
-import pytest
 
-from tests.conftest import ROOT, load_file, read_jsonl, run_trainer
-from tests.test_search_service import search_service
-
-
-@pytest.fixture(scope="session")
-def search_tiny(request):
-    """stub/model taught the protocol's shapes (stub/data/search/warm_model.py), cached."""
-    warm = load_file(ROOT / "stub" / "data" / "search" / "warm_model.py")
-    return str(warm.cached(request.config.cache.mkdir("search-tiny")))
+from conftest import read_jsonl, run_trainer, search_service
 
 
 def test_searchr1_run_shows_searches_and_passages(tmp_path, search_tiny, monkeypatch):

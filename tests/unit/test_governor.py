@@ -1,5 +1,5 @@
 """The governor's detection rule and its in-memory snapshots, without a trainer (the end-to-end
-rollback is in test_trainer.py)."""
+rollback is in tests/integration/test_trainer.py)."""
 from types import SimpleNamespace
 import math
 

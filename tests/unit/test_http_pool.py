@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.conftest import ROOT, load_file
+from conftest import ROOT, load_file
 from train.utils.http_pool import IDLE_CLOSE_S
 
 

@@ -3,9 +3,8 @@ its parts. Measured on the source, so a change that regrows either fails here, n
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT
 
 
 def _trainer() -> ast.ClassDef:

@@ -1,8 +1,8 @@
 """Errors that name their cause (issue 33, item 5): a run folder the filesystem will not let the run
 write, a LoRA checkpoint resumed without LoRA (and the reverse), a run whose every sample is an env
 error, and an env that fails on every call in one source of a mixture. Row numbers that agree between
-the loader and the mixture's routing check are in tests/test_mixture.py; a run whose every update the
-governor rolls back, in tests/test_faults.py. Each test here failed on main 46b6008."""
+the loader and the mixture's routing check are in tests/integration/test_mixture.py; a run whose every update the
+governor rolls back, in tests/integration/test_faults.py. Each test here failed on main 46b6008."""
 from __future__ import annotations
 
 import errno

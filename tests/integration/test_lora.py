@@ -3,7 +3,7 @@
 reference is the base model (the actor with its adapters off); a push sends the adapters alone and
 the engine then scores like the trainer; resume is bit-exact; the merged export and the peft adapter
 folder load and generate what the trainer's model generates. The SGLang side of the push is in
-tests/test_sglang_adapter.py."""
+tests/integration/test_sglang_adapter.py."""
 import json
 
 import pytest

@@ -1,6 +1,6 @@
 """The tool-calling stub (stub/tool_model, built by stub/build_tool_model.py) and its data
 (stub/data/calc, the default tasks of the verifiers taskset `math_python`). That the shipped model
-really calls the tool in the seed's launch command is tests/test_design_guide.py::test_launch_command."""
+really calls the tool in the seed's launch command is tests/integration/test_design_guide.py::test_launch_command."""
 from __future__ import annotations
 
 import json

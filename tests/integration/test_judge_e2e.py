@@ -7,9 +7,7 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import ROOT, read_jsonl, trainer_env
-from tests.test_search_e2e import search_tiny  # noqa: F401 - the shared, cached warmed model
-from tests.test_search_service import free_port, running, search_service, stop
+from conftest import ROOT, free_port, read_jsonl, running, search_service, stop, trainer_env
 
 TABLE = ("count", "errors", "p50_s", "p95_s", "p99_s", "max_s", "wait_s")
 
@@ -20,7 +18,7 @@ def graded(metrics_file) -> bool:
     return any(m.get("api/judge/count", 0) > m.get("api/judge/errors", 0) for m in read_jsonl(metrics_file))
 
 
-def test_judge_run_survives_the_judge_dying(tmp_path, search_tiny):  # noqa: F811
+def test_judge_run_survives_the_judge_dying(tmp_path, search_tiny):
     port = free_port()
     serve = [sys.executable, "-m", "train.serve", "--model", search_tiny, "--served-model-name", "judge",
              "--port", str(port)]

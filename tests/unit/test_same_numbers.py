@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from same_numbers import differences, is_timing  # noqa: E402
 
 

@@ -3,82 +3,14 @@ searchr1.py against it: single and batch forms, 200 concurrent queries, errors, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
 
-from conftest import ROOT, free_port
+from conftest import SEARCH_DATA, free_port, search_service
 from train.workers.environment import load_env_module
-
-SEARCH_DATA = ROOT / "stub" / "data" / "search"
-
-
-# ----------------------------------------------------------- helpers (other test files import these)
-
-@contextlib.contextmanager
-def running(cmd: list[str], health_url: str, log_path: Path, timeout: float = 180.0,
-            env: dict | None = None) -> Iterator[subprocess.Popen]:
-    """Start a server process, wait until `health_url` answers 200, stop it afterwards."""
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
-                                 "TRANSFORMERS_OFFLINE": "1", **(env or {})})
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"{cmd[:3]} exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(health_url, timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{cmd[:3]} not healthy after {timeout}s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.3)
-        yield proc
-    finally:
-        stop(proc)
-        log.close()
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def build_index(index_path: Path) -> None:
-    cmd = [sys.executable, "environments/build_search_index.py", "--corpus_path", str(SEARCH_DATA / "corpus.jsonl"),
-           "--index_path", str(index_path)]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "indexed 60 documents" in out.stdout
-
-
-@contextlib.contextmanager
-def search_service(tmp: Path, top_k: int = 3) -> Iterator[str]:
-    index = tmp / "stub.index"
-    if not index.exists():
-        build_index(index)
-    port = free_port()
-    cmd = [sys.executable, "environments/local_search_service.py", "--index_path", str(index),
-           "--corpus_path", str(SEARCH_DATA / "corpus.jsonl"), "--top_k", str(top_k), "--port", str(port)]
-    url = f"http://127.0.0.1:{port}"
-    with running(cmd, url + "/health", tmp / "search.log"):
-        yield url
 
 
 def qa_rows() -> list[dict]:

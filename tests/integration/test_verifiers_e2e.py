@@ -1,8 +1,8 @@
 """A real trainer run on a verifiers taskset with tools (the seed's launch command itself runs in
-tests/test_design_guide.py), marked slow (`pytest -m slow tests/test_verifiers_e2e.py`): the
+tests/integration/test_design_guide.py), marked slow (`pytest -m slow tests/integration/test_verifiers_e2e.py`): the
 shipped tool-calling stub (stub/tool_model) on 2 ranks for 2 steps, whose trajectories show tool
 calls and sandbox replies. The default suite checks the tool plumbing and loss masks with a
-scripted engine (tests/test_verifiers.py)."""
+scripted engine (tests/unit/test_verifiers.py)."""
 from __future__ import annotations
 
 import json

@@ -74,7 +74,7 @@ def test_resume_is_exact(straight_run, tmp_path):
 
 def test_resume_is_exact_under_tensor_parallel(tmp_path):
     """tp=2: 4 steps straight == 2 + resume + 2, bit for bit. (A checkpoint moving between layouts
-    and world sizes: tests/test_checkpoints.py.)"""
+    and world sizes: tests/integration/test_checkpoints.py.)"""
     tp = ["actor.tp_size=2", *SMALL]
     straight, resumed = tmp_path / "tp_straight", tmp_path / "tp_resumed"
     run_trainer([f"trainer.save_dir={straight}", "trainer.total_steps=4", "trainer.save_freq=2", *tp], nproc=2)
@@ -330,7 +330,7 @@ def test_governor_rolls_back_nan_and_spike_and_the_engine_never_sees_them(tmp_pa
     # step 8's update did move the actor; the engine never held those weights
     assert events[8]["bad_fingerprint"] != events[8]["restored_fingerprint"]
     assert events[8]["bad_fingerprint"] not in pushed.values()
-    # (a non-finite gradient norm skips the optimizer step itself: tests/test_governor.py)
+    # (a non-finite gradient norm skips the optimizer step itself: tests/unit/test_governor.py)
     # after a rollback training goes on from the restored weights, with sane losses
     assert pushed[6] != pushed[4] and pushed[9] != pushed[7]
     assert metrics[9]["critic/value_loss"] < 100 * metrics[7]["critic/value_loss"] + 1

@@ -284,7 +284,7 @@ def check_command(cmd: Command, problems: list[str], made: set[str]) -> None:
     else:
         hint = f" (.venv/bin/{first})" if first in VENV_PROGRAMS | {"python3", "pytest"} else ""
         problems.append(f"{cmd.where()}: '{first}' is run bare: call the venv's program by path{hint}, or add "
-                        f"it to ALLOWED / ANOTHER_MACHINE in tests/test_docs.py with the reason")
+                        f"it to ALLOWED / ANOTHER_MACHINE in tests/unit/test_docs.py with the reason")
         return
     if program in ("python", "python3"):
         check_python(cmd, rest, problems)

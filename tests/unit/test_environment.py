@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from conftest import ROOT
 from train.workers.environment import EnvCallError, EnvLoadError, Environment
 
 
@@ -128,12 +129,10 @@ def test_bad_interact_return_type(tmp_path):
 
 def test_shipped_envs():
     import importlib.util
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
     for name, answer, good, bad in [("eq", "68", "<answer> 68 </answer>", "<answer>67</answer>"),
                                     ("orz", "1/2", "<answer>0.5</answer>", "<answer>2</answer>")]:
-        spec = importlib.util.spec_from_file_location(name, root / "environments" / f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, ROOT / "environments" / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         conv = [{"role": "user", "content": "q"}, {"role": "assistant", "content": good}]
@@ -146,13 +145,12 @@ def test_shipped_envs():
 def test_a_call_that_never_returns_does_not_block_exit(tmp_path):
     import subprocess
     import sys
-    from pathlib import Path
 
     path = write_env(tmp_path, "import time\ndef reward_fn(messages, answer):\n    time.sleep(10_000)\n")
     script = tmp_path / "main.py"
     script.write_text(textwrap.dedent(f"""
         import asyncio, sys
-        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        sys.path.insert(0, {str(ROOT)!r})
         from train.workers.environment import Environment, EnvCallError
         env = Environment({path!r}, timeout_s=0.3, max_workers=2, max_turns=1)
         try:
