@@ -140,7 +140,7 @@ def test_a_lora_run_resumes_exactly_and_both_exports_generate_the_trainers_token
     (["actor.lora.rank=4", "actor.tp_size=2"], r"actor\.lora\.rank': LoRA with tensor parallelism"),
     (["actor.lora.rank=-1"], r"actor\.lora\.rank': expected 0 \(off\) or a positive integer"),
     (["actor.lora.rank=4", "actor.lora.alpha=0"], r"actor\.lora\.alpha'"),
-    (["actor.lora.rank=4", "actor.lora.dropout=1.0"], r"actor\.lora\.dropout': must be below 1"),
+    (["actor.lora.rank=4", "actor.lora.dropout=1.0"], r"actor\.lora\.dropout': expected a number in \[0, 1\)"),
     (["actor.lora.rank=4", "actor.lora.target_modules=[]"], r"actor\.lora\.target_modules': expected a non-empty"),
     (["adv.estimator=gae", "critic.lora.rank=4", "critic.tp_size=2"], r"critic\.lora\.rank': LoRA with tensor"),
     (["actor.lora.rank=4", "rollout.model_name=tests"], r"rollout\.model_name': with actor\.lora\.rank > 0"),

@@ -78,7 +78,8 @@ class ActorConfig:
                                       example="0.02")
     loss: str = setting("ppo (token ratio) | gspo (sequence ratio)", choices=POLICY_LOSSES.names)
     clip: float = setting("PPO clip; clip_low/clip_high override it (DAPO clip-higher)", gt=0, example="0.2")
-    clip_low: float | None = setting("the ratio floor is 1 - clip_low (null: clip)", gt=0, lt=1, example="0.2")
+    clip_low: float | None = setting("the ratio floor is 1 - clip_low (null: clip)", gt=0, lt=1, example="0.2",
+                                      expect="a number > 0 and < 1 (the ratio floor is 1 - clip_low), or null")
     clip_high: float | None = setting("the ratio ceiling is 1 + clip_high (null: clip)", gt=0, example="0.28")
     gspo_clip_low: float | None = setting("GSPO's sequence-ratio clip range, low side (used when clip_low is null)",
                                           gt=0, example="0.28")
