@@ -1,6 +1,6 @@
 """Every algorithm of the set on the stub math task, through the real CLI, one after the other.
 
-    .venv/bin/python benchmarks/algorithms.py                    # all 7, 100 steps each, 2 ranks
+    .venv/bin/python benchmarks/algorithms.py                    # all 9, 100 steps each, 2 ranks
     .venv/bin/python benchmarks/algorithms.py --steps 60 --only grpo ppo
     .venv/bin/python benchmarks/algorithms.py --markdown         # the table as markdown (docs/algorithms.md)
     .venv/bin/python benchmarks/algorithms.py --seeds 3 --markdown   # 3 seeds each: mean +- std of the gain
@@ -31,9 +31,12 @@ ALGORITHMS = {  # name -> (preset, extra overrides)
     "Dr. GRPO": ("dr_grpo", []),
     "DAPO": ("dapo", []),
     "GSPO": ("gspo", []),
+    "CISPO": ("cispo", []),
     "RLOO": ("rloo", []),
     "REINFORCE++": ("reinforce_pp", []),
     "PPO+GAE": ("ppo", []),
+    # masked IS needs a sampler that differs from the trainer: one step off, the samples are a version old
+    "GRPO 1-off + MIS": ("grpo", ["rollout.max_staleness=1", "actor.mis_level=token"]),
 }
 
 
@@ -63,7 +66,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--seeds", type=int, default=1, help="runs per preset, seeds --seed, --seed+1, ...")
-    parser.add_argument("--only", nargs="*", help="presets to run (grpo dr_grpo dapo gspo rloo reinforce_pp ppo)")
+    parser.add_argument("--only", nargs="*", help="presets to run (grpo dr_grpo dapo gspo cispo rloo reinforce_pp ppo; "
+                        "grpo also runs its masked-IS variant)")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--keep", help="folder for the runs (default: a temporary one)")
     args = parser.parse_args()
@@ -75,7 +79,8 @@ def main() -> None:
     t0 = time.perf_counter()
     for seed in seeds:  # seed-major: a slow drift of the machine's speed spreads over every preset
         for name, (preset, extra) in chosen.items():
-            r = run_one(preset, extra, args.steps, args.nproc, root / f"{preset}-seed{seed}", seed)
+            folder = f"{preset}{'-' + str(len(extra)) + 'x' if extra else ''}-seed{seed}"  # variants apart
+            r = run_one(preset, extra, args.steps, args.nproc, root / folder, seed)
             results.setdefault(name, []).append(r)
             print(f"{name:12s} seed {seed} test {r['first']:.3f} -> {r['last']:.3f} ({r['last'] - r['first']:+.3f})  "
                   f"{r['step_s']:.2f} s/step  {r['wall_s']:.0f} s", flush=True)
@@ -93,7 +98,9 @@ def main() -> None:
     for name, runs in results.items():
         gains = [r["last"] - r["first"] for r in runs]
         change = f"{statistics.mean(gains):+.3f}"
-        cells = [name, f"`algorithm={chosen[name][0]}`", f"{mean(runs, 'first'):.3f}", f"{mean(runs, 'last'):.3f}", change]
+        preset, extra = chosen[name]
+        cells = [name, f"`{' '.join([f'algorithm={preset}', *extra])}`", f"{mean(runs, 'first'):.3f}",
+                 f"{mean(runs, 'last'):.3f}", change]
         if len(seeds) > 1:
             cells[4] = f"{change} ± {statistics.stdev(gains):.3f}"
             cells.append(", ".join(f"{g:+.3f}" for g in gains))

@@ -1,4 +1,4 @@
-"""What the stub-demo benchmarks share (async_env.py, async_learning.py, curriculum.py, vs_trl.py):
+"""What the stub-demo benchmarks share (async_env.py, async_learning.py, curriculum.py, distill.py, vs_trl.py):
 one trainer run as a subprocess, the greedy test-reward curve of its metrics, the seconds to a
 target reward, and a PNG of test reward against training seconds."""
 from __future__ import annotations

@@ -17,6 +17,12 @@ if [ ! -f "$stamp" ]; then
   pipq -r requirements.txt
   touch "$stamp"
 fi
+# The tests' reference implementations (verl's losses), without their trainers' dependencies (ray, vllm, ...).
+oracle=.venv/.oracle-$(sha1sum requirements-oracle.txt | cut -c1-12)
+if [ ! -f "$oracle" ]; then
+  pipq --no-deps -r requirements-oracle.txt
+  touch "$oracle"
+fi
 # `train` as a package of this folder (editable) and the infinite-rl-plot command; the requirements
 # above are its dependencies already (pyproject.toml lists the same): pip fetches only setuptools to build it.
 [ -x .venv/bin/infinite-rl-plot ] || PYTHONWARNINGS=ignore pipq --no-deps -e .  # ignore: setuptools' notes on editable installs

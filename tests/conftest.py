@@ -65,6 +65,49 @@ def load_file(path: Path | str):
     return module
 
 
+def verl_oracle():
+    """verl 0.9.1's loss module and rollout-correction helpers (requirements-oracle.txt, installed by
+    scripts/install.sh with --no-deps), as (core_algos, rollout_corr_helper, ActorConfig).
+
+    verl/__init__.py is not run (it starts its Ray-based trainer's setup): the package is registered as
+    a plain namespace over its folder. Its `protocol` module, which the loss modules import, imports Ray
+    for the types of its futures; Ray (a 240 MB cluster runtime that no loss calls) is not installed, so a
+    named stand-in that only answers attribute lookups is present while these modules import, and removed
+    after."""
+    import sys
+    import types
+
+    if "verl.trainer.ppo.core_algos" not in sys.modules:
+        spec = importlib.util.find_spec("verl")
+        if spec is None or not spec.submodule_search_locations:
+            pytest.fail("the verl oracle is not installed: bash scripts/install.sh installs requirements-oracle.txt")
+        package = types.ModuleType("verl")
+        package.__spec__ = spec
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules["verl"] = package
+        stand_in = None
+        if importlib.util.find_spec("ray") is None:
+            stand_in = types.ModuleType("ray")
+
+            def ray_name(name: str):  # ray.ObjectRef etc.: names for annotations, nothing that runs
+                if name.startswith("__"):
+                    raise AttributeError(name)
+                return type(name, (), {})
+
+            stand_in.__getattr__ = ray_name
+            sys.modules["ray"] = stand_in
+        try:
+            importlib.import_module("verl.trainer.ppo.core_algos")
+            importlib.import_module("verl.trainer.ppo.rollout_corr_helper")
+        finally:
+            if stand_in is not None and sys.modules.get("ray") is stand_in:
+                del sys.modules["ray"]
+    from verl.trainer.ppo import core_algos, rollout_corr_helper
+    from verl.workers.config.actor import ActorConfig
+
+    return core_algos, rollout_corr_helper, ActorConfig
+
+
 def can_mount_in_a_namespace() -> bool:
     """Whether `unshare -rm` works here (user + mount namespaces): tests that need a small or
     read-only filesystem mount a tmpfs in a private namespace (root ignores chmod)."""

@@ -233,6 +233,34 @@ def test_target_kl_stops_the_epochs_early(tmp_path):
         assert m["actor/optimizer_steps"] < 6 and m["actor/optimizer_steps"] == m["actor/stop_epoch"] - 1
 
 
+def test_cispo_with_masked_importance_sampling_trains(tmp_path):
+    """The CISPO preset (two passes per rollout: the IS weight acts on the second) with token-level masked
+    IS and TIS on: the step runs the registered loss, and the masked share is reported."""
+    run = tmp_path / "run"
+    run_trainer([f"trainer.save_dir={run}", "trainer.total_steps=2", "algorithm=cispo", "actor.lr=1e-3",
+                 "actor.mis_level=token", "actor.mis_low=0.5", "actor.mis_high=2.0", "actor.tis_cap=2.0",
+                 *SMALL], nproc=1)
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert "loss: cispo" in (run / "config.yaml").read_text()
+    for m in metrics:
+        assert 0.0 <= m["actor/mis_masked"] <= 1.0 and 0.0 <= m["actor/clip_fraction"] <= 1.0
+        assert m["actor/optimizer_steps"] == 2 and math.isfinite(m["actor/loss"])
+    assert any(m["actor/ratio_max"] != 1.0 for m in metrics)  # the second pass saw moved weights
+
+
+def test_a_student_distilled_from_itself_sees_no_reverse_kl(tmp_path):
+    """algorithm=distill with the actor's own model as the teacher: the teacher (in the reference slot) scores
+    the very tokens the student sampled, at the same positions, so before any update the per-token reverse KL
+    is at float rounding; a teacher misaligned by one token would show ~1 nat."""
+    run = tmp_path / "run"
+    run_trainer([f"trainer.save_dir={run}", "trainer.total_steps=1", "algorithm=distill",
+                 "distill.teacher=stub/model", *SMALL], nproc=1)
+    (m,) = read_jsonl(run / "metrics.jsonl")
+    assert abs(m["distill/reverse_kl"]) < 1e-4, m["distill/reverse_kl"]
+    assert m["actor/optimizer_steps"] >= 1 and math.isfinite(m["actor/loss"])
+    assert "teacher: stub/model" in (run / "config.yaml").read_text()
+
+
 HALF_INFORMATIVE_ENV = """
 def reward_fn(messages, answer):
     if int(answer) % 2:  # odd answers: every response scores the same, the group carries no signal

@@ -1,10 +1,10 @@
 """The algorithm keys: presets compose and validate, bad values fail with the key and an example."""
 import pytest
 
-from conftest import compose_config
+from conftest import ROOT, compose_config
 from train.trainer.config import ConfigError, resolve_aliases, validate
 
-PRESETS = ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo"]
+PRESETS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "ppo"]
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")  # config paths are relative to the repo root
 
@@ -21,6 +21,7 @@ def test_presets_select_the_published_settings():
     assert compose_config(["algorithm=dapo"]).rollout.dynamic_sampling
     assert compose_config(["algorithm=ppo"]).adv.estimator == "gae"
     assert compose_config(["algorithm=gspo"]).actor.loss == "gspo"
+    assert compose_config(["algorithm=cispo"]).actor.loss == "cispo"
     assert compose_config(["algorithm=dr_grpo"]).adv.norm_var is False
     assert compose_config(["algorithm=rloo"]).adv.estimator == "rloo"
     assert compose_config(["algorithm=reinforce_pp"]).actor.kl.reward_estimator == "k1"
@@ -51,6 +52,10 @@ def test_lambda_alias():
     (["actor.tis_level=step"], r"'actor.tis_level'.*token, sequence"),
     (["actor.tis_cap=0"], r"'actor.tis_cap'"),
     (["actor.clip_low=1.2"], r"'actor.clip_low'.*< 1"),
+    (["actor.mis_level=row"], r"'actor.mis_level'.*one of token, sequence"),
+    (["actor.mis_level=token", "actor.mis_low=1.5"], r"'actor.mis_low'.*\(0, 1\).*Example override: actor.mis_low=0.5"),
+    (["actor.mis_high=0.9"], r"'actor.mis_high'.*> 1.*Example override: actor.mis_high=2.0"),
+    (["actor.loss=cispo", "actor.cispo_clip_high=0"], r"'actor.cispo_clip_high'.*> 0"),
     (["actor.entropy.schedule=exp"], r"'actor.entropy.schedule'"),
     (["actor.entropy.schedule=linear", "actor.entropy.coef=0.001", "actor.entropy.min_coef=0.01"],
      r"'actor.entropy.min_coef'.*floor"),
@@ -97,3 +102,44 @@ def test_a_registered_estimator_is_a_valid_choice_with_nothing_else_edited(scope
         return AdvantageResult(0.0 * x.mask)
 
     validate(compose_config(["adv.estimator=zero_advantage"]), world_size=2)
+
+
+def test_the_distillation_teacher_takes_the_reference_slot():
+    """algorithm=distill with a teacher validates, and the teacher is the model the reference slot loads."""
+    paths = validate(compose_config(["algorithm=distill", "distill.teacher=stub/model"]), world_size=2)
+    assert paths.reference.endswith("stub/model")
+    cfg = compose_config(["algorithm=distill", "distill.teacher=stub/model"])
+    assert (cfg.distill.reward_coef, cfg.distill.coef, cfg.rollout.dynamic_filtering) == (0.0, 1.0, False)
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    (["algorithm=distill"], r"'distill.teacher': is required with distill.reward_coef=0.*"
+                            r"Example override: distill.teacher="),
+    (["distill.teacher=stub/model", "actor.kl.coef=0.01"], r"'actor.kl.coef'.*teacher takes the reference's slot"),
+    (["distill.teacher=stub/model", "distill.reward_coef=0", "rollout.dynamic_filtering=true"],
+     r"'rollout.dynamic_filtering'.*Example override: rollout.dynamic_filtering=false"),
+    (["distill.teacher=stub/model", "distill.coef=0", "distill.reward_coef=0", "rollout.dynamic_filtering=false"],
+     r"'distill.coef'.*both 0"),
+    (["distill.coef=-1"], r"'distill.coef'.*>= 0"),
+    (["distill.teacher=no/such_teacher_model"], r"distill.teacher"),
+])
+def test_bad_distillation_settings_name_their_key(overrides, pattern, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a teacher that is not a local folder is not found, not fetched
+    with pytest.raises(ConfigError, match=pattern):
+        validate(compose_config(overrides), world_size=2)
+
+
+def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):
+    """The teacher scores the student's token ids: a teacher whose vocabulary differs by one token is refused."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(ROOT / "stub" / "model", teacher)
+    tok = AutoTokenizer.from_pretrained(teacher)
+    tok.add_tokens(["<not_in_the_student>"])
+    tok.save_pretrained(teacher)
+    with pytest.raises(ConfigError, match=r"'distill.teacher': '.*teacher' has a different tokenizer from the "
+                                          r"actor's .*<not_in_the_student>.*share one tokenizer"):
+        validate(compose_config([f"distill.teacher={teacher}"]), world_size=2)

@@ -19,10 +19,10 @@ from train.algorithms.dynamic_sampling import informative_groups, split_quota
 from train.algorithms.kl import kl_estimate
 from train.algorithms.logits import entropy_from_logits, logprobs_from_logits
 from train.algorithms.masks import broadcast_to_tokens, last_action_token_index, place_on_last_action_token
-from train.algorithms.mismatch import sampler_mismatch_sums, tis_weights
+from train.algorithms.mismatch import mis_keep, sampler_mismatch_sums, tis_weights
 from train.algorithms.moments import (explained_variance_from_moments, global_normalize, group_sums, masked_sums,
                                       mean_var_from_sums, merge_moments, whiten)
-from train.algorithms.policy_loss import gspo_loss, ppo_clip_loss
+from train.algorithms.policy_loss import cispo_loss, gmpo_loss, gpg_loss, gspo_loss, ppo_clip_loss
 from train.algorithms.returns import discounted_returns, gae, token_level_rewards
 from train.algorithms.schedules import entropy_coef_schedule
 from train.algorithms.shaping import overlong_penalty
@@ -428,6 +428,104 @@ def test_gspo_loss(cl, ch):
 
 
 # ----------------------------------------------------------------------------------------------
+# CISPO
+
+
+def ref_cispo_token(lp, olp, A, cl, ch):
+    """MiniMax-M1's per-token loss, -w A log pi with w = clip(pi / pi_old, 1 - cl, 1 + ch) held fixed."""
+    w = np.clip(np.exp(lp - olp), 1 - cl, 1 + ch)
+    return -w * A * lp, w
+
+
+@pytest.mark.parametrize("cl,ch", [(1.0, 5.0), (0.2, 0.28)])
+def test_cispo_loss(cl, ch):
+    rng, mask, lp, olp, A = ppo_inputs(21)
+    b = int(np.argmax(mask.sum(1)))
+    lp[b, action_positions(mask[b])[-2:]] += 2.5  # ratios above 1 + 5: the default ceiling bites too
+    W = rng.uniform(0.5, 1.5, size=lp.shape)
+    x = t64(lp).requires_grad_(True)
+    loss, stats = cispo_loss(x, t64(olp), t64(A), tmask(mask), clip_low=cl, clip_high=ch)
+    ref, w = ref_cispo_token(lp, olp, A, cl, ch)
+    close(loss, ref * mask)
+    (loss * t64(W)).sum().backward()
+    # the weight is a constant to the gradient: d/d lp of -w A lp is -w A, on every action token
+    close(x.grad, -w * A * mask * W)
+    sel = mask > 0
+    ratio = np.exp(lp - olp)[sel]
+    clipped = (ratio < 1 - cl) | (ratio > 1 + ch)
+    close(stats["clip_fraction"], clipped.mean())
+    close(stats["approx_kl"], np.mean(ratio - 1 - np.log(ratio)))
+    close(stats["ratio_max"], ratio.max()), close(stats["ratio_min"], ratio.min())
+    assert clipped.any()
+    # where PPO's clip cuts a token's gradient to 0, CISPO keeps it (the point of the method)
+    y = t64(lp).requires_grad_(True)
+    ppo_clip_loss(y, t64(olp), t64(A), tmask(mask), cl if cl < 1 else 0.2, ch)[0].sum().backward()
+    cut = sel & (y.grad.numpy() == 0) & (A != 0)
+    assert cut.any() and (x.grad.numpy()[cut] != 0).all()
+
+
+def test_cispo_gradient_is_ppos_on_policy():
+    """At ratio 1 (one pass over a rollout) both losses have the gradient -A per action token."""
+    rng, mask, lp, olp, A = ppo_inputs(22)
+    x, y = t64(olp).requires_grad_(True), t64(olp).requires_grad_(True)
+    cispo_loss(x, t64(olp), t64(A), tmask(mask), 1.0, 5.0)[0].sum().backward()
+    ppo_clip_loss(y, t64(olp), t64(A), tmask(mask), 0.2, 0.2)[0].sum().backward()
+    close(x.grad, y.grad), close(x.grad, -A * mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# GMPO, GPG
+
+
+def ref_gmpo_objective(lp, olp, A_seq, mask, cl, ch):
+    """The paper's loss: mean over sequences of -A_i * exp(mean_t of the token log-ratio clipped pessimistically
+    in log space to [-cl, ch])."""
+    total = 0.0
+    for b in range(lp.shape[0]):
+        pos = action_positions(mask[b])
+        if not pos:
+            continue
+        kept = []
+        for t in pos:
+            d = lp[b, t] - olp[b, t]
+            clipped = min(max(d, -cl), ch)
+            kept.append(min(d, clipped) if A_seq[b] > 0 else max(d, clipped) if A_seq[b] < 0 else d)
+        total += -A_seq[b] * math.exp(sum(kept) / len(kept))
+    return total / lp.shape[0]
+
+
+@pytest.mark.parametrize("clip", [0.4, 0.05])
+def test_gmpo_loss(clip):
+    rng = np.random.default_rng(23)
+    B, T = 8, 30
+    mask = ragged_mask(rng, B, T, empty_row=True)
+    olp = -np.abs(rng.normal(size=(B, T)))
+    lp = olp + rng.normal(size=(B, T)) * 0.3
+    A = rng.normal(size=B)
+    x = t64(lp).requires_grad_(True)
+    token_loss, stats = gmpo_loss(x, t64(olp), t64(A), tmask(mask), clip_low=clip, clip_high=clip)
+    J = aggregate_loss(token_loss, tmask(mask), "seq_mean_token_mean", n_tokens_global=mask.sum(), n_seqs_global=B)
+    close(J, ref_gmpo_objective(lp, olp, A, mask, clip, clip))
+    J.backward()
+    close(x.grad, num_grad(lambda z: ref_gmpo_objective(z, olp, A, mask, clip, clip), lp))
+    d = (lp - olp)[mask > 0]
+    a = np.repeat(A[:, None], T, axis=1)[mask > 0]
+    cut = ((a > 0) & (d > clip)) | ((a < 0) & (d < -clip))
+    close(stats["clip_fraction"], cut.mean())
+    assert cut.any()
+
+
+def test_gpg_loss_is_the_plain_policy_gradient():
+    rng, mask, lp, olp, A = ppo_inputs(24)
+    x = t64(lp).requires_grad_(True)
+    loss, stats = gpg_loss(x, t64(olp), t64(A), tmask(mask), 0.2, 0.2)
+    close(loss, -A * lp * mask)
+    loss.sum().backward()
+    close(x.grad, -A * mask)  # every token, whatever its ratio: no clip
+    close(stats["clip_fraction"], 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
 # aggregation
 
 
@@ -582,6 +680,39 @@ def test_tis_weights(level, cap):
         assert (w <= 1.0).all()
     with pytest.raises(ValueError):
         tis_weights(x, t64(samp), tmask(mask), cap=cap, level="step")
+
+
+def ref_mis_keep(train, samp, mask, low, high, level):
+    keep = np.zeros_like(mask)
+    for b in range(mask.shape[0]):
+        pos = action_positions(mask[b])
+        if not pos:
+            continue
+        geo = math.exp(sum(train[b, t] - samp[b, t] for t in pos) / len(pos))
+        for t in pos:
+            r = math.exp(train[b, t] - samp[b, t]) if level == "token" else geo
+            keep[b, t] = float(low <= r <= high)
+    return keep
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("low,high", [(0.5, 2.0), (0.9, 1.1)])
+def test_masked_importance_sampling_keeps_what_is_within_bounds(level, low, high):
+    rng = np.random.default_rng(19)
+    B, T = 8, 25
+    mask = ragged_mask(rng, B, T, empty_row=True)
+    samp = -np.abs(rng.normal(size=(B, T)))
+    train = samp + rng.normal(size=(B, T)) * 0.5 + rng.normal(size=(B, 1))  # rows drift apart: sequences differ
+    train[mask == 0] = 30.0  # off the action tokens: never decides anything
+    ref = ref_mis_keep(train, samp, mask, low, high, level)
+    keep = mis_keep(t64(train).requires_grad_(True), t64(samp), tmask(mask), low, high, level=level)
+    close(keep, ref)
+    assert not keep.requires_grad
+    assert 0 < ref[mask > 0].mean() < 1  # some kept, some masked: the case is not trivial
+    with pytest.raises(ValueError, match="0 < low < 1 < high"):
+        mis_keep(t64(train), t64(samp), tmask(mask), 1.2, 2.0)
+    with pytest.raises(ValueError, match="valid levels: token, sequence"):
+        mis_keep(t64(train), t64(samp), tmask(mask), low, high, level="row")
 
 
 def test_sampler_mismatch_sums():

@@ -101,6 +101,21 @@ def test_a_section_check_error_carries_its_path():
         build(Outer, {"inner": {"a": 3}}, "x")
 
 
+@pytest.mark.parametrize("override", ["trainer.collective_timeout_s=0", "trainer.collective_timeout_s=soon"])
+def test_a_key_read_before_the_config_loads_is_refused_as_the_whole_load_refuses_it(override):
+    """`collective_timeout_s` is read before the process group exists, one field at a time; its message
+    is the one the section's setting gives in the full load (one check, not a twin)."""
+    from train.trainer.config import collective_timeout_s
+
+    with pytest.raises(ConfigError) as alone:
+        collective_timeout_s(compose_config([override]))
+    with pytest.raises(ConfigError) as whole:
+        validate(compose_config([override]))
+    assert str(alone.value) == str(whole.value)
+    assert "config key 'trainer.collective_timeout_s': expected a number > 0" in str(alone.value)
+    assert collective_timeout_s(compose_config(["trainer.collective_timeout_s=30"])) == 30.0
+
+
 def test_values_keep_their_python_types_and_containers_are_plain():
     run = run_config({"actor.clip": 1, "rollout.overlong_buffer": 4})
     assert type(run.actor.clip) is int and type(run.rollout.overlong_buffer) is int  # as given: numerics unchanged

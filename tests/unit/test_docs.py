@@ -473,3 +473,43 @@ def test_curricula_have_a_command_to_copy():
     found = [c for lang, lines in fenced_blocks("docs/data.md") if lang in SHELL
              for c in commands("docs/data.md", lines) if isinstance(c, Command)]
     assert any(TRAINER in c.words and any(w.startswith("data.curriculum.policy=") for w in c.words) for c in found)
+
+
+TEST_REF = re.compile(r"(tests/[\w/]+\.py)(::[\w*]+)?|(?<![\w/])::([\w*]+)")
+
+
+def missing_tests(text: str, where: str) -> list[str]:
+    """Problems with the `tests/x.py::test_name` references of one text: a file that does not exist, a
+    test the file does not define (`test_gae*`: some test starting so). A bare `::name` continues the
+    last file named on the same line, as the tables write it."""
+    problems = []
+    for number, line in enumerate(text.splitlines(), 1):
+        current = None
+        for match in TEST_REF.finditer(line):
+            path, name = match.group(1), (match.group(2) or "")[2:] or match.group(3)
+            if path:
+                current = path
+                if not (ROOT / path).is_file():
+                    problems.append(f"{where}:{number}: {path} does not exist")
+                    current = None
+                    continue
+            if not name or current is None:
+                continue
+            source = (ROOT / current).read_text()
+            end = "" if name.endswith("*") else r"\("
+            pattern = r"^\s*(?:async\s+)?def " + re.escape(name.rstrip("*")) + end
+            if not re.search(pattern, source, re.M):
+                problems.append(f"{where}:{number}: {current} defines no {name}")
+    return problems
+
+
+def test_every_test_the_docs_name_exists():
+    """The rule -> mechanism -> test tables and the prose name tests by path and name; a renamed or
+    moved test must take its references with it."""
+    pages = [*DOCS, "tests/README.md"]
+    problems = [p for doc in pages for p in missing_tests((ROOT / doc).read_text(), doc)]
+    assert not problems, "\n".join(problems)
+    planted = "`tests/unit/test_algorithms.py::test_no_such_thing`, `::test_gae*`, `tests/unit/gone.py`"
+    assert missing_tests(planted, "planted") == [
+        "planted:1: tests/unit/test_algorithms.py defines no test_no_such_thing",
+        "planted:1: tests/unit/gone.py does not exist"]

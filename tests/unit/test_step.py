@@ -32,7 +32,7 @@ def advantages(samples, G, c, ref=None, values=None, rewards=None, reward_scale=
         batch.fields["ref_logp"] = [r.float() for r in ref]
     if values is not None:
         batch.fields["values"] = [v.float() for v in values]
-    metrics = compute_advantages(batch, c.adv, c.actor.kl, CTX.device, reward_scale=reward_scale)
+    metrics = compute_advantages(batch, c.adv, c.actor.kl, CTX.device, reward_scale=reward_scale, distill=c.distill)
     return batch.fields["advantages"], batch.fields.get("returns"), metrics
 
 
@@ -191,6 +191,31 @@ def test_gae_estimator(gamma, lam, whiten, scale, kl_coef):
     np.testing.assert_allclose(as_np(adv, samples), expected, rtol=1e-5, atol=1e-5)
     ev = 1 - np.var(rets - vals) / np.var(rets)
     assert metrics["critic/explained_variance"] == pytest.approx(ev, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("coef,reward_coef", [(1.0, 0.0), (0.5, 1.0)])
+def test_distillation_advantage_is_the_negative_reverse_kl_to_the_teacher_per_token(coef, reward_coef):
+    """distill.teacher: the reference slot's log-probs are the teacher's; each action token's advantage is
+    reward_coef * (the GRPO advantage) - coef * (log pi_student - log pi_teacher) of that token."""
+    rng = np.random.default_rng(5)
+    G = 4
+    samples = make_samples(rng, G=G)
+    teacher = ref_logps(rng, samples)
+    c = cfg(**{"distill.teacher": "stub/model", "distill.coef": coef, "distill.reward_coef": reward_coef})
+    adv, _, metrics = advantages(samples, G, c, teacher)
+    R = np.array([s.reward for s in samples])
+    expected, rkl = [], []
+    for i, (s, t) in enumerate(zip(samples, teacher)):
+        grp = R[i - i % G: i - i % G + G]
+        task = (R[i] - grp.mean()) / (math.sqrt(((grp - grp.mean()) ** 2).sum() / (G - 1)) + 1e-6)
+        for p in positions(s):
+            d = s.sampler_logprobs[p + 1] - float(t[p])
+            expected.append(reward_coef * task - coef * d)
+            rkl.append(d)
+    np.testing.assert_allclose(as_np(adv, samples), expected, rtol=1e-5, atol=1e-6)
+    for a, s in zip(adv, samples):  # nothing off the action tokens
+        assert (a[[t for t in range(len(a)) if not s.action_mask[t + 1]]] == 0).all()
+    assert metrics["distill/reverse_kl"] == pytest.approx(np.mean(rkl), abs=1e-6)  # (teacher log-probs held in float32)
 
 
 def test_kl_metric_in_the_loss_placement():

@@ -1,5 +1,6 @@
-"""The `adv:` section (config/grpo.yaml) as typed settings: the advantage estimator and its
-normalisation. The estimator's choices are the registry's (train/algorithms/advantages.py)."""
+"""The `adv:` and `distill:` sections (config/grpo.yaml) as typed settings: the advantage estimator
+and its normalisation (the estimator's choices are the registry's, train/algorithms/advantages.py),
+and on-policy distillation's teacher and weights."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,3 +21,14 @@ class AdvConfig:
     whiten: bool = setting("gae: whiten advantages over all ranks' action tokens")
     gamma: float = setting("discount over action tokens (reinforce_pp, gae)", gt=0, le=1, example="1.0")
     lamda: float = setting("GAE lambda (adv.lambda=... works too)", ge=0, le=1, example="0.95")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """`distill.*`: on-policy distillation; the teacher scores the student's samples in the reference's slot."""
+    teacher: str | None = setting("the teacher: a folder or a Hub id sharing the actor's tokenizer (null: no "
+                                  "distillation)")
+    coef: float = setting("weight of the per-token reverse-KL advantage -(log pi_student - log pi_teacher)", ge=0,
+                          example="1.0")
+    reward_coef: float = setting("weight of the task advantage beside it (0: the teacher alone)", ge=0,
+                                 example="0.0")

@@ -46,3 +46,31 @@ def sampler_mismatch_sums(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tens
         ratio = torch.exp(d)
         rmax, _ = ratio_extremes(ratio, mask)
         return {"kl": masked_sum(ratio - 1.0 - d, mask), "abs_diff": masked_sum(d.abs(), mask), "max_ratio": rmax}
+
+
+MIS_LEVELS = ("token", "sequence")  # mis_keep
+
+
+def mis_keep(old_logp_trainer: Tensor, sampler_logp: Tensor, mask: Tensor, low: float, high: float,
+             level: str = "token") -> Tensor:
+    """Masked importance sampling (IcePop-style): 1 where the trainer/sampler probability ratio lies in
+    [low, high], 0 where it leaves it, so those tokens contribute no gradient at all (TIS would only
+    cap their weight).
+
+    "token": r_t = exp(old_logp_trainer_t - sampler_logp_t), each token kept or masked on its own;
+    "sequence": the geometric mean r_i = exp(mean_t(old_logp_trainer - sampler_logp)) over the row's
+    action tokens decides for the whole row. Detached; 0 on non-action tokens; a float tensor that
+    multiplies the token loss (and composes with the TIS weights)."""
+    if not 0 < low < 1 < high:
+        raise ValueError(f"masked IS bounds must satisfy 0 < low < 1 < high, got [{low}, {high}]")
+    m = bool_mask(mask)
+    d = (old_logp_trainer - sampler_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if level == "token":
+        r = torch.exp(d)
+    elif level == "sequence":
+        n = m.sum(dim=1).clamp_min(1)
+        r = torch.exp(masked_sum(d, m, dim=1) / n)[:, None].expand_as(d)
+    else:
+        raise ValueError(f"unknown masked IS level {level!r}; valid levels: {', '.join(MIS_LEVELS)}")
+    keep = m & (r >= low) & (r <= high)
+    return keep.to(d.dtype)

@@ -117,3 +117,117 @@ def gspo_loss(
             "ratio_min": rmin,
         }
     return token_loss, stats
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, 2025) per-token loss: -sg(clip(rho, 1-clip_low, 1+clip_high)) * A * logp.
+
+    The importance weight is clipped and detached instead of the update: every action token keeps the
+    gradient -w*A * d logp (PPO gives a token whose clipped term is active no gradient at all, so
+    rare "fork" tokens whose ratio moves fast stop learning). The value is the paper's (and verl's)
+    objective -w*A*logp, so it is not comparable with ppo's loss value; the gradients agree with
+    PPO's when rho is inside the range. clip_low = 1 puts no floor on the weight (the paper).
+    The log-ratio is clamped to [-20, 20] before exp(). dual_clip does not apply (no min of two terms).
+    stats: clip_fraction (share of action tokens whose weight was clipped: their gradient is scaled
+    by the bound, not cut), approx_kl (k3, as ppo_clip_loss), ratio_max / ratio_min.
+    """
+    m = bool_mask(mask)
+    log_ratio = (logp.detach() - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # detached: no gradient through the weight
+    loss = -weight * advantages * logp
+    token_loss = torch.where(m, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
+
+    with torch.no_grad():
+        rmax, rmin = ratio_extremes(ratio, m)
+        stats = {
+            "clip_fraction": masked_mean((weight != ratio).to(logp.dtype), m),
+            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, m),
+            "ratio_max": rmax,
+            "ratio_min": rmin,
+        }
+    return token_loss, stats
+
+
+@POLICY_LOSSES.register("gmpo")
+def gmpo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization") per-token loss: the sequence loss
+    -A_i * exp(mean_t m_t), m_t = sgn(A) * min(sgn(A) d_t, sgn(A) clip(d_t, -clip_low, clip_high)),
+    d_t = logp_t - old_logp_t: PPO's pessimistic clip applied to each token's log-ratio (bounds in log
+    space: the paper's (-0.4, 0.4) is clip_low = clip_high = 0.4), then a geometric mean instead of
+    GSPO's. A_i is the row's mean advantage over its action tokens (GRPO's one value per sequence).
+
+    Each action token carries -A_i * sg[s_i] * exp(m_t - sg[m_t]) (s_i = exp(mean_t m_t)): its value is the
+    sequence loss, and with "seq_mean_token_mean" the loss and its gradient are the paper's mean over
+    sequences (as GSPO's implementation). dual_clip does not apply. stats: clip_fraction (action tokens
+    whose log-ratio was clipped in the direction that cuts the gradient), approx_kl (k3 of the token
+    ratios), ratio_max / ratio_min over the sequences' s_i."""
+    m = bool_mask(mask)
+    fm = float_mask(mask, logp)
+    A = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logp)
+    n = fm.sum(dim=1).clamp_min(1.0)
+    sign = torch.sign(A)
+    d = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    kept = sign * torch.minimum(sign * d, sign * d.clamp(-clip_low, clip_high))
+    seq_log = masked_sum(kept, m, dim=1) / n
+    seq_adv = masked_sum(A, m, dim=1) / n
+    s = torch.exp(seq_log.detach())
+    token = -seq_adv[:, None] * s[:, None] * torch.exp(kept - kept.detach())
+    token_loss = torch.where(m, token, torch.zeros((), dtype=token.dtype, device=token.device))
+
+    with torch.no_grad():
+        has_tokens = m.any(dim=1)
+        rmax, rmin = ratio_extremes(s, has_tokens)
+        cut = kept.ne(d)
+        stats = {
+            "clip_fraction": masked_mean(cut.to(logp.dtype), m),
+            "approx_kl": masked_mean(torch.exp(d) - 1.0 - d, m),
+            "ratio_max": rmax,
+            "ratio_min": rmin,
+        }
+    return token_loss, stats
+
+
+POLICY_LOSSES.add("geo_mean", gmpo_loss, listed=False)  # verl's name for it
+
+
+@POLICY_LOSSES.register("gpg")
+def gpg_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GPG (Chu et al. 2025, "Group Policy Gradient") per-token loss: -A * logp, the plain policy gradient
+    with group-relative advantages and no ratio, no clip (clip_low/high and dual_clip do not apply): every
+    pass treats the samples as on-policy. stats: approx_kl and the ratio extremes, for the logs."""
+    m = bool_mask(mask)
+    loss = -advantages * logp
+    token_loss = torch.where(m, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
+    with torch.no_grad():
+        d = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        ratio = torch.exp(d)
+        rmax, rmin = ratio_extremes(ratio, m)
+        stats = {"clip_fraction": torch.zeros((), dtype=logp.dtype, device=logp.device),
+                 "approx_kl": masked_mean(ratio - 1.0 - d, m), "ratio_max": rmax, "ratio_min": rmin}
+    return token_loss, stats

@@ -13,7 +13,7 @@ import torch
 from train.algorithms.aggregation import aggregate_loss
 from train.algorithms.kl import kl_estimate
 from train.algorithms.logits import entropy_from_logits, logprobs_from_logits
-from train.algorithms.mismatch import sampler_mismatch_sums, tis_weights
+from train.algorithms.mismatch import mis_keep, sampler_mismatch_sums, tis_weights
 from train.algorithms.policy_loss import POLICY_LOSSES
 from train.algorithms.schedules import entropy_coef_schedule
 from train.models import optim
@@ -33,9 +33,12 @@ from train.parallel.tensor_parallel import vocab_parallel_logprobs
 
 def policy_clip_range(cfg: ActorConfig) -> tuple[float, float]:
     """(clip_low, clip_high): explicit actor.clip_low/clip_high win; otherwise PPO uses actor.clip on
-    both sides and GSPO its own small sequence-level ranges (actor.gspo_clip_low/high, 3e-4/4e-4 in the paper)."""
+    both sides, GSPO its own small sequence-level ranges (actor.gspo_clip_low/high, 3e-4/4e-4 in the paper)
+    and CISPO its IS-weight range (actor.cispo_clip_low/high: no floor, 1 + 5)."""
     if cfg.loss == "gspo":
         low_default, high_default = cfg.gspo_clip_low, cfg.gspo_clip_high
+    elif cfg.loss == "cispo":  # no floor by default: 1 - 1 = 0, and a weight is never below 0
+        low_default, high_default = (cfg.cispo_clip_low if cfg.cispo_clip_low is not None else 1.0), cfg.cispo_clip_high
     else:
         low_default = high_default = cfg.clip
     return (cfg.clip_low if cfg.clip_low is not None else low_default,
@@ -142,6 +145,10 @@ class Actor(Trainable):
                 weights = tis_weights(old, sampler, mask, cfg.tis_cap, level=cfg.tis_level)
                 token_loss = token_loss * weights
                 stats.add("tis_clipped", ((weights >= cfg.tis_cap * (1 - 1e-6)) * mask).sum())
+            if cfg.mis_level is not None:  # masked IS: tokens (or samples) too far off the sampler get no gradient
+                keep = mis_keep(old, sampler, mask, cfg.mis_low, cfg.mis_high, level=cfg.mis_level)
+                token_loss = token_loss * keep
+                stats.add("mis_masked", (mask * (1.0 - keep)).sum())
             if coef:
                 token_loss = token_loss - coef * entropy * mask
             if kl_in_loss:
@@ -196,6 +203,8 @@ class Actor(Trainable):
                     "laid_out", "represented")
         if cfg.tis_cap is not None:
             sum_keys += ("tis_clipped",)  # the fraction of action tokens whose IS weight hit the cap
+        if cfg.mis_level is not None:
+            sum_keys += ("mis_masked",)  # the fraction of action tokens masked out by actor.mis_*
         if cfg.kl.coef > 0 and cfg.kl.reward_estimator is None:
             sum_keys += ("kl",)
         metrics = self.reduce(stats, "actor", sum_keys, ("ratio_max", "neg_ratio_min", "sampler_ratio_max"))

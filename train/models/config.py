@@ -7,7 +7,7 @@ import dataclasses
 
 from train.algorithms.aggregation import AGG_MODES
 from train.algorithms.kl import KL_ESTIMATORS
-from train.algorithms.mismatch import TIS_LEVELS
+from train.algorithms.mismatch import MIS_LEVELS, TIS_LEVELS
 from train.algorithms.policy_loss import POLICY_LOSSES
 from train.algorithms.schedules import ENTROPY_SCHEDULES
 from train.utils.typed_config import SectionError, setting
@@ -76,7 +76,8 @@ class ActorConfig:
     freeze_steps: int = setting("steps during which the actor is not updated (the critic still is)", ge=0)
     target_kl: float | None = setting("stop the update_per_rollout epochs once approx_kl exceeds this", gt=0,
                                       example="0.02")
-    loss: str = setting("ppo (token ratio) | gspo (sequence ratio)", choices=POLICY_LOSSES.names)
+    loss: str = setting("ppo (token ratio) | gspo (sequence ratio) | cispo (clipped, detached IS weight) | gmpo "
+                        "(geometric mean of clipped token ratios) | gpg (no ratio)", choices=POLICY_LOSSES.names)
     clip: float = setting("PPO clip; clip_low/clip_high override it (DAPO clip-higher)", gt=0, example="0.2")
     clip_low: float | None = setting("the ratio floor is 1 - clip_low (null: clip)", gt=0, lt=1, example="0.2",
                                       expect="a number > 0 and < 1 (the ratio floor is 1 - clip_low), or null")
@@ -85,6 +86,10 @@ class ActorConfig:
                                           gt=0, example="0.28")
     gspo_clip_high: float | None = setting("GSPO's sequence-ratio clip range, high side (used when clip_high is "
                                            "null)", gt=0, example="0.28")
+    cispo_clip_low: float | None = setting("CISPO's IS-weight floor is 1 - cispo_clip_low (null: no floor, the "
+                                           "paper; used when clip_low is null)", gt=0, le=1, example="0.2")
+    cispo_clip_high: float = setting("CISPO's IS-weight ceiling is 1 + cispo_clip_high (used when clip_high is "
+                                     "null)", gt=0, example="5.0")
     dual_clip: float | None = setting("dual-clip bound on negative-advantage ratios (null: off)", gt=1,
                                       example="3.0")
     agg_mode: str = setting("all_token_mean | seq_mean_token_mean | seq_mean_token_sum_norm | seq_mean_token_sum",
@@ -96,6 +101,11 @@ class ActorConfig:
     tis_cap: float | None = setting("truncated importance sampling of the sampler/trainer mismatch (null: 2.0 with "
                                     "rollout.max_staleness >= 1, else off)", gt=0, example="2.0")
     tis_level: str = setting("token | sequence (product of the token ratios)", choices=TIS_LEVELS)
+    mis_level: str | None = setting("masked IS: drop tokens (token) or whole samples (sequence: geometric mean) "
+                                    "whose trainer/sampler ratio leaves [mis_low, mis_high] (null: off)",
+                                    choices=MIS_LEVELS, example="token")
+    mis_low: float = setting("masked IS: the lowest trainer/sampler ratio kept", gt=0, lt=1, example="0.5")
+    mis_high: float = setting("masked IS: the highest trainer/sampler ratio kept", gt=1, example="2.0")
     gradient_checkpointing: bool = setting("recompute activations in the backward pass")
     use_liger_kernel: bool = setting("fused log-prob/entropy head, no [batch, seq, vocab] logits")
     share_prompt: bool = setting("each group's prompt laid out once per packed row in every pass")

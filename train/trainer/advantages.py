@@ -19,7 +19,8 @@ from collections.abc import Sequence
 import torch
 
 from train.algorithms.advantages import ESTIMATORS, AdvantageInputs, AdvantageSettings
-from train.algorithms.config import AdvConfig
+from train.algorithms.config import AdvConfig, DistillConfig
+from train.algorithms.distillation import distill_advantages
 from train.algorithms.kl import kl_estimate
 from train.algorithms.moments import group_sums, masked_sums
 from train.models.config import KLConfig
@@ -40,9 +41,11 @@ def unpadded(x: torch.Tensor, batch: StepBatch) -> list[torch.Tensor]:
 
 
 def compute_advantages(batch: StepBatch, adv: AdvConfig, kl_cfg: KLConfig, device: torch.device,
-                       reward_scale: float = 1.0) -> dict[str, float]:
+                       reward_scale: float = 1.0, distill: DistillConfig | None = None) -> dict[str, float]:
     """Write `advantages` (and for an estimator with a critic `returns`) into batch.fields; return
-    the advantage metrics. `kl_cfg` (actor.kl) says whether and how KL enters the reward."""
+    the advantage metrics. `kl_cfg` (actor.kl) says whether and how KL enters the reward; with
+    `distill.teacher` the reference slot's log-probs are the teacher's, and the estimator's advantage
+    is combined with the per-token reverse KL to it (train/algorithms/distillation.py)."""
     n = len(batch)
     lead = 1.0 if batch.is_leader else 0.0
     width = max([m.numel() for m in batch.mask] + [1])
@@ -89,7 +92,14 @@ def compute_advantages(batch: StepBatch, adv: AdvConfig, kl_cfg: KLConfig, devic
                                  lamda=float(adv.lamda), whiten=bool(adv.whiten))
     result = estimator.fn(inputs, settings)
     metrics.update(result.metrics)
-    batch.fields["advantages"] = unpadded(result.advantages, batch)
+    advantages = result.advantages
+    if distill is not None and distill.teacher is not None:
+        student, teacher = padded(policy, width), padded(batch.fields["ref_logp"], width)
+        advantages = distill_advantages(advantages, student, teacher, mask, distill.coef, distill.reward_coef)
+        reverse_kl = float(torch.where(mask, student - teacher, torch.zeros((), dtype=torch.float64)).sum())
+        total, tokens = global_sum([reverse_kl, float(mask.sum())])
+        metrics["distill/reverse_kl"] = total / max(tokens, 1.0)  # per action token, log pi_student - log pi_teacher
+    batch.fields["advantages"] = unpadded(advantages, batch)
     if result.returns is not None:
         batch.fields["returns"] = unpadded(result.returns, batch)
     return metrics

@@ -24,10 +24,11 @@ from train.engines import engine_sampling_keys
 from train.engines.base import SamplingError, SamplingParams, sampling_from_mapping
 from train.models.config import ActorConfig, CriticConfig
 from train.runtime.config import TrainerConfig
+from train.workers.config import RolloutConfig
 from train.trainer.data_check import check_data, context_length
 from train.trainer.schema import RunConfig, load
 from train.utils import hub
-from train.utils.typed_config import ConfigError, fail as _fail
+from train.utils.typed_config import ConfigError, build_field, fail as _fail, plain
 from train.workers.env_routing import env_paths
 
 __all__ = ["ConfigError", "ModelPaths", "validate", "load", "resolve_aliases", "role_config", "sampling_params"]
@@ -44,7 +45,8 @@ REQUIRED = {
 
 # Model and tokenizer names: a local folder or a Hugging Face Hub id (train/utils/hub.py).
 MODEL_KEYS = {"actor.model_name": "model", "actor.tokenizer_name": "tokenizer", "ref_actor.model_name": "model",
-              "critic.model_name": "model", "rollout.model_name": "model", "rollout.tokenizer_name": "tokenizer"}
+              "critic.model_name": "model", "rollout.model_name": "model", "rollout.tokenizer_name": "tokenizer",
+              "distill.teacher": "model"}
 SAMPLING_SECTIONS = ("rollout.train_sampling_params", "rollout.test_sampling_params")
 
 
@@ -53,7 +55,7 @@ class ModelPaths:
     """Local folders of every model and tokenizer a run loads, defaults filled in."""
     actor: str
     tokenizer: str  # the trainer's (actor.tokenizer_name, default the actor's folder)
-    reference: str
+    reference: str  # the KL reference's folder, or the teacher's (distill.teacher): the model in the reference slot
     critic: str
     rollout: str  # the engine's starting weights (rollout.model_name, default the actor's)
     rollout_tokenizer: str
@@ -62,32 +64,14 @@ class ModelPaths:
     def from_resolved(cls, found: Mapping[str, str]) -> "ModelPaths":
         actor = found["actor.model_name"]
         tokenizer = found.get("actor.tokenizer_name", actor)
-        return cls(actor=actor, tokenizer=tokenizer, reference=found.get("ref_actor.model_name", actor),
+        reference = found.get("distill.teacher") or found.get("ref_actor.model_name", actor)
+        return cls(actor=actor, tokenizer=tokenizer, reference=reference,
                    critic=found.get("critic.model_name", actor), rollout=found.get("rollout.model_name", actor),
                    rollout_tokenizer=found.get("rollout.tokenizer_name", tokenizer))
 
 
 def _get(cfg: DictConfig, key: str):
     return OmegaConf.select(cfg, key, default=None)
-
-
-def _number(cfg: DictConfig, key: str, low: float | None = None, high: float | None = None, *,
-            low_open: bool = False, allow_none: bool = False, example: str | None = None) -> None:
-    """A real number in [low, high] ((low, high] with low_open)."""
-    value = _get(cfg, key)
-    if value is None and allow_none:
-        return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if ok and low is not None:
-        ok = value > low if low_open else value >= low
-    if ok and high is not None:
-        ok = value <= high
-    if not ok:
-        lo = "-inf" if low is None else f"{low:g}"
-        hi = "inf" if high is None else f"{high:g}"
-        bounds = f"{'(' if low_open else '['}{lo}, {hi}]"
-        _fail(key, f"expected a number in {bounds}{' or null' if allow_none else ''}, got {value!r}",
-              example or f"{key}={high if high is not None else 1}")
 
 
 ASYNC_TIS_CAP = 2.0  # actor.tis_cap when rollout.max_staleness > 0 and none is given
@@ -114,6 +98,8 @@ def model_names(cfg: DictConfig) -> dict[str, tuple[str, str]]:
     used = {"actor.model_name", "actor.tokenizer_name", "rollout.model_name", "rollout.tokenizer_name"}
     if cfg.actor.kl.coef > 0:
         used.add("ref_actor.model_name")
+    if _get(cfg, "distill.teacher") is not None:
+        used.add("distill.teacher")
     if cfg.adv.estimator == "gae":
         used.add("critic.model_name")
     return {key: (str(_get(cfg, key)), kind) for key, kind in MODEL_KEYS.items()
@@ -140,17 +126,13 @@ Resolver = Callable[[Mapping[str, tuple[str, str]]], dict[str, str]]
 
 def collective_timeout_s(cfg: DictConfig) -> float:
     """`trainer.collective_timeout_s`, checked: needed before the process group (and `validate`)."""
-    _number(cfg, "trainer.collective_timeout_s", 0.0, low_open=True, example="trainer.collective_timeout_s=600")
-    return float(cfg.trainer.collective_timeout_s)
+    return float(build_field(TrainerConfig, cfg.trainer, "collective_timeout_s", "trainer"))
 
 
 def rollout_ranks(cfg: DictConfig, world_size: int) -> int:
     """`rollout.ranks` checked against the torchrun world (needed before the process groups exist):
     K rollout ranks leave world - K trainer ranks, each rollout rank serving at least one of them."""
-    k = _get(cfg, "rollout.ranks")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        _fail("rollout.ranks", f"expected an integer >= 0 (0: every rank trains and generates), got {k!r}",
-              "rollout.ranks=1")
+    k = build_field(RolloutConfig, cfg.rollout, "ranks", "rollout")
     if k == 0:
         return 0
     if k > world_size // 2:
@@ -160,7 +142,7 @@ def rollout_ranks(cfg: DictConfig, world_size: int) -> int:
         _fail("rollout.ranks", "dedicated rollout ranks run the hf engine only for now", "rollout.engine=hf")
     if (_get(cfg, "actor.lora.rank") or 0) > 0:
         _fail("rollout.ranks", "dedicated rollout ranks do not take LoRA adapters yet", "rollout.ranks=0")
-    _number(cfg, "rollout.async_timeout_s", 0.0, low_open=True, example="rollout.async_timeout_s=1800")
+    build_field(RolloutConfig, cfg.rollout, "async_timeout_s", "rollout")
     return k
 
 
@@ -218,6 +200,8 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
               f"({paths.actor}): a push sends only the adapters, not {paths.rollout}'s weights",
               "rollout.model_name=null")
     _validate_rollout_model(paths)
+    if run.distill.teacher is not None:
+        _validate_teacher(paths)
     return paths
 
 
@@ -225,16 +209,12 @@ def data_sources(data) -> tuple[list[Source], list[Source]]:
     """The train and test sources of the data section (train/datasets/mixture.py); test is [] without
     a test set."""
     try:
-        train = parse_sources(_plain(data.train_data_path), "data.train_data_path")
-        test_value = _plain(data.test_data_path)
+        train = parse_sources(plain(data.train_data_path), "data.train_data_path")
+        test_value = plain(data.test_data_path)
         test = [] if test_value is None else parse_sources(test_value, "data.test_data_path", weights=False)
     except MixtureError as e:
         raise ConfigError(str(e)) from None
     return train, test
-
-
-def _plain(value):
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def _validate_sources(run: RunConfig) -> None:
@@ -264,7 +244,7 @@ def _validate_sources(run: RunConfig) -> None:
 def sampling_params(rollout, name: str) -> SamplingParams:
     """The rollout section's `train_sampling_params` / `test_sampling_params` (`name`) as
     SamplingParams, every key checked against what the configured engine takes."""
-    section, values = f"rollout.{name}", _plain(getattr(rollout, name))
+    section, values = f"rollout.{name}", plain(getattr(rollout, name))
     if not isinstance(values, Mapping):
         _fail(section, f"expected a mapping of sampling parameters, got {values!r}",
               f"{section}.max_new_tokens=128")
@@ -301,8 +281,22 @@ def _validate_rollout_model(paths: ModelPaths) -> None:
                   "rollout.tokenizer_name=null (the actor's)")
 
 
+def _validate_teacher(paths: ModelPaths) -> None:
+    """The teacher scores the token ids the student sampled: both must map ids to the same tokens."""
+    from transformers import AutoTokenizer
+
+    student = AutoTokenizer.from_pretrained(paths.tokenizer).get_vocab()
+    teacher = AutoTokenizer.from_pretrained(paths.reference).get_vocab()
+    if student != teacher:
+        differ = sorted(set(student.items()) ^ set(teacher.items()), key=lambda kv: kv[1])[:1]
+        first = f"; e.g. token {differ[0][0]!r} (id {differ[0][1]})" if differ else ""
+        _fail("distill.teacher", f"'{paths.reference}' has a different tokenizer from the actor's '{paths.tokenizer}' "
+              f"({len(teacher)} vs {len(student)} tokens{first}): the teacher scores the student's token ids, so "
+              "both must share one tokenizer (a model of the same family)", "distill.teacher=runs/teacher/hf")
+
+
 def _validate_algorithms(run: RunConfig) -> None:
-    """Relations between the algorithm keys (issue 7): estimators, critic, KL, DAPO."""
+    """Relations between the algorithm keys (issue 7): estimators, critic, KL, DAPO, distillation."""
     adv, kl, rollout = run.adv, run.actor.kl, run.rollout
     if adv.estimator in ("reinforce", "rloo") and adv.gamma != 1.0:
         _fail("adv.gamma", f"{adv.estimator} has one advantage per sequence; discounting needs "
@@ -320,6 +314,21 @@ def _validate_algorithms(run: RunConfig) -> None:
         _fail("actor.kl.coef", "actor.kl.reward_estimator is set but the KL coefficient is 0",
               "actor.kl.coef=0.01")
 
+    distill = run.distill
+    if distill.teacher is None and distill.reward_coef == 0:
+        _fail("distill.teacher", "is required with distill.reward_coef=0 (algorithm=distill: the teacher's signal is "
+              "the whole advantage); a folder or Hub id sharing the actor's tokenizer", "distill.teacher=runs/teacher/hf")
+    if distill.teacher is not None:
+        if kl.coef > 0:
+            _fail("actor.kl.coef", "the distillation teacher takes the reference's slot (one frozen model scores "
+                  "the samples); its reverse KL already pulls the student towards the teacher", "actor.kl.coef=0")
+        if distill.coef == 0 and distill.reward_coef == 0:
+            _fail("distill.coef", "and distill.reward_coef are both 0: every advantage would be 0", "distill.coef=1.0")
+        if distill.reward_coef == 0 and (rollout.dynamic_filtering or rollout.dynamic_sampling):
+            key = "rollout.dynamic_sampling" if rollout.dynamic_sampling else "rollout.dynamic_filtering"
+            _fail(key, "drops groups whose rewards tie, but with distill.reward_coef=0 the teacher's per-token signal "
+                  "is the whole advantage and every group carries it", f"{key}=false")
+
     if rollout.dynamic_sampling and run.data.responses_per_prompt < 2:
         _fail("rollout.dynamic_sampling", "needs groups (data.responses_per_prompt >= 2): a group of "
               "one is never informative", "data.responses_per_prompt=8")
@@ -330,6 +339,12 @@ def _validate_algorithms(run: RunConfig) -> None:
                 (isinstance(buf, float) and buf >= 1.0) or (isinstance(buf, int) and buf > limit):
             _fail("rollout.overlong_buffer", f"expected a token count in [1, {limit}] (max_new_tokens x "
                   f"max_turns) or a fraction in (0, 1) of it, got {buf!r}", "rollout.overlong_buffer=0.2")
+
+
+def has_reference_slot(run: RunConfig) -> bool:
+    """Whether a frozen model scores the samples beside the actor: the KL reference (actor.kl.coef > 0)
+    or the distillation teacher (distill.teacher); both are the reference slot, laid out by ref_actor.*."""
+    return run.actor.kl.coef > 0 or run.distill.teacher is not None
 
 
 PARALLEL_KEYS = ("ddp_size", "tp_size", "sp_size", "offload_model", "offload_optimizer")
@@ -352,7 +367,7 @@ def _validate_parallel(run: RunConfig, world_size: int, paths: ModelPaths) -> No
     from train.parallel.layout import LayoutError, check_model_fits, layout_sizes
 
     roles = ["actor"]
-    if run.actor.kl.coef > 0:
+    if has_reference_slot(run):
         roles.append("ref_actor")
     if run.adv.estimator == "gae":
         roles.append("critic")

@@ -58,9 +58,9 @@ from train.runtime.logging import RunLogger, test_line
 from train.runtime.run_folder import RunFolderError, claim
 from train.runtime.watchdog import Watchdog
 from train.trainer.advantages import compute_advantages
-from train.trainer.config import (ConfigError, collective_timeout_s, data_sources, quote_values_with_equals,
-                                  resolve_aliases, role_config, rollout_ranks, sampling_params, useless_settings,
-                                  validate)
+from train.trainer.config import (ConfigError, collective_timeout_s, data_sources, has_reference_slot,
+                                  quote_values_with_equals, resolve_aliases, role_config, rollout_ranks,
+                                  sampling_params, useless_settings, validate)
 from train.trainer.data_check import PromptOverflowLog, check_data, context_length
 from train.trainer.evaluation import Evaluator
 from train.trainer.governor import Governor
@@ -226,9 +226,9 @@ class Trainer:
                       total_updates=updates, layout=layout("actor"), adapter_seed=cfg.trainer.seed)
         ref = None
         same_base = os.path.realpath(paths.reference) == os.path.realpath(paths.actor)
-        if cfg.actor.kl.coef > 0 and actor.lora.enabled and same_base:
+        if has_reference_slot(cfg) and actor.lora.enabled and same_base:
             ref = AdapterFreeReference(actor)  # the base model is the actor with its adapters off
-        elif cfg.actor.kl.coef > 0:
+        elif has_reference_slot(cfg):  # the KL reference, or the distillation teacher (paths.reference)
             ref = Actor(role_config(cfg, "ref_actor"), ctx, paths.reference, pad_token_id=pad_id, train=False,
                         temperature=temperature, layout=layout("ref_actor"))
         critic = None
@@ -338,7 +338,7 @@ class Trainer:
             got = self.rollouts.next(step, self.trainer_version)  # made now, made ahead, or on a rollout rank
         metrics = got.metrics
         self.rollouts.hand_over(step, metrics)  # the next rollout starts (max_staleness), or the engine sleeps
-        metrics.update(self.report.samples(step, got.samples, self.rollouts.rollout.pop_api_calls()))
+        metrics.update(self.report.samples(step, got.samples, self.rollouts.api_calls()))
         t1, n = time.perf_counter(), self.cfg.data.responses_per_prompt
         # Every rank learns every kept sample's length, group and reward (the step batch's index).
         index = exchange_index([len(s.ids) for s in got.kept], [i // n for i in range(len(got.kept))],
@@ -396,7 +396,7 @@ class Trainer:
                 moments = self.state["reward_moments"]
                 moments.update(index.reward)
                 scale = 1.0 / (moments.std + 1e-8) if moments.count > 1 else 1.0
-        metrics = compute_advantages(batch, cfg.adv, cfg.actor.kl, device, reward_scale=scale)
+        metrics = compute_advantages(batch, cfg.adv, cfg.actor.kl, device, reward_scale=scale, distill=cfg.distill)
         if m.critic is not None:
             transfer(batch, critic_batch, ["returns"], device)
             metrics.update(m.critic.update(critic_batch))
@@ -473,12 +473,10 @@ class Trainer:
         self.log.write(f"stopped by {signal_name} after step {step}; {how}")
 
     def close(self) -> None:
-        idle = self.rollouts.close()
+        self.rollouts.close()
         self.watchdog.close()
         self.checkpointer.close()
         self.log.close()
-        if idle:  # (a rollout still running holds the worker's event loop: the process ends with it)
-            self.rollouts.rollout.close()
         if self.run_folder is not None:
             self.run_folder.close()
 

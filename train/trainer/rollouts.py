@@ -83,8 +83,18 @@ class RolloutSource:
         prompts out again)."""
         return False
 
-    def close(self) -> bool:
-        """Whether nothing is left running (the rollout worker's loop may then be closed)."""
+    def close(self) -> None:
+        """Stop making rollouts; the rollout worker (its event loop, env clients, engine) closes when
+        nothing is left running (a rollout still running holds the worker's loop: the process ends with it)."""
+        if self._idle():
+            self.rollout.close()
+
+    def api_calls(self) -> list[dict]:
+        """External calls the environments made since the last call (for the step's latency statistics)."""
+        return self.rollout.pop_api_calls()
+
+    def _idle(self) -> bool:
+        """Whether nothing is left running once this source stops."""
         return True
 
     # -- making rollouts -------------------------------------------------------------------
@@ -243,7 +253,7 @@ class PrefetchedRollouts(RolloutSource):
         self.prefetch.restore(with_rewards_on_samples(rollouts))  # trained as they were generated: bit-exact
         return True
 
-    def close(self) -> bool:
+    def _idle(self) -> bool:
         return self.prefetch.close()
 
     def _roll_ahead(self, step: int) -> None:

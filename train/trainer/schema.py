@@ -8,7 +8,7 @@ import dataclasses
 
 from omegaconf import DictConfig, OmegaConf
 
-from train.algorithms.config import AdvConfig
+from train.algorithms.config import AdvConfig, DistillConfig
 from train.datasets.config import DataConfig
 from train.models.config import ActorConfig, CriticConfig, RefActorConfig
 from train.runtime.config import TrainerConfig
@@ -21,10 +21,12 @@ class RunConfig:
     """Every section of a run (config/grpo.yaml)."""
     data: DataConfig = setting("what to train and evaluate on, and how to draw it")
     actor: ActorConfig = setting("the policy that trains: model, optimizer, loss, LoRA, layout")
-    ref_actor: RefActorConfig = setting("the KL reference (actor.kl.coef > 0): the actor's unless told")
+    ref_actor: RefActorConfig = setting("the KL reference (actor.kl.coef > 0) or the teacher's layout "
+                                        "(distill.teacher): the actor's unless told")
     rollout: RolloutConfig = setting("generation and the environments: engine, sampling, turns, staleness")
     critic: CriticConfig = setting("the value model (adv.estimator=gae)")
     adv: AdvConfig = setting("the advantage estimator and its normalisation")
+    distill: DistillConfig = setting("on-policy distillation from a teacher (distill.teacher)")
     trainer: TrainerConfig = setting("the run: steps, checkpoints, evaluation, logging, safety nets")
 
 

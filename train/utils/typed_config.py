@@ -107,6 +107,18 @@ def build(schema: type[T], node: Any, key: str = "") -> T:
     return obj
 
 
+def build_field(schema: type, node: Any, name: str, key: str) -> Any:
+    """One field of `schema` from its section `node`, checked as `build` checks it: for the few keys
+    read before the whole config can be loaded (the process group's timeout, the rollout ranks)."""
+    field = next((f for f in dataclasses.fields(schema) if f.name == name), None)
+    if field is None:
+        raise TypeError(f"{schema.__name__} has no field {name}")
+    path = f"{key}.{name}"
+    if not _is_mapping(node) or name not in node.keys():
+        fail(path, "is missing; every key has its default in config/grpo.yaml")
+    return _value(path, _raw(node, name), _hints(schema)[name], setting_of(field))
+
+
 def _unknown(key: str, name: str, known: list[str]) -> NoReturn:
     where = f"the section '{key}'" if key else "the config"
     near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
@@ -140,7 +152,7 @@ _NO = object()
 def _typed(value: Any, kind: Any) -> Any:
     """`value` as `kind` (plain Python containers), or _NO when it is not one."""
     if kind is Any:
-        return _plain(value)
+        return plain(value)
     origin = typing.get_origin(kind)
     if origin in (typing.Union, types.UnionType):
         for member in typing.get_args(kind):
@@ -167,7 +179,7 @@ def _typed(value: Any, kind: Any) -> Any:
     if origin is dict:
         if not _is_mapping(value):
             return _NO
-        return {str(k): _plain(_raw(value, k)) for k in value.keys()}
+        return {str(k): plain(_raw(value, k)) for k in value.keys()}
     raise TypeError(f"typed_config: unsupported field type {kind!r}")
 
 
@@ -283,7 +295,8 @@ def _raw(node: Any, name: Any) -> Any:
     return node[name]
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
+    """An OmegaConf node as plain Python (interpolations resolved); any other value as it is."""
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value

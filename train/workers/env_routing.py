@@ -9,16 +9,14 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from omegaconf import OmegaConf
-
+from train.utils.typed_config import plain
 from train.workers.config import RolloutConfig
 from train.workers.environment import Environment
 
 
 def env_paths(rollout: RolloutConfig) -> str | dict[str, str]:
     """`rollout.env_path`: one path, or source -> path."""
-    value = rollout.env_path
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    return plain(rollout.env_path)
 
 
 class EnvRouter:
