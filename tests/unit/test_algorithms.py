@@ -392,15 +392,19 @@ def ref_gspo_objective(lp, olp, A_seq, mask, cl, ch):
     return total / lp.shape[0]
 
 
-@pytest.mark.parametrize("cl,ch", [(0.2, 0.3), (3e-4, 4e-4)])
-def test_gspo_loss(cl, ch):
-    rng = np.random.default_rng(12)
-    B, T = 8, 30
+def sequence_loss_inputs(seed, B=8, T=30):
+    """Ragged multi-turn rows (one empty), log-ratios of spread 0.3 and one advantage per sequence."""
+    rng = np.random.default_rng(seed)
     mask = ragged_mask(rng, B, T, empty_row=True)
     olp = -np.abs(rng.normal(size=(B, T)))
     lp = olp + rng.normal(size=(B, T)) * 0.3
-    A = rng.normal(size=B)
-    x = t64(lp).requires_grad_(True)
+    return mask, lp, olp, rng.normal(size=B), t64(lp).requires_grad_(True)
+
+
+@pytest.mark.parametrize("cl,ch", [(0.2, 0.3), (3e-4, 4e-4)])
+def test_gspo_loss(cl, ch):
+    B, T = 8, 30
+    mask, lp, olp, A, x = sequence_loss_inputs(12, B, T)
     token_loss, stats = gspo_loss(x, t64(olp), t64(A), tmask(mask), clip_low=cl, clip_high=ch)
 
     # value on each action token = the sequence loss
@@ -496,13 +500,8 @@ def ref_gmpo_objective(lp, olp, A_seq, mask, cl, ch):
 
 @pytest.mark.parametrize("clip", [0.4, 0.05])
 def test_gmpo_loss(clip):
-    rng = np.random.default_rng(23)
     B, T = 8, 30
-    mask = ragged_mask(rng, B, T, empty_row=True)
-    olp = -np.abs(rng.normal(size=(B, T)))
-    lp = olp + rng.normal(size=(B, T)) * 0.3
-    A = rng.normal(size=B)
-    x = t64(lp).requires_grad_(True)
+    mask, lp, olp, A, x = sequence_loss_inputs(23, B, T)
     token_loss, stats = gmpo_loss(x, t64(olp), t64(A), tmask(mask), clip_low=clip, clip_high=clip)
     J = aggregate_loss(token_loss, tmask(mask), "seq_mean_token_mean", n_tokens_global=mask.sum(), n_seqs_global=B)
     close(J, ref_gmpo_objective(lp, olp, A, mask, clip, clip))

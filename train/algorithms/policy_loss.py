@@ -24,16 +24,27 @@ class PolicyLoss(Protocol):
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "actor.loss")
 
 
+def _on_actions(loss: Tensor, m: Tensor) -> Tensor:
+    """`loss` on the action tokens, exactly 0 elsewhere (no NaN/inf from padding leaks into a sum)."""
+    return torch.where(m, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
+
+
+def _stats(clipped: Tensor, log_ratio: Tensor, m: Tensor, ratios: Tensor | None = None, over: Tensor | None = None,
+           **extra: Tensor) -> dict[str, Tensor]:
+    """The stats every loss reports, detached, over the action tokens `m`: clip_fraction (share where
+    `clipped`), approx_kl (k3 = r - 1 - log r of the clamped token log-ratios: an unbiased estimate of
+    KL(old || new) under the sampled tokens), ratio_max / ratio_min of `ratios` over `over` (default: the
+    token ratios over the action tokens; -inf / +inf when empty)."""
+    with torch.no_grad():
+        token_ratio = torch.exp(log_ratio)
+        rmax, rmin = ratio_extremes(token_ratio if ratios is None else ratios, m if over is None else over)
+        return {"clip_fraction": masked_mean(clipped.to(log_ratio.dtype), m), **extra,
+                "approx_kl": masked_mean(token_ratio - 1.0 - log_ratio, m), "ratio_max": rmax, "ratio_min": rmin}
+
+
 @POLICY_LOSSES.register("ppo")
-def ppo_clip_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float,
+                  dual_clip: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO per-token loss: -min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A), rho = exp(logp - old_logp).
 
     With dual_clip = c > 1 (Ye et al. 2020), tokens with A < 0 have their loss capped at -c*A.
@@ -57,30 +68,13 @@ def ppo_clip_loss(
         cap = -dual_clip * advantages
         dual = (advantages < 0) & (loss > cap)
         loss = torch.where(dual, cap, loss)
-    token_loss = torch.where(m, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
-
-    with torch.no_grad():
-        rmax, rmin = ratio_extremes(ratio, m)
-        stats = {
-            "clip_fraction": masked_mean(clipped.to(logp.dtype), m),
-            "dual_clip_fraction": masked_mean(dual.to(logp.dtype), m),
-            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, m),
-            "ratio_max": rmax,
-            "ratio_min": rmin,
-        }
-    return token_loss, stats
+    return _on_actions(loss, m), _stats(clipped, log_ratio.detach(), m,
+                                        dual_clip_fraction=masked_mean(dual.to(logp.dtype), m).detach())
 
 
 @POLICY_LOSSES.register("gspo")
-def gspo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages_seq: Tensor,
-    mask: Tensor,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def gspo_loss(logp: Tensor, old_logp: Tensor, advantages_seq: Tensor, mask: Tensor, clip_low: float, clip_high: float,
+              dual_clip: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025) per-token loss: -min(s*A, clip(s, 1-clip_low, 1+clip_high)*A), s_i = exp(mean_t(logp - old_logp)).
 
     Each action token t of row i carries s_it = sg[s_i] * exp(logp_t - sg[logp_t]): its value is s_i
@@ -103,32 +97,14 @@ def gspo_loss(
     loss_unclipped = -A * s
     loss_clipped = -A * s.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(loss_unclipped, loss_clipped)
-    token_loss = torch.where(m, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
-
-    with torch.no_grad():
-        clipped = loss_clipped > loss_unclipped
-        has_tokens = m.any(dim=1)
-        rmax, rmin = ratio_extremes(seq_ratio, has_tokens)
-        lr = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        stats = {
-            "clip_fraction": masked_mean(clipped.to(logp.dtype), m),
-            "approx_kl": masked_mean(torch.exp(lr) - 1.0 - lr, m),
-            "ratio_max": rmax,
-            "ratio_min": rmin,
-        }
-    return token_loss, stats
+    clipped = (loss_clipped > loss_unclipped).detach()
+    lr = log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return _on_actions(loss, m), _stats(clipped, lr, m, ratios=seq_ratio, over=m.any(dim=1))
 
 
 @POLICY_LOSSES.register("cispo")
-def cispo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float,
+               dual_clip: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1, 2025) per-token loss: -sg(clip(rho, 1-clip_low, 1+clip_high)) * A * logp.
 
     The importance weight is clipped and detached instead of the update: every action token keeps the
@@ -145,29 +121,12 @@ def cispo_loss(
     ratio = torch.exp(log_ratio)
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # detached: no gradient through the weight
     loss = -weight * advantages * logp
-    token_loss = torch.where(m, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
-
-    with torch.no_grad():
-        rmax, rmin = ratio_extremes(ratio, m)
-        stats = {
-            "clip_fraction": masked_mean((weight != ratio).to(logp.dtype), m),
-            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, m),
-            "ratio_max": rmax,
-            "ratio_min": rmin,
-        }
-    return token_loss, stats
+    return _on_actions(loss, m), _stats(weight != ratio, log_ratio, m)
 
 
 @POLICY_LOSSES.register("gmpo")
-def gmpo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def gmpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float,
+              dual_clip: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization") per-token loss: the sequence loss
     -A_i * exp(mean_t m_t), m_t = sgn(A) * min(sgn(A) d_t, sgn(A) clip(d_t, -clip_low, clip_high)),
     d_t = logp_t - old_logp_t: PPO's pessimistic clip applied to each token's log-ratio (bounds in log
@@ -190,44 +149,19 @@ def gmpo_loss(
     seq_adv = masked_sum(A, m, dim=1) / n
     s = torch.exp(seq_log.detach())
     token = -seq_adv[:, None] * s[:, None] * torch.exp(kept - kept.detach())
-    token_loss = torch.where(m, token, torch.zeros((), dtype=token.dtype, device=token.device))
-
-    with torch.no_grad():
-        has_tokens = m.any(dim=1)
-        rmax, rmin = ratio_extremes(s, has_tokens)
-        cut = kept.ne(d)
-        stats = {
-            "clip_fraction": masked_mean(cut.to(logp.dtype), m),
-            "approx_kl": masked_mean(torch.exp(d) - 1.0 - d, m),
-            "ratio_max": rmax,
-            "ratio_min": rmin,
-        }
-    return token_loss, stats
+    return _on_actions(token, m), _stats(kept.detach().ne(d.detach()), d.detach(), m, ratios=s, over=m.any(dim=1))
 
 
 POLICY_LOSSES.add("geo_mean", gmpo_loss, listed=False)  # verl's name for it
 
 
 @POLICY_LOSSES.register("gpg")
-def gpg_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def gpg_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float,
+             dual_clip: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """GPG (Chu et al. 2025, "Group Policy Gradient") per-token loss: -A * logp, the plain policy gradient
     with group-relative advantages and no ratio, no clip (clip_low/high and dual_clip do not apply): every
     pass treats the samples as on-policy. stats: approx_kl and the ratio extremes, for the logs."""
     m = bool_mask(mask)
     loss = -advantages * logp
-    token_loss = torch.where(m, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
-    with torch.no_grad():
-        d = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        ratio = torch.exp(d)
-        rmax, rmin = ratio_extremes(ratio, m)
-        stats = {"clip_fraction": torch.zeros((), dtype=logp.dtype, device=logp.device),
-                 "approx_kl": masked_mean(ratio - 1.0 - d, m), "ratio_max": rmax, "ratio_min": rmin}
-    return token_loss, stats
+    d = (logp.detach() - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return _on_actions(loss, m), _stats(torch.zeros_like(m), d, m)
