@@ -19,6 +19,25 @@ STUB_MODEL = ROOT / "stub" / "model"
 STUB_MATH = ROOT / "stub" / "data" / "math"
 
 
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.slow` tests run only when the marker expression selects them (`-m slow`, `-m "slow or
+    not slow"`); the README's `pytest -q` (and CI) skips them, saying how to run them. A slow test is one
+    whose behaviour a faster test already guards, or a rebuild of a bundled artefact."""
+    expr = config.getoption("markexpr") or ""
+    if "slow" in expr and "not slow" not in expr.replace("or not slow", ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow (pytest -m slow tests/...)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+def slow(*values, id: str | None = None):
+    """One parametrize case marked slow (run with -m slow): the cases left unmarked guard the same
+    behaviour in the default suite."""
+    return pytest.param(*values, marks=pytest.mark.slow, id=id)
+
+
 def trainer_env() -> dict:
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="offline",

@@ -188,6 +188,7 @@ def test_async_resume_is_exact_across_an_epoch_boundary(async_run, small_data, t
     assert len(counts) == 10 and set(counts.values()) == {8}
 
 
+@pytest.mark.slow
 def test_extending_a_finished_run_trains_its_first_new_step_on_policy(async_run, small_data, tmp_path):
     """docs/training.md ("Extending a finished run"): the last step rolls nothing ahead, so the final
     checkpoint holds no pending rollout and the first new step is rolled out after the resume, with
@@ -204,6 +205,7 @@ def test_extending_a_finished_run_trains_its_first_new_step_on_policy(async_run,
     assert metrics_by_step(extended)[7]["async/staleness_max"] == 0.0
 
 
+@pytest.mark.slow
 def test_async_resume_on_another_world_size_rolls_the_pending_prompts_out_again(async_run, small_data, tmp_path):
     """The pending rollout belongs to the saving ranks; on 1 rank its prompts are drawn again (no
     prompt lost or repeated), with the resumed weights."""
@@ -251,6 +253,7 @@ def test_staleness_two_resume_is_exact_and_keeps_both_pending_rollouts(two_off_r
     assert [metrics[s]["async/staleness_max"] for s in (4, 5, 6)] == [2.0, 2.0, 2.0]  # trained as generated
 
 
+@pytest.mark.slow
 def test_a_resume_at_another_staleness_rolls_the_pending_prompts_out_again(two_off_run, small_data, tmp_path):
     """Rollouts queued at staleness 2 would be too old for a staleness-1 run: their prompts are drawn
     again with the resumed weights; none is lost or repeated."""

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import read_jsonl, run_trainer
+from conftest import read_jsonl, run_trainer, slow
 
 SMALL = ["trainer.total_steps=3", "data.prompts_per_rollout=4", "data.responses_per_prompt=4",
          "rollout.dynamic_filtering=false", "trainer.test_freq=null", "trainer.save_freq=null"]
@@ -32,7 +32,7 @@ def fp32_kl(tmp_path_factory) -> float:
     return max(sampler_kl(run))
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [slow(1), 2])
 def test_bf16_actor_and_engine_train(tmp_path, fp32_kl, nproc):
     run_trainer([f"trainer.save_dir={tmp_path}", *SMALL, *BF16], nproc=nproc)
     kl = sampler_kl(tmp_path)
@@ -41,6 +41,7 @@ def test_bf16_actor_and_engine_train(tmp_path, fp32_kl, nproc):
     assert min(kl) > 10 * fp32_kl and max(kl) < 0.05, (kl, fp32_kl)
 
 
+@pytest.mark.slow
 def test_bf16_lora_keeps_its_frozen_base_in_bf16(tmp_path, fp32_kl):
     """With LoRA, the frozen base is held in the compute dtype (no fp32 master copy; half the bytes)
     and the adapters in fp32: the merged export's projections come out bf16 (a full fine-tune's are

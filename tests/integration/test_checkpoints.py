@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, STUB_MODEL, read_jsonl, run_torchrun, run_trainer, tiny_model, trainer_env
+from conftest import ROOT, STUB_MODEL, read_jsonl, run_torchrun, run_trainer, slow, tiny_model, trainer_env
 from train.runtime.checkpoint import consolidate
 
 SMALL = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",
@@ -35,8 +35,8 @@ def dist_check(nproc: int, out, *args: str) -> dict | None:
 # One process, FSDP, TP and HSDP x TP on the stub (tied embeddings); TP on Qwen2 (biases, untied head)
 # and Qwen3 (q/k norms), whose FSDP path is the stub's.
 @pytest.mark.parametrize("family,nproc,flags", [
-    ("llama", 1, []), ("llama", 2, []), ("llama", 2, ["--tp", "2"]), ("llama", 4, ["--ddp", "2", "--tp", "2"]),
-    ("qwen2", 2, ["--tp", "2"]), ("qwen3", 2, ["--tp", "2"]),
+    slow("llama", 1, []), slow("llama", 2, []), ("llama", 2, ["--tp", "2"]), slow("llama", 4, ["--ddp", "2", "--tp", "2"]),
+    slow("qwen2", 2, ["--tp", "2"]), slow("qwen3", 2, ["--tp", "2"]),
 ])
 def test_meta_loading_equals_from_pretrained(tmp_path_factory, tmp_path, family, nproc, flags):
     """Actor and critic built on the meta device, laid out, then filled shard by shard: every weight
@@ -74,7 +74,7 @@ def flat(state, prefix=""):
     return {prefix: state}
 
 
-@pytest.mark.parametrize("nproc,flags", [(1, []), (4, []), (2, ["--tp", "2"])])
+@pytest.mark.parametrize("nproc,flags", [slow(1, []), slow(4, []), (2, ["--tp", "2"])])
 def test_a_checkpoint_reshards_to_another_world_size_or_layout(fsdp2_run, tmp_path, nproc, flags):
     """The fsdp=2 checkpoint loaded on 1 rank, on 4 ranks (fsdp=4), under tp=2 (DCP reshards), and
     saved again at once: model and Adam state equal to the saved ones."""
@@ -123,7 +123,7 @@ def test_async_save_with_retention(fsdp2_run, tmp_path):
     assert [e["step"] for e in events] == [1, 2, 3, 4] and all(e["async"] for e in events)
 
 
-@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("async_save", [slow(False), True])
 def test_sigkill_while_a_checkpoint_is_written_leaves_the_previous_one(fsdp2_run, tmp_path, async_save):
     """The run is killed (SIGKILL, every process) after the step-4 shards are written and before the
     checkpoint is marked complete: `latest` is step 2, the half-written step 4 is ignored, and
@@ -195,7 +195,6 @@ def test_streamed_export_in_shards_with_the_critic(tmp_path):
         reference.value_head.bias.copy_(trained["value_head.bias"])
         torch.testing.assert_close(values, reference(ids, torch.ones_like(ids))[0], rtol=0, atol=1e-6)
     tok_ids = model.generate(torch.tensor([[1, 5, 9]]), max_new_tokens=6, do_sample=False)
-    from train.models.model_init import build_model  # noqa: F401 - the trainer's own loading of the export
     assert tok_ids.shape[1] > 3
 
 

@@ -123,6 +123,7 @@ CURRICULUM = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "roll
               "data.curriculum.min_visits=1", "data.curriculum.high=0.5", "data.curriculum.recheck=0.2"]
 
 
+@pytest.mark.slow
 def test_curriculum_skips_and_resumes_exactly(tiny_data, tmp_path):
     """12 prompts, 4 per step, 8 steps: prompts solved by half their group or more are skipped from
     their second epoch on; 4 + resume + 4 steps equals 8 straight (weights, prompts, statistics)."""
@@ -153,6 +154,7 @@ def test_curriculum_config_errors():
             validate(compose_config(overrides))
 
 
+@pytest.mark.slow
 def test_a_contaminated_test_set_warns_or_stops_the_run(tiny_data, tmp_path):
     """The test file is a slice of the training file: a warning naming the counts (rank 0 checks,
     every rank learns the result), or with data.fail_on_contamination a stop before any model loads."""

@@ -59,6 +59,7 @@ def check_run(run_dir, steps: int) -> list[dict]:
     return metrics
 
 
+@pytest.mark.slow
 def test_launch_command(workdir) -> None:
     """With the shipped tool-calling stub (stub/tool_model) the taskset's python tool is really
     called: tool calls and the sandbox's replies are in trajectories.jsonl and the tools/* metrics."""
@@ -89,6 +90,7 @@ def test_launch_command(workdir) -> None:
     assert any((run_dir / "wandb").glob("offline-run-*")), "wandb (offline) logged nothing"
 
 
+@pytest.mark.slow
 def test_minimal_environment_wire_up(workdir) -> None:
     cwd, env = workdir
     cmd = ["-m", "train.trainer.grpo", *words(WIRE_UP, **{"<your_model_path_or_name>": STUB_HUB_ID}),
@@ -98,6 +100,7 @@ def test_minimal_environment_wire_up(workdir) -> None:
     check_run(cwd / "ckpts" / "grpo", 2)  # the default experiment name
 
 
+@pytest.mark.slow
 def test_single_gpu_smoke_test_runs_as_one_plain_process(workdir) -> None:
     cwd, env = workdir
     cmd = words(SMOKE, **{"<your_model>": "stub/model"})

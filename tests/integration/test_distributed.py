@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, run_torchrun, tiny_model
+from conftest import ROOT, run_torchrun, slow, tiny_model
 
 
 def launch(nproc: int, out, *args: str) -> dict:
@@ -18,7 +18,7 @@ def launch(nproc: int, out, *args: str) -> dict:
 
 
 # all_token_mean with the uneven split is test_actor_layouts_match_one_process[fsdp2]
-@pytest.mark.parametrize("agg,split", [("seq_mean_token_mean", "uneven"), ("seq_mean_token_sum_norm", "all_on_rank0")])
+@pytest.mark.parametrize("agg,split", [("seq_mean_token_mean", "uneven"), slow("seq_mean_token_sum_norm", "all_on_rank0")])
 def test_one_and_two_ranks_give_the_same_gradients(tmp_path, single_process, agg, split):
     # A small clip norm makes clipping active, so the *global* norm is checked too.
     one = single_process("grads", "--agg", agg)
@@ -42,6 +42,7 @@ def test_sampler_and_trainer_logprobs_agree_and_push_updates_engine(tmp_path):
     assert out["changed"]  # the engine samples from the new weights
 
 
+@pytest.mark.slow
 def test_critic_one_and_two_ranks_give_the_same_gradients(tmp_path, single_process):
     """The clipped value loss is normalised by the global action-token count, x world size; all
     samples on rank 0 (the uneven split is covered by test_critic_layouts_match_one_process)."""
@@ -59,6 +60,7 @@ def test_critic_one_and_two_ranks_give_the_same_gradients(tmp_path, single_proce
         torch.testing.assert_close(two["weights"][name], w, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_reference_actor_shares_nothing_with_the_policy(tmp_path):
     out = launch(2, tmp_path / "ref.pt", "reference")
     assert out["shared"] == 0 and not out["ref_requires_grad"]
@@ -115,14 +117,15 @@ def single_process(tmp_path_factory):
 SHARED = ("--grouped", "--share")
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# fsdp x tp in the default suite; each dimension alone, hsdp, sp x tp with checkpointing and offload with -m slow
+@pytest.mark.parametrize("layout", [layout if layout == "fsdp2_tp2" else slow(layout) for layout in LAYOUTS])
 def test_actor_layouts_match_one_process(tmp_path, single_process, layout):
     nproc, flags = LAYOUTS[layout]
     other = launch(nproc, tmp_path / "x.pt", "grads", "--max_tokens", "64", "--clip", "0.05", *SHARED, *flags)
     assert_same_update(single_process("grads", "--grouped"), other)
 
 
-@pytest.mark.parametrize("layout", ["sp2", "tp2"])
+@pytest.mark.parametrize("layout", ["sp2", slow("tp2")])
 def test_sequence_level_loss_and_entropy_bonus_across_shards(tmp_path, single_process, layout):
     """GSPO's sequence ratio and per-sequence means need every token of a sequence: under sp the
     tokens live on different ranks, under tp the entropy comes from vocabulary slices."""
@@ -133,7 +136,7 @@ def test_sequence_level_loss_and_entropy_bonus_across_shards(tmp_path, single_pr
     assert_same_update(single_process("grads", *extra), other, weight_atol=3e-5)
 
 
-@pytest.mark.parametrize("layout", ["dp2", "fsdp2", "tp2", "sp2", "fsdp2_tp2"])
+@pytest.mark.parametrize("layout", [slow("dp2"), slow("fsdp2"), slow("tp2"), slow("sp2"), "fsdp2_tp2"])
 def test_critic_layouts_match_one_process(tmp_path, single_process, layout):
     nproc, flags = LAYOUTS[layout]
     other = launch(nproc, tmp_path / "x.pt", "critic_grads", "--max_tokens", "64", "--clip", "0.05", *SHARED,
@@ -141,7 +144,7 @@ def test_critic_layouts_match_one_process(tmp_path, single_process, layout):
     assert_same_update(single_process("critic_grads", "--grouped"), other)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", [slow("qwen2"), "qwen3"])
 def test_qwen_families_under_tensor_and_sequence_parallel(tmp_path_factory, tmp_path, family):
     """The TP plan's module names and the Ulysses attention hold for Qwen2 (biases) and Qwen3
     (q/k norms over local heads): tp=2 x sp=2 (one 4-rank run covers both) gives the 1-process
@@ -153,6 +156,7 @@ def test_qwen_families_under_tensor_and_sequence_parallel(tmp_path_factory, tmp_
     assert_same_update(one, other)
 
 
+@pytest.mark.slow
 def test_advantages_are_the_same_on_one_and_two_ranks(tmp_path):
     """Every estimator through the step batch: groups split over dp groups, statistics from
     all-reduced sums, the same per-token advantages (and GAE returns) as one process."""
@@ -193,8 +197,8 @@ def test_one_step_issues_a_bounded_number_of_collectives(tmp_path):
     assert out["metrics"]["critic/value_loss"] > 0 and out["metrics"]["actor/optimizer_steps"] == 4
 
 
-@pytest.mark.parametrize("name,nproc,flags,bucketed", [("one", 1, [], False), ("fsdp2", 2, [], True),
-                                                        ("ddp2_fsdp2", 4, ["--ddp", "2"], True),
+@pytest.mark.parametrize("name,nproc,flags,bucketed", [slow("one", 1, [], False), slow("fsdp2", 2, [], True),
+                                                        slow("ddp2_fsdp2", 4, ["--ddp", "2"], True),
                                                         ("tp2", 2, ["--tp", "2"], None)])
 def test_weight_push_gathers_full_tensors_in_flat_buckets(tmp_path, name, nproc, flags, bucketed):
     """The push's gather equals DTensor.full_tensor() for every weight (fp32, and cast to bf16 before it

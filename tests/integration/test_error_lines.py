@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -41,6 +40,7 @@ def error_lines(text: str) -> list[str]:
 
 # Tests run as root, for whom chmod does not stop a write; a read-only mount stops everyone. The run
 # folder's filesystem is a tmpfs in a private mount namespace (`unshare -rm`), remounted read-only.
+@pytest.mark.slow
 @pytest.mark.skipif(not can_mount_in_a_namespace(), reason="needs unshare -rm (user + mount namespaces)")
 def test_a_read_only_run_folder_is_one_error_line_naming_it(tmp_path):
     """A read-only trainer.save_dir was `OSError: [Errno 30] Read-only file system` inside a long
@@ -176,6 +176,7 @@ def test_lora_checkpoint_mismatches_name_the_adapters_and_the_overrides():
     assert lora_mismatch(path, "actor", {}, _shapes(None), _shapes(None), DEFAULT_TARGETS) is None
 
 
+@pytest.mark.slow
 def test_a_lora_checkpoint_resumed_without_lora_says_it_holds_adapters(tmp_path):
     """It said "'actor.model.model.embed_tokens.weight' is absent there (a different model shape)"; now
     the line says the checkpoint holds LoRA adapters and which overrides resume it, and meta.json

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, can_mount_in_a_namespace, read_jsonl, trainer_env
+from conftest import ROOT, can_mount_in_a_namespace, read_jsonl, slow, trainer_env
 
 SMALL = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",
          "trainer.test_freq=null", "trainer.progress_bar=false"]
@@ -44,6 +44,7 @@ def peak_rss_of(cmd: list[str], timeout: int = 300) -> tuple[subprocess.Complete
     return proc, peak
 
 
+@pytest.mark.slow
 def test_a_huge_tool_message_ends_the_episode_within_the_context(tmp_path):
     """A 1 MB tool message never enters the conversation: the episode ends with finish reason
     `context` (event and metric), the run completes, memory stays bounded."""
@@ -130,6 +131,7 @@ def test_killing_the_agent_leaves_no_rank_behind(tmp_path, when):
             proc.wait()
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_the_step_boundary_and_resumes_exactly(tmp_path):
     """SIGTERM to the agent mid-run (what a scheduler's preemption sends): the ranks finish the
     step, save it, log how to resume and exit without a traceback of their own; resuming from
@@ -181,6 +183,7 @@ def test_a_run_folder_belongs_to_one_run(tmp_path):
     assert json.loads((run / "run.json").read_text())["run_id"] != old_id
 
 
+@pytest.mark.slow
 def test_a_live_run_locks_its_folder_and_a_resume_repeats_no_step(tmp_path):
     """A second run cannot open a folder a live run holds; after the live run is killed, resuming
     from `latest` re-does the steps logged after that checkpoint instead of logging them twice."""
@@ -261,7 +264,7 @@ def test_runs_that_cannot_learn_say_so(tmp_path):
     assert len(warnings) == 3
 
 
-@pytest.mark.parametrize("governor", [False, True])
+@pytest.mark.parametrize("governor", [slow(False), True])
 def test_a_huge_learning_rate_is_reported_or_rolled_back(tmp_path, governor):
     """actor.lr=1e3 blew the weights up to ~1000 at step 1 and the run went on with a reward of 0 while
     every metric stayed finite. The update's relative weight-norm change is watched from the first

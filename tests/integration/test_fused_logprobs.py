@@ -148,6 +148,7 @@ def test_real_liger_kernel_matches_the_fused_torch_path() -> None:
         assert float(err.mean()) <= step, f"{name}: mean error {float(err.mean())} > one bf16 step ({step})"
 
 
+@pytest.mark.slow
 def test_trainer_runs_with_the_fused_head(tmp_path) -> None:
     """Two ranks, two steps, KL on (the reference actor uses the head too): the sampler's log-probs
     (hf engine, plain float32 logits) and the fused trainer's agree to float rounding."""

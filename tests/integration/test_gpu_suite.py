@@ -6,11 +6,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step")
 
 
+@pytest.mark.slow
 def test_gpu_suite_tiny_runs_every_section(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/gpu_suite.py", "--tiny", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -9,7 +9,7 @@ import os
 import httpx
 import pytest
 
-from conftest import STUB_HUB_ID, STUB_MODEL, read_jsonl, run_trainer
+from conftest import STUB_HUB_ID, STUB_MODEL, read_jsonl, run_trainer, slow
 from fake_hub import FakeHub
 from train.utils import hub
 
@@ -122,7 +122,7 @@ def test_two_ranks_download_once_and_train(tmp_path) -> None:
     assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1]
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, slow(2)])
 def test_uncached_id_offline_is_one_clear_line(tmp_path, stub_hub_cache, nproc) -> None:
     proc = run_trainer([f"trainer.save_dir={tmp_path}", "actor.model_name=nobody/nothing"], nproc=nproc,
                        check=False, env={"HF_HUB_CACHE": str(stub_hub_cache)})

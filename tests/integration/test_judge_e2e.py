@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import ROOT, free_port, read_jsonl, running, search_service, stop, trainer_env
 
 TABLE = ("count", "errors", "p50_s", "p95_s", "p99_s", "max_s", "wait_s")
@@ -18,6 +20,7 @@ def graded(metrics_file) -> bool:
     return any(m.get("api/judge/count", 0) > m.get("api/judge/errors", 0) for m in read_jsonl(metrics_file))
 
 
+@pytest.mark.slow
 def test_judge_run_survives_the_judge_dying(tmp_path, search_tiny):
     port = free_port()
     serve = [sys.executable, "-m", "train.serve", "--model", search_tiny, "--served-model-name", "judge",

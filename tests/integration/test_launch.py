@@ -177,6 +177,7 @@ def test_a_preempted_trainer_exits_143_and_resumes_from_the_saved_step(tmp_path)
 
 # --- the pre-flight check refuses a folder that holds a run -----------------------------------------
 
+@pytest.mark.slow
 def test_the_pre_flight_check_refuses_a_folder_that_holds_a_run_as_the_trainer_does(tmp_path):
     """launch_grpo.sh's check passed such a folder and torchrun failed 9 s later; now the check
     stops it with the trainer's own line (train/runtime/run_folder.py), and a resume passes."""

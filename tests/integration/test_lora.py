@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import STUB_MODEL, compose_config, read_jsonl, run_trainer
+from conftest import STUB_MODEL, compose_config, read_jsonl, run_trainer, slow
 from test_distributed import assert_same_update, launch
 from test_trainer import assert_same
 from train.models.lora import LoraSettings, LoraTargetError, apply_lora, is_adapter
@@ -49,7 +49,7 @@ def test_only_the_adapters_learn_and_hold_optimizer_state(one_process):
             assert torch.equal(weight, base[name.replace(".base_layer.", ".")]), name
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [layout if layout == "dp2" else slow(layout) for layout in LAYOUTS])
 def test_lora_layouts_give_the_one_process_adapter_update(tmp_path, one_process, layout):
     nproc, flags = LAYOUTS[layout]
     other = launch(nproc, tmp_path / "x.pt", "grads", "--max_tokens", "64", "--clip", "0.05", "--grouped", *LORA,
@@ -58,6 +58,7 @@ def test_lora_layouts_give_the_one_process_adapter_update(tmp_path, one_process,
     assert sorted(other["optimized"]) == sorted(other["grads"])
 
 
+@pytest.mark.slow
 def test_critic_lora_trains_adapters_and_the_whole_value_head(tmp_path, one_process):
     one = one_process("critic_grads")
     assert {n for n in one["grads"] if not is_adapter(n)} == {"value_head.weight", "value_head.bias"}

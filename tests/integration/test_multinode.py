@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from conftest import ROOT, free_port, read_jsonl
 
 
@@ -29,6 +31,7 @@ def launch_two_nodes(save, nproc: int, overrides: list[str]) -> list[str]:
     return outputs
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine_train_end_to_end(tmp_path):
     save = tmp_path / "run"
     outputs = launch_two_nodes(save, 2, ["trainer.total_steps=3", "trainer.test_freq=null", "actor.tp_size=2",

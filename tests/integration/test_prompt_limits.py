@@ -3,7 +3,6 @@ skipped (or fails the run) with its file, row and token count named, never train
 reply is cut in characters before it is tokenized, and the cut is recorded."""
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -211,6 +210,7 @@ def test_an_all_long_data_set_is_an_error_before_training(tmp_path):
     assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text()
 
 
+@pytest.mark.slow
 def test_fail_stops_the_run_at_the_first_long_row_drawn_past_the_checked_ones(tmp_path):
     """data.overlong_prompts=fail with the long rows past data.check_rows: the rollout finds the row
     and every rank stops with the error line naming it (exit status 2, the user-error status)."""

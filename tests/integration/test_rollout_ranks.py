@@ -60,6 +60,7 @@ def served_async(tmp_path_factory, small_data):
     return run(tmp_path_factory.mktemp("served"), small_data, 6, *SERVED, nproc=3)
 
 
+@pytest.mark.slow
 def test_two_trainer_ranks_one_step_off_on_one_rollout_rank(served_async):
     metrics = metrics_by_step(served_async)
     assert [metrics[s]["async/staleness_max"] for s in range(1, 7)] == [0.0] + [1.0] * 5
@@ -69,6 +70,7 @@ def test_two_trainer_ranks_one_step_off_on_one_rollout_rank(served_async):
     assert all(metrics[s]["actor/sampler_kl"] > 1e-5 for s in range(2, 7))
 
 
+@pytest.mark.slow
 def test_a_resume_with_rollout_ranks_is_exact_across_an_epoch_boundary(served_async, small_data, tmp_path):
     resumed = run(tmp_path / "resumed", small_data, 6, *SERVED, f"trainer.load_ckpt_from={served_async / 'step3'}",
                   nproc=3)
@@ -77,6 +79,7 @@ def test_a_resume_with_rollout_ranks_is_exact_across_an_epoch_boundary(served_as
     assert sorted(again) == [4, 5, 6] and all(again[s] == straight[s] for s in (4, 5, 6))
 
 
+@pytest.mark.slow
 def test_a_stuck_rollout_rank_ends_the_run_with_one_line_naming_rank_peer_request_and_env_call(small_data, tmp_path):
     """One-step-off: step 2's rollout is stuck in an env call on the rollout rank past
     rollout.async_timeout_s. The trainer's wait for its samples times out (closing the gloo link); the

@@ -3,10 +3,12 @@ documented command: the trajectories show the searches and the passages that cam
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from conftest import read_jsonl, run_trainer, search_service
 
 
+@pytest.mark.slow
 def test_searchr1_run_shows_searches_and_passages(tmp_path, search_tiny, monkeypatch):
     with search_service(tmp_path) as url:
         monkeypatch.setenv("SEARCH_URL", url)

@@ -70,6 +70,7 @@ def test_request_size_limits(service):
     assert r.status_code == 413 and "--max_queries" in r.text
 
 
+@pytest.mark.slow
 def test_a_big_batch_does_not_stall_a_single_query(service):
     """A single query sent while a 3000-query batch is being searched (seconds on a CPU) is answered
     after at most a chunk or two of it, not after the whole batch."""
@@ -96,6 +97,7 @@ def test_a_big_batch_does_not_stall_a_single_query(service):
     assert single_s < batch_s / 3
 
 
+@pytest.mark.slow
 def test_200_concurrent_queries_are_answered_correctly(service):
     rows = qa_rows()
     queries = [(rows[i % len(rows)]["messages"][-1]["content"], rows[i % len(rows)]["answer"]["gold_ids"])

@@ -14,7 +14,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import ROOT, free_port, running
+from conftest import ROOT, free_port, running, slow
 from train.datasets.tokenize import prompt_ids
 from train.engines.base import SamplingParams
 from train.engines.hf import HFEngine
@@ -218,7 +218,7 @@ def exports(tmp_path_factory) -> dict[str, Path]:
     return {"full export": full, "LoRA adapter": adapter}
 
 
-@pytest.mark.parametrize("kind", ["full export", "LoRA adapter"])
+@pytest.mark.parametrize("kind", [slow("full export"), "LoRA adapter"])
 def test_the_documented_snippet_works_whatever_the_folder_is_called(kind, exports, tmp_path, capsys):
     """judge.md's snippet sent model="latest", the folder name a full export was served under; an
     adapter folder was served as 'adapter' and the snippet got a 404. Both are now `default`."""

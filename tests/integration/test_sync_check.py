@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, run_torchrun
+from conftest import ROOT, run_torchrun, slow
 from train.utils.checksum import tensor_checksum
 
 MASK = (1 << 64) - 1
@@ -62,7 +62,8 @@ def test_checksum_sees_one_bit_swapped_rows_and_a_transpose_but_not_the_layout()
     assert int(tensor_checksum(t.to(torch.bfloat16))) != base  # dtype matters: the engine's dtype is compared
 
 
-@pytest.mark.parametrize("layout", [["--ddp", "1"], ["--ddp", "2"], ["--tp", "2"]], ids=["fsdp2", "hsdp", "tp2"])
+@pytest.mark.parametrize("layout", [["--ddp", "1"], slow(["--ddp", "2"], id="hsdp"), slow(["--tp", "2"], id="tp2")],
+                         ids=["fsdp2", "hsdp", "tp2"])
 def test_policy_sync_verifies_pushes_and_the_probe_on_two_ranks(tmp_path, layout):
     out = tmp_path / "sync.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",

@@ -72,6 +72,7 @@ def test_resume_is_exact(straight_run, tmp_path):
     assert not set(again[3]) & set(straight[1] + straight[2])
 
 
+@pytest.mark.slow
 def test_resume_is_exact_under_tensor_parallel(tmp_path):
     """tp=2: 4 steps straight == 2 + resume + 2, bit for bit. (A checkpoint moving between layouts
     and world sizes: tests/integration/test_checkpoints.py.)"""
@@ -187,6 +188,7 @@ def test_multi_turn_env_errors_and_kl(tmp_path):
     assert any("actor/kl" in m and math.isfinite(m["actor/kl"]) for m in metrics)
 
 
+@pytest.mark.slow
 def test_evaluation_before_and_after(tmp_path):
     run = tmp_path / "run"
     proc = run_trainer([f"trainer.save_dir={run}", "trainer.total_steps=2", "trainer.test_freq=1",
@@ -200,6 +202,7 @@ def test_evaluation_before_and_after(tmp_path):
 # the algorithm set (issue 7): PPO + critic, target KL, DAPO, governor
 
 
+@pytest.mark.slow
 def test_ppo_with_critic_metrics_and_exact_resume(tmp_path):
     """PPO (GAE + critic) on 2 ranks: the documented metrics, and 2 + resume + 2 steps == 4 steps for
     the actor, the critic, both optimizers and schedulers, and the running reward statistics."""
@@ -284,6 +287,7 @@ def test_dapo_dynamic_sampling_refills_to_a_full_batch(tmp_path):
     assert all(m["dynamic_filtering_ratio"] > 0 for m in metrics)
 
 
+@pytest.mark.slow
 def test_dapo_dynamic_sampling_is_bounded_and_logged(tmp_path):
     env = tmp_path / "const.py"
     env.write_text("def reward_fn(messages, answer):\n    return 1.0\n")

@@ -32,10 +32,7 @@ def _default_taskset(monkeypatch):
 
 
 @pytest.mark.slow
-def test_tool_calls_and_replies_in_a_real_run(tmp_path, request):
-    expr = request.config.getoption("markexpr") or ""
-    if "slow" not in expr or "not slow" in expr:
-        pytest.skip("slow (a minute or more on 2 cores): run with -m slow")
+def test_tool_calls_and_replies_in_a_real_run(tmp_path):  # a minute or more on 2 cores
     save = tmp_path / "run"
     run_trainer(launch(save, str(TOOL_MODEL)), nproc=2, config="grpo", timeout=400)
     metrics = read_jsonl(save / "metrics.jsonl")

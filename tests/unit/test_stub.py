@@ -48,11 +48,6 @@ def model():
     return AutoModelForCausalLM.from_pretrained(MODEL_DIR)
 
 
-def _slow_selected(config) -> bool:
-    expr = config.getoption("markexpr") or ""
-    return "slow" in expr and "not slow" not in expr
-
-
 # ------------------------------------------------------------------ model and tokenizer load
 def test_model_loads_with_auto_classes(model, tok):
     from transformers import GenerationConfig
@@ -290,9 +285,7 @@ def test_rebuild_data_and_tokenizer_is_byte_identical(tmp_path):
 
 
 @pytest.mark.slow
-def test_rebuild_model_is_byte_identical(tmp_path, request):
-    if not _slow_selected(request.config):
-        pytest.skip("slow (~40 s): run with -m slow")
+def test_rebuild_model_is_byte_identical(tmp_path):
     _build(tmp_path, None)
     for name in ("model.safetensors", "config.json", "generation_config.json", "warmstart_eval.json", *TOKENIZER_FILES):
         assert (tmp_path / "model" / name).read_bytes() == (MODEL_DIR / name).read_bytes(), name
