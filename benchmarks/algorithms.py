@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1, help="runs per preset, seeds --seed, --seed+1, ...")
     parser.add_argument("--only", nargs="*", help="presets to run (grpo dr_grpo dapo gspo cispo rloo reinforce_pp ppo; "
                         "grpo also runs its masked-IS variant)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="overrides added to every chosen run (a variant: --only cispo --set actor.update_per_rollout=1)")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--keep", help="folder for the runs (default: a temporary one)")
     args = parser.parse_args()
@@ -80,7 +82,7 @@ def main() -> None:
     for seed in seeds:  # seed-major: a slow drift of the machine's speed spreads over every preset
         for name, (preset, extra) in chosen.items():
             folder = f"{preset}{'-' + str(len(extra)) + 'x' if extra else ''}-seed{seed}"  # variants apart
-            r = run_one(preset, extra, args.steps, args.nproc, root / folder, seed)
+            r = run_one(preset, [*extra, *args.set], args.steps, args.nproc, root / folder, seed)
             results.setdefault(name, []).append(r)
             print(f"{name:12s} seed {seed} test {r['first']:.3f} -> {r['last']:.3f} ({r['last'] - r['first']:+.3f})  "
                   f"{r['step_s']:.2f} s/step  {r['wall_s']:.0f} s", flush=True)
@@ -99,7 +101,7 @@ def main() -> None:
         gains = [r["last"] - r["first"] for r in runs]
         change = f"{statistics.mean(gains):+.3f}"
         preset, extra = chosen[name]
-        cells = [name, f"`{' '.join([f'algorithm={preset}', *extra])}`", f"{mean(runs, 'first'):.3f}",
+        cells = [name, f"`{' '.join([f'algorithm={preset}', *extra, *args.set])}`", f"{mean(runs, 'first'):.3f}",
                  f"{mean(runs, 'last'):.3f}", change]
         if len(seeds) > 1:
             cells[4] = f"{change} ± {statistics.stdev(gains):.3f}"
