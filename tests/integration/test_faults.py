@@ -298,6 +298,8 @@ def test_a_group_of_one_with_a_group_baseline_is_flagged():
     [warning] = useless_settings(compose_config(["data.responses_per_prompt=1"]))
     assert "data.responses_per_prompt=1 with adv.estimator=reinforce" in warning
     assert useless_settings(compose_config(["data.responses_per_prompt=1", "adv.global_norm=true"])) == []
+    # distillation: the teacher's per-token advantage is not a group baseline, a group of one learns
+    assert useless_settings(compose_config(["data.responses_per_prompt=1", "distill.teacher=stub/model"])) == []
 
 
 BLOCKING_ENV = """

@@ -114,7 +114,8 @@ def useless_settings(cfg: DictConfig) -> list[str]:
         out.append("rollout.train_sampling_params.temperature=0 samples greedily: the responses to a prompt are "
                    "all the same, their advantages 0, and nothing is learned; train with a temperature near 1.0")
     group_baseline = cfg.adv.estimator in ("reinforce", "rloo", "reinforce_pp_baseline") and not cfg.adv.global_norm
-    if cfg.data.responses_per_prompt == 1 and group_baseline:
+    teacher = _get(cfg, "distill.teacher") is not None and (_get(cfg, "distill.coef") or 0) > 0
+    if cfg.data.responses_per_prompt == 1 and group_baseline and not teacher:  # (a teacher's advantage is per token)
         out.append(f"data.responses_per_prompt=1 with adv.estimator={cfg.adv.estimator}: a group of one is its "
                    "own baseline, so every advantage is 0 and nothing is learned; sample several responses per "
                    "prompt, or set adv.global_norm=true (one baseline for the whole batch)")
