@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -81,7 +82,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for seed in seeds:  # seed-major: a slow drift of the machine's speed spreads over every preset
         for name, (preset, extra) in chosen.items():
-            folder = f"{preset}{'-' + str(len(extra)) + 'x' if extra else ''}-seed{seed}"  # variants apart
+            folder = f"{re.sub(r'[^a-z0-9]+', '_', name.lower())}-seed{seed}"  # one folder per row of the table
             r = run_one(preset, [*extra, *args.set], args.steps, args.nproc, root / folder, seed)
             results.setdefault(name, []).append(r)
             print(f"{name:12s} seed {seed} test {r['first']:.3f} -> {r['last']:.3f} ({r['last'] - r['first']:+.3f})  "

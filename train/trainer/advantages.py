@@ -54,12 +54,13 @@ def compute_advantages(batch: StepBatch, adv: AdvConfig, kl_cfg: KLConfig, devic
     estimator = ESTIMATORS.get(adv.estimator)
     has_ref = "ref_logp" in batch.fields
     kl_in_reward = has_ref and kl_cfg.reward_estimator is not None and kl_cfg.coef > 0
+    teacher_on = has_ref and distill is not None and distill.teacher is not None  # ref_logp: the teacher's
     kl_tok = None
     if has_ref:
-        policy = batch.fields.get("old_logp", batch.sampler_logp)
+        policy = padded(batch.fields.get("old_logp", batch.sampler_logp), width)
+        ref = padded(batch.fields["ref_logp"], width)
         kind = kl_cfg.reward_estimator if kl_in_reward else kl_cfg.type
-        kl_tok = torch.where(mask, kl_estimate(padded(policy, width), padded(batch.fields["ref_logp"], width),
-                                               kind), torch.zeros((), dtype=torch.float64))
+        kl_tok = torch.where(mask, kl_estimate(policy, ref, kind), torch.zeros((), dtype=torch.float64))
         if kl_in_reward and estimator.per_sequence:
             rewards = rewards - kl_cfg.coef * kl_tok.sum(dim=1)
 
@@ -67,20 +68,26 @@ def compute_advantages(batch: StepBatch, adv: AdvConfig, kl_cfg: KLConfig, devic
         """Sum over all ranks' samples: each dp group's leader counts its samples once."""
         return all_reduce_sum([x * lead for x in values], device)
 
-    # One all-reduce: per-group sums of the (KL-shaped) rewards, batch sums, and the KL metric's sums.
+    # One all-reduce: per-group sums of the (KL-shaped) rewards, batch sums, the KL metric's sums and, with a
+    # distillation teacher, the sum of log pi_student - log pi_teacher over action tokens.
     groups = batch.groups
     n_groups = batch.index.n_groups
     local = [group_sums(rewards, groups, n_groups).reshape(-1) * lead,
              torch.tensor(masked_sums(rewards, torch.ones(n, dtype=torch.bool)), dtype=torch.float64) * lead]
     if kl_tok is not None:
-        local.append(torch.tensor([float(kl_tok.sum()), float(n), float(mask.sum())], dtype=torch.float64) * lead)
+        sums = [float(kl_tok.sum()), float(n), float(mask.sum())]
+        if teacher_on:
+            sums.append(float(torch.where(mask, policy - ref, torch.zeros((), dtype=torch.float64)).sum()))
+        local.append(torch.tensor(sums, dtype=torch.float64) * lead)
     flat = torch.tensor(all_reduce_sum(torch.cat(local).tolist(), device), dtype=torch.float64)
     metrics: dict[str, float] = {}
     if kl_tok is not None:
-        kl_total, sequences, tokens = flat[3 * n_groups + 3:].tolist()
+        kl_total, sequences, tokens, *reverse_kl = flat[3 * n_groups + 3:].tolist()
         metrics[f"kl/{kind}"] = kl_total / max(tokens, 1.0)  # per action token, policy vs reference
         if kl_in_reward:
             metrics["kl/reward_penalty"] = kl_total / max(sequences, 1.0)  # per sequence, before the coefficient
+        if teacher_on:  # per action token, log pi_student - log pi_teacher
+            metrics["distill/reverse_kl"] = reverse_kl[0] / max(tokens, 1.0)
 
     inputs = AdvantageInputs(
         rewards=rewards, mask=mask, groups=groups, group_sums=flat[: 3 * n_groups].view(n_groups, 3),
@@ -93,12 +100,8 @@ def compute_advantages(batch: StepBatch, adv: AdvConfig, kl_cfg: KLConfig, devic
     result = estimator.fn(inputs, settings)
     metrics.update(result.metrics)
     advantages = result.advantages
-    if distill is not None and distill.teacher is not None:
-        student, teacher = padded(policy, width), padded(batch.fields["ref_logp"], width)
-        advantages = distill_advantages(advantages, student, teacher, mask, distill.coef, distill.reward_coef)
-        reverse_kl = float(torch.where(mask, student - teacher, torch.zeros((), dtype=torch.float64)).sum())
-        total, tokens = global_sum([reverse_kl, float(mask.sum())])
-        metrics["distill/reverse_kl"] = total / max(tokens, 1.0)  # per action token, log pi_student - log pi_teacher
+    if teacher_on:
+        advantages = distill_advantages(advantages, policy, ref, mask, distill.coef, distill.reward_coef)
     batch.fields["advantages"] = unpadded(advantages, batch)
     if result.returns is not None:
         batch.fields["returns"] = unpadded(result.returns, batch)
