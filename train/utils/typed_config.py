@@ -82,21 +82,13 @@ def setting_of(field: dataclasses.Field) -> Setting:
 def build(schema: type[T], node: Any, key: str = "") -> T:
     """`node` (a DictConfig or a mapping) as an instance of the dataclass `schema`, every field checked;
     `key` is the section's path in the config (for messages)."""
-    if not _is_mapping(node):
-        fail(key or "<root>", f"expected a section of settings ({', '.join(_names(schema))}), got {node!r}")
+    _require_section(schema, node, key)
     fields = {f.name: f for f in dataclasses.fields(schema)}
     given = list(node.keys())
     for name in given:
         if name not in fields:
             _unknown(key, str(name), list(fields))
-    values = {}
-    for name, field in fields.items():
-        path = f"{key}.{name}" if key else name
-        if name not in given:
-            fail(path, "is missing; every key has its default in config/grpo.yaml (a config that replaces a "
-                       "section must keep its keys)")
-        values[name] = _value(path, _raw(node, name), _hints(schema)[name], setting_of(field))
-    obj = schema(**values)
+    obj = schema(**{name: _field(schema, node, field, key) for name, field in fields.items()})
     check = getattr(obj, "check", None)
     if check is not None:
         try:
@@ -113,10 +105,22 @@ def build_field(schema: type, node: Any, name: str, key: str) -> Any:
     field = next((f for f in dataclasses.fields(schema) if f.name == name), None)
     if field is None:
         raise TypeError(f"{schema.__name__} has no field {name}")
-    path = f"{key}.{name}"
-    if not _is_mapping(node) or name not in node.keys():
-        fail(path, "is missing; every key has its default in config/grpo.yaml")
-    return _value(path, _raw(node, name), _hints(schema)[name], setting_of(field))
+    _require_section(schema, node, key)
+    return _field(schema, node, field, key)
+
+
+def _require_section(schema: type, node: Any, key: str) -> None:
+    if not _is_mapping(node):
+        fail(key or "<root>", f"expected a section of settings ({', '.join(_names(schema))}), got {node!r}")
+
+
+def _field(schema: type, node: Any, field: dataclasses.Field, key: str) -> Any:
+    """The value of `field` in the section `node` (at `key`), checked against its type and setting."""
+    path = f"{key}.{field.name}" if key else field.name
+    if field.name not in node.keys():
+        fail(path, "is missing; every key has its default in config/grpo.yaml (a config that replaces a "
+                   "section must keep its keys)")
+    return _value(path, _raw(node, field.name), _hints(schema)[field.name], setting_of(field))
 
 
 def _unknown(key: str, name: str, known: list[str]) -> NoReturn:
