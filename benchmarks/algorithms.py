@@ -1,6 +1,6 @@
 """Every algorithm of the set on the stub math task, through the real CLI, one after the other.
 
-    .venv/bin/python benchmarks/algorithms.py                    # all 9, 100 steps each, 2 ranks
+    .venv/bin/python benchmarks/algorithms.py                    # all 16 rows, 100 steps each, 2 ranks
     .venv/bin/python benchmarks/algorithms.py --steps 60 --only grpo ppo
     .venv/bin/python benchmarks/algorithms.py --markdown         # the table as markdown (docs/algorithms.md)
     .venv/bin/python benchmarks/algorithms.py --seeds 3 --markdown   # 3 seeds each: mean +- std of the gain
@@ -38,7 +38,21 @@ ALGORITHMS = {  # name -> (preset, extra overrides)
     "PPO+GAE": ("ppo", []),
     # masked IS needs a sampler that differs from the trainer: one step off, the samples are a version old
     "GRPO 1-off + MIS": ("grpo", ["rollout.max_staleness=1", "actor.mis_level=token"]),
+    # the losses verl 0.9.1 also registers (actor.loss): over two passes per rollout, where a loss's trust region
+    # acts (on one pass every ratio is 1 and most of them are the plain policy gradient); GRPO the same way beside
+    "GRPO 2 passes": ("grpo", ["actor.update_per_rollout=2"]),
+    "SAPO": ("grpo", ["actor.loss=sapo", "actor.agg_mode=seq_mean_token_mean", "actor.update_per_rollout=2"]),
+    "DPPO-TV": ("grpo", ["actor.loss=dppo_tv", "actor.update_per_rollout=2"]),
+    "DPPO-KL": ("grpo", ["actor.loss=dppo_kl", "actor.update_per_rollout=2"]),
+    "DRO": ("grpo", ["actor.loss=dro", "actor.dro_beta=0.1", "actor.update_per_rollout=2"]),
+    "Clip-Cov": ("grpo", ["actor.loss=clip_cov", "actor.update_per_rollout=2"]),
+    "KL-Cov": ("grpo", ["actor.loss=kl_cov", "actor.update_per_rollout=2"]),
 }
+
+
+def slug(name: str) -> str:
+    """A row's name as --only takes it and its folder is named: 'DPPO-TV' -> 'dppo_tv'."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
 def run_one(preset: str, extra: list[str], steps: int, nproc: int, out: Path, seed: int) -> dict:
@@ -68,21 +82,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--seeds", type=int, default=1, help="runs per preset, seeds --seed, --seed+1, ...")
     parser.add_argument("--only", nargs="*", help="presets to run (grpo dr_grpo dapo gspo cispo rloo reinforce_pp ppo; "
-                        "grpo also runs its masked-IS variant)")
+                        "a preset runs every row built on it) or rows by name (sapo dppo_tv grpo_2_passes ...)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="overrides added to every chosen run (a variant: --only cispo --set actor.update_per_rollout=1)")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--keep", help="folder for the runs (default: a temporary one)")
     args = parser.parse_args()
 
-    chosen = {k: v for k, v in ALGORITHMS.items() if not args.only or v[0] in args.only}
+    chosen = {k: v for k, v in ALGORITHMS.items() if not args.only or v[0] in args.only or slug(k) in args.only}
     seeds = [args.seed + k for k in range(args.seeds)]
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="algos-"))
     results: dict[str, list[dict]] = {}
     t0 = time.perf_counter()
     for seed in seeds:  # seed-major: a slow drift of the machine's speed spreads over every preset
         for name, (preset, extra) in chosen.items():
-            folder = f"{re.sub(r'[^a-z0-9]+', '_', name.lower())}-seed{seed}"  # one folder per row of the table
+            folder = f"{slug(name)}-seed{seed}"  # one folder per row of the table
             r = run_one(preset, [*extra, *args.set], args.steps, args.nproc, root / folder, seed)
             results.setdefault(name, []).append(r)
             print(f"{name:12s} seed {seed} test {r['first']:.3f} -> {r['last']:.3f} ({r['last'] - r['first']:+.3f})  "

@@ -293,6 +293,49 @@ def reference(args, ctx) -> None:
                     "ref_requires_grad": any(p.requires_grad for p in ref.model.parameters())}, args.out)
 
 
+def teachers(args, ctx) -> None:
+    """distill.teachers: two teachers in the reference slot (the second with moved weights), each scoring only the
+    samples routed to it, one sample routed to the second (so one dp group has none of its samples and runs a
+    padding forward), some to none. Each routed sample's log-probs against that teacher scoring the whole batch."""
+    from torch.distributed.tensor import DTensor
+
+    from train.trainer.teachers import RoutedTeachers
+
+    torch.manual_seed(0)
+    cfg = actor_cfg(**layout_overrides(args))
+    first, second = (Actor(cfg, ctx, MODEL, pad_token_id=0, train=False, temperature=1.0) for _ in range(2))
+    with torch.no_grad():  # the same shift on every rank's shard: a different model, the same on all ranks
+        for p in second.model.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            local.add_(0.05 * torch.sin(torch.arange(local.numel(), dtype=local.dtype)).view_as(local))
+    batch = fixed_batch()
+    set_ownership(len(batch.ids), args.split, ctx.world_size)
+    route = [1 if i == 9 else -1 if i % 3 == 0 else 0 for i in range(len(batch.ids))]
+    own = OWN[ctx.rank]
+    index = exchange_index([len(batch.ids[i]) for i in own], list(range(len(own))), [0.0] * len(own), ctx.device,
+                           routes=[route[i] for i in own])
+    sb = dispatch(index, [batch.ids[i] for i in own], [batch.action_mask[i] for i in own],
+                  [[0.0] * len(batch.ids[i]) for i in own], first.layout, 1, ctx.device)
+    routed = RoutedTeachers([first, second]).compute_logprobs(sb)
+    whole = [first.compute_logprobs(sb), second.compute_logprobs(sb)]
+    diff, untaught, held = 0.0, 0.0, [0.0, 0.0, 0.0]
+    for i, g in enumerate(sb.members):
+        k = index.route[g]
+        held[k + 1] += 1.0
+        if k < 0:
+            untaught = max(untaught, float(routed[i].abs().max()))
+        else:
+            diff = max(diff, float((routed[i] - whole[k][i]).abs().max()))
+    apart = max(float((a - b).abs().max()) for a, b in zip(*whole))
+    stats = torch.tensor([diff, untaught, apart])
+    torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX)
+    counts = torch.tensor(held)
+    torch.distributed.all_reduce(counts)
+    if ctx.is_main:
+        torch.save({"diff": float(stats[0]), "untaught": float(stats[1]), "teachers_apart": float(stats[2]),
+                    "per_route": counts.tolist(), "my_second": held[2]}, args.out)
+
+
 def lora_reference(args, ctx) -> None:
     """A LoRA actor's KL reference (its adapters off) against a separately built plain actor of the
     base model: the same log-probs; the adapted policy's differ. Then a real update and a push of the
@@ -434,7 +477,7 @@ def sync(args, ctx) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["grads", "match", "critic_grads", "reference", "lora_reference", "packing",
+    parser.add_argument("mode", choices=["grads", "match", "critic_grads", "reference", "teachers", "lora_reference", "packing",
                                          "collectives", "advantages", "push", "load", "reshard", "sync"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--agg", default="all_token_mean")
@@ -458,7 +501,7 @@ def main() -> None:
     torch.set_num_threads(1)
     ctx = init_distributed()
     try:
-        {"grads": grads, "match": match, "critic_grads": critic_grads, "reference": reference,
+        {"grads": grads, "match": match, "critic_grads": critic_grads, "reference": reference, "teachers": teachers,
          "lora_reference": lora_reference,
          "packing": packing, "collectives": collectives, "advantages": advantages,
          "push": push, "load": load, "reshard": reshard, "sync": sync}[args.mode](args, ctx)

@@ -69,6 +69,15 @@ def test_reference_actor_shares_nothing_with_the_policy(tmp_path):
     assert out["kls"][-1] > 1e-4  # then the policy drifts away from the frozen reference
 
 
+def test_routed_teachers_score_only_their_samples_on_two_ranks(tmp_path):
+    """distill.teachers on 2 ranks (FSDP2): every routed sample gets exactly its teacher's log-probs, an unrouted
+    one zeros, though only one rank holds the second teacher's one sample (the other runs a padding forward)."""
+    out = launch(2, tmp_path / "teachers.pt", "teachers")
+    assert out["per_route"] == [3.0, 6.0, 1.0]  # none, first, second (samples counted once per dp group)
+    assert out["teachers_apart"] > 1e-3  # the two teachers really differ
+    assert out["diff"] < 1e-5 and out["untaught"] == 0.0
+
+
 # (name, processes, layout flags): dp=2 is pure replication (HSDP with shards of 1), fsdp=2 shards.
 LAYOUTS = {
     "dp2": (2, ["--ddp", "2"]),

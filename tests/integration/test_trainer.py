@@ -6,7 +6,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import STUB_MATH, read_jsonl, run_trainer
+from conftest import ROOT, STUB_MATH, read_jsonl, run_trainer, slow
 from train.runtime.checkpoint import consolidate
 
 SMALL = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",
@@ -251,6 +251,23 @@ def test_cispo_with_masked_importance_sampling_trains(tmp_path):
     assert any(m["actor/ratio_max"] != 1.0 for m in metrics)  # the second pass saw moved weights
 
 
+@pytest.mark.parametrize("loss,extra", [("sapo", ["actor.agg_mode=seq_mean_token_mean"]),
+                                        slow("dppo_tv", []), slow("dppo_kl", []), slow("dro", ["actor.dro_beta=0.1"]),
+                                        slow("clip_cov", ["actor.cov_ratio=0.05"]), slow("kl_cov", ["actor.cov_ratio=0.05"])])
+def test_each_registered_loss_trains_through_the_actor(tmp_path, loss, extra):
+    """The losses verl 0.9.1 also registers, picked by actor.loss and set from actor.* (the actor's loss_settings),
+    over two passes per rollout so that the second pass sees moved weights."""
+    run = tmp_path / "run"
+    run_trainer([f"trainer.save_dir={run}", "trainer.total_steps=2", f"actor.loss={loss}", "actor.lr=1e-3",
+                 "actor.update_per_rollout=2", *extra, *SMALL], nproc=1)
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert f"loss: {loss}" in (run / "config.yaml").read_text()
+    for m in metrics:
+        assert m["actor/optimizer_steps"] == 2 and math.isfinite(m["actor/loss"])
+        assert 0.0 <= m["actor/clip_fraction"] <= 1.0 and math.isfinite(m["actor/grad_norm"])
+    assert any(m["actor/ratio_max"] != 1.0 for m in metrics)
+
+
 def test_a_student_distilled_from_itself_sees_no_reverse_kl(tmp_path):
     """algorithm=distill with the actor's own model as the teacher: the teacher (in the reference slot) scores
     the very tokens the student sampled, at the same positions, so before any update the per-token reverse KL
@@ -262,6 +279,32 @@ def test_a_student_distilled_from_itself_sees_no_reverse_kl(tmp_path):
     assert abs(m["distill/reverse_kl"]) < 1e-4, m["distill/reverse_kl"]
     assert m["actor/optimizer_steps"] >= 1 and math.isfinite(m["actor/loss"])
     assert "teacher: stub/model" in (run / "config.yaml").read_text()
+
+
+def test_teachers_by_data_source_score_only_their_sources_samples(tmp_path):
+    """distill.teachers on 2 ranks: a two-source mixture (the same math rows under two names) where only `math`
+    has a teacher, a copy of the student with moved weights. Its samples carry a clear reverse KL, the other
+    source's none (its share of the tokens is untaught), and the task reward still trains both."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    teacher = tmp_path / "teacher"
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "stub" / "model")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    model.save_pretrained(teacher)
+    AutoTokenizer.from_pretrained(ROOT / "stub" / "model").save_pretrained(teacher)
+    math_rows = "stub/data/math/train.jsonl"
+    run = tmp_path / "run"
+    run_trainer([f"trainer.save_dir={run}", "trainer.total_steps=2",
+                 f"data.train_data_path={{math: {math_rows}, again: {math_rows}}}",
+                 "rollout.env_path={math: environments/eq.py, again: environments/eq.py}",
+                 f"distill.teachers={{math: {teacher}}}", *SMALL], nproc=2)
+    metrics = read_jsonl(run / "metrics.jsonl")
+    shares = [m["distill/taught_share"] for m in metrics]
+    assert all(0.0 <= s <= 1.0 for s in shares) and 0.0 < sum(shares) / len(shares) < 1.0, shares
+    assert all(m["distill/reverse_kl"] > 0.01 for m in metrics if m["distill/taught_share"] > 0), metrics
 
 
 HALF_INFORMATIVE_ENV = """

@@ -56,6 +56,11 @@ def test_lambda_alias():
     (["actor.mis_level=token", "actor.mis_low=1.5"], r"'actor.mis_low'.*\(0, 1\).*Example override: actor.mis_low=0.5"),
     (["actor.mis_high=0.9"], r"'actor.mis_high'.*> 1.*Example override: actor.mis_high=2.0"),
     (["actor.loss=cispo", "actor.cispo_clip_high=0"], r"'actor.cispo_clip_high'.*> 0"),
+    (["actor.loss=dro"], r"'actor.dro_beta'.*required.*Example override: actor.dro_beta=0.1"),
+    (["actor.loss=clip_cov", "actor.cov_low=6"], r"'actor.cov_low'.*below actor.cov_high"),
+    (["actor.cov_ratio=1.5"], r"'actor.cov_ratio'"),
+    (["actor.sapo_tau_neg=0"], r"'actor.sapo_tau_neg'.*> 0"),
+    (["actor.dppo_ratio_cap=0.5"], r"'actor.dppo_ratio_cap'.*> 1"),
     (["actor.entropy.schedule=exp"], r"'actor.entropy.schedule'"),
     (["actor.entropy.schedule=linear", "actor.entropy.coef=0.001", "actor.entropy.min_coef=0.01"],
      r"'actor.entropy.min_coef'.*floor"),
@@ -104,6 +109,18 @@ def test_a_registered_estimator_is_a_valid_choice_with_nothing_else_edited(scope
     validate(compose_config(["adv.estimator=zero_advantage"]), world_size=2)
 
 
+# two sources (the same rows under two names), each with its environment
+MIXTURE = "data.train_data_path={math: stub/data/math/train.jsonl, again: stub/data/math/train.jsonl}"
+ENVS = "rollout.env_path={math: environments/eq.py, again: environments/eq.py}"
+
+
+def test_teachers_by_source_are_resolved_beside_the_fallback():
+    paths = validate(compose_config([MIXTURE, ENVS, "distill.teachers={math: stub/model}", "distill.teacher=stub/model"]),
+                     world_size=2)
+    assert list(paths.teachers) == ["math"] and paths.teachers["math"].endswith("stub/model")
+    assert paths.reference.endswith("stub/model")
+
+
 def test_the_distillation_teacher_takes_the_reference_slot():
     """algorithm=distill with a teacher validates, and the teacher is the model the reference slot loads."""
     paths = validate(compose_config(["algorithm=distill", "distill.teacher=stub/model"]), world_size=2)
@@ -122,6 +139,13 @@ def test_the_distillation_teacher_takes_the_reference_slot():
      r"'distill.coef'.*both 0"),
     (["distill.coef=-1"], r"'distill.coef'.*>= 0"),
     (["distill.teacher=no/such_teacher_model"], r"distill.teacher"),
+    (["distill.teachers={math: stub/model}"], r"'distill.teachers': routes by data source, but "
+                                               r"data.train_data_path is one unnamed source.*distill.teacher="),
+    ([MIXTURE, "distill.teachers={chat: stub/model}"], r"'distill.teachers.chat': names no source of "
+                                                        r"data.train_data_path \(its sources: math, again\)"),
+    ([MIXTURE, "algorithm=distill", "distill.teachers={math: stub/model}"],
+     r"'distill.teachers.again': is missing: with distill.reward_coef=0"),
+    ([MIXTURE, "distill.teachers={math: no/such_teacher_model}"], r"distill.teachers.math"),
 ])
 def test_bad_distillation_settings_name_their_key(overrides, pattern, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a teacher that is not a local folder is not found, not fetched
@@ -143,3 +167,27 @@ def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"'distill.teacher': '.*teacher' has a different tokenizer from the "
                                           r"actor's .*<not_in_the_student>.*share one tokenizer"):
         validate(compose_config([f"distill.teacher={teacher}"]), world_size=2)
+    with pytest.raises(ConfigError, match=r"'distill.teachers.again': '.*teacher' has a different tokenizer"):
+        validate(compose_config([MIXTURE, ENVS, f"distill.teachers={{again: {teacher}}}"]), world_size=2)
+
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo", "gmpo", "gpg", "dppo_tv", "dppo_kl", "sapo", "dro", "clip_cov",
+                                  "kl_cov"])
+def test_every_loss_finds_its_settings_in_the_config(loss):
+    """The actor hands each loss the settings it reads, from the config's keys and defaults (config/grpo.yaml):
+    no loss meets an unset one, and a key set on the command line is the value the loss sees."""
+    import torch
+
+    from conftest import run_config
+    from train.algorithms.policy_loss import POLICY_LOSSES
+    from train.models.actor import loss_settings
+
+    extra = {"actor.dro_beta": 0.3} if loss == "dro" else {}
+    settings = loss_settings(run_config({"actor.loss": loss, "actor.sapo_tau_neg": 2.5, "actor.cov_ratio": 0.01,
+                                         "actor.kl_cov_coef": 0.7, "actor.dppo_ratio_cap": 7.0, **extra}).actor)
+    assert (settings.tau_neg, settings.cov_ratio, settings.kl_cov_coef, settings.ratio_cap) == (2.5, 0.01, 0.7, 7.0)
+    logp = -torch.rand(3, 5, dtype=torch.float64)
+    old = logp + 0.1 * torch.randn(3, 5, dtype=torch.float64)
+    token_loss, _ = POLICY_LOSSES.get(loss)(logp, old, torch.randn(3, 5, dtype=torch.float64),
+                                           torch.ones(3, 5, dtype=torch.bool), settings)
+    assert torch.isfinite(token_loss).all()

@@ -45,6 +45,7 @@ def test_aliases_resolve_but_are_not_offered():
 
 
 def test_policy_losses_are_the_registered_functions():
-    assert POLICY_LOSSES.names() == ("ppo", "gspo", "cispo", "gmpo", "gpg")
+    assert POLICY_LOSSES.names() == ("ppo", "gspo", "cispo", "gmpo", "gpg", "dppo_tv", "dppo_kl", "sapo", "dro", "clip_cov",
+                                     "kl_cov")
     assert POLICY_LOSSES.get("geo_mean") is POLICY_LOSSES.get("gmpo")  # verl's name, accepted, not offered
     assert POLICY_LOSSES.get("ppo") is ppo_clip_loss and POLICY_LOSSES.get("gspo") is gspo_loss

@@ -22,7 +22,8 @@ from train.algorithms.masks import broadcast_to_tokens, last_action_token_index,
 from train.algorithms.mismatch import mis_keep, sampler_mismatch_sums, tis_weights
 from train.algorithms.moments import (explained_variance_from_moments, global_normalize, group_sums, masked_sums,
                                       mean_var_from_sums, merge_moments, whiten)
-from train.algorithms.policy_loss import cispo_loss, gmpo_loss, gpg_loss, gspo_loss, ppo_clip_loss
+from train.algorithms.policy_loss import (LossSettings, clip_cov_loss, cispo_loss, dppo_kl_loss, dppo_tv_loss, dro_loss,
+                                          gmpo_loss, gpg_loss, gspo_loss, kl_cov_loss, ppo_clip_loss, sapo_loss)
 from train.algorithms.returns import discounted_returns, gae, token_level_rewards
 from train.algorithms.schedules import entropy_coef_schedule
 from train.algorithms.shaping import overlong_penalty
@@ -334,7 +335,7 @@ def test_ppo_clip_loss(dual, cl, ch):
     rng, mask, lp, olp, A = ppo_inputs(9)
     W = rng.uniform(0.5, 1.5, size=lp.shape)
     x = t64(lp).requires_grad_(True)
-    loss, stats = ppo_clip_loss(x, t64(olp), t64(A), tmask(mask), clip_low=cl, clip_high=ch, dual_clip=dual)
+    loss, stats = ppo_clip_loss(x, t64(olp), t64(A), tmask(mask), LossSettings(cl, ch, dual_clip=dual))
 
     ref = ref_ppo_token(lp, olp, A, cl, ch, dual) * mask
     close(loss, ref)
@@ -364,16 +365,16 @@ def test_ppo_clip_loss(dual, cl, ch):
 def test_ppo_identity_ratio_and_empty_mask():
     rng, mask, lp, olp, A = ppo_inputs(11)
     x = t64(olp).requires_grad_(True)  # on-policy: ratio 1, loss -A, gradient -A
-    loss, stats = ppo_clip_loss(x, t64(olp), t64(A), tmask(mask), 0.2, 0.2)
+    loss, stats = ppo_clip_loss(x, t64(olp), t64(A), tmask(mask), LossSettings(0.2, 0.2))
     close(loss, -A * mask)
     loss.sum().backward()
     close(x.grad, -A * mask)
     close(stats["clip_fraction"], 0.0), close(stats["approx_kl"], 0.0)
     empty = torch.zeros(mask.shape, dtype=torch.bool)
-    loss, stats = ppo_clip_loss(t64(lp), t64(olp), t64(A), empty, 0.2, 0.2, dual_clip=3.0)
+    loss, stats = ppo_clip_loss(t64(lp), t64(olp), t64(A), empty, LossSettings(0.2, 0.2, dual_clip=3.0))
     assert (loss == 0).all() and stats["clip_fraction"] == 0 and stats["ratio_max"] == -math.inf
     with pytest.raises(ValueError):
-        ppo_clip_loss(t64(lp), t64(olp), t64(A), empty, 0.2, 0.2, dual_clip=0.5)
+        ppo_clip_loss(t64(lp), t64(olp), t64(A), empty, LossSettings(0.2, 0.2, dual_clip=0.5))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,7 +406,7 @@ def sequence_loss_inputs(seed, B=8, T=30):
 def test_gspo_loss(cl, ch):
     B, T = 8, 30
     mask, lp, olp, A, x = sequence_loss_inputs(12, B, T)
-    token_loss, stats = gspo_loss(x, t64(olp), t64(A), tmask(mask), clip_low=cl, clip_high=ch)
+    token_loss, stats = gspo_loss(x, t64(olp), t64(A), tmask(mask), LossSettings(cl, ch))
 
     # value on each action token = the sequence loss
     seq_ratio = np.zeros(B)
@@ -448,7 +449,7 @@ def test_cispo_loss(cl, ch):
     lp[b, action_positions(mask[b])[-2:]] += 2.5  # ratios above 1 + 5: the default ceiling bites too
     W = rng.uniform(0.5, 1.5, size=lp.shape)
     x = t64(lp).requires_grad_(True)
-    loss, stats = cispo_loss(x, t64(olp), t64(A), tmask(mask), clip_low=cl, clip_high=ch)
+    loss, stats = cispo_loss(x, t64(olp), t64(A), tmask(mask), LossSettings(cl, ch))
     ref, w = ref_cispo_token(lp, olp, A, cl, ch)
     close(loss, ref * mask)
     (loss * t64(W)).sum().backward()
@@ -463,7 +464,7 @@ def test_cispo_loss(cl, ch):
     assert clipped.any()
     # where PPO's clip cuts a token's gradient to 0, CISPO keeps it (the point of the method)
     y = t64(lp).requires_grad_(True)
-    ppo_clip_loss(y, t64(olp), t64(A), tmask(mask), cl if cl < 1 else 0.2, ch)[0].sum().backward()
+    ppo_clip_loss(y, t64(olp), t64(A), tmask(mask), LossSettings(cl if cl < 1 else 0.2, ch))[0].sum().backward()
     cut = sel & (y.grad.numpy() == 0) & (A != 0)
     assert cut.any() and (x.grad.numpy()[cut] != 0).all()
 
@@ -472,8 +473,8 @@ def test_cispo_gradient_is_ppos_on_policy():
     """At ratio 1 (one pass over a rollout) both losses have the gradient -A per action token."""
     rng, mask, lp, olp, A = ppo_inputs(22)
     x, y = t64(olp).requires_grad_(True), t64(olp).requires_grad_(True)
-    cispo_loss(x, t64(olp), t64(A), tmask(mask), 1.0, 5.0)[0].sum().backward()
-    ppo_clip_loss(y, t64(olp), t64(A), tmask(mask), 0.2, 0.2)[0].sum().backward()
+    cispo_loss(x, t64(olp), t64(A), tmask(mask), LossSettings(1.0, 5.0))[0].sum().backward()
+    ppo_clip_loss(y, t64(olp), t64(A), tmask(mask), LossSettings(0.2, 0.2))[0].sum().backward()
     close(x.grad, y.grad), close(x.grad, -A * mask)
 
 
@@ -502,7 +503,7 @@ def ref_gmpo_objective(lp, olp, A_seq, mask, cl, ch):
 def test_gmpo_loss(clip):
     B, T = 8, 30
     mask, lp, olp, A, x = sequence_loss_inputs(23, B, T)
-    token_loss, stats = gmpo_loss(x, t64(olp), t64(A), tmask(mask), clip_low=clip, clip_high=clip)
+    token_loss, stats = gmpo_loss(x, t64(olp), t64(A), tmask(mask), LossSettings(clip, clip))
     J = aggregate_loss(token_loss, tmask(mask), "seq_mean_token_mean", n_tokens_global=mask.sum(), n_seqs_global=B)
     close(J, ref_gmpo_objective(lp, olp, A, mask, clip, clip))
     J.backward()
@@ -517,11 +518,152 @@ def test_gmpo_loss(clip):
 def test_gpg_loss_is_the_plain_policy_gradient():
     rng, mask, lp, olp, A = ppo_inputs(24)
     x = t64(lp).requires_grad_(True)
-    loss, stats = gpg_loss(x, t64(olp), t64(A), tmask(mask), 0.2, 0.2)
+    loss, stats = gpg_loss(x, t64(olp), t64(A), tmask(mask), LossSettings(0.2, 0.2))
     close(loss, -A * lp * mask)
     loss.sum().backward()
     close(x.grad, -A * mask)  # every token, whatever its ratio: no clip
     close(stats["clip_fraction"], 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# SAPO, DRO, DPPO (TV / KL), Clip-Cov, KL-Cov
+
+
+def ref_sapo_token(lp, olp, A, tau_pos, tau_neg):
+    """Soft gate f(r) = 4/tau * sigmoid(tau (r - 1)), tau by the sign of A; loss -f(r) A."""
+    r = np.exp(lp - olp)
+    tau = np.where(A > 0, tau_pos, tau_neg)
+    return -(4.0 / tau) / (1.0 + np.exp(-tau * (r - 1.0))) * A
+
+
+@pytest.mark.parametrize("tau_pos,tau_neg", [(1.0, 1.05), (0.5, 3.0)])
+def test_sapo_loss(tau_pos, tau_neg):
+    rng, mask, lp, olp, A = ppo_inputs(31)
+    W = rng.uniform(0.5, 1.5, size=lp.shape)
+    x = t64(lp).requires_grad_(True)
+    settings = LossSettings(0.2, 0.2, tau_pos=tau_pos, tau_neg=tau_neg)
+    loss, stats = sapo_loss(x, t64(olp), t64(A), tmask(mask), settings)
+    ref = ref_sapo_token(lp, olp, A, tau_pos, tau_neg) * mask
+    close(loss, ref)
+    (loss * t64(W)).sum().backward()
+    close(x.grad, num_grad(lambda z: np.sum(ref_sapo_token(z, olp, A, tau_pos, tau_neg) * mask * W), lp))
+    close(stats["clip_fraction"], 0.0)
+    # on policy the gate's slope is 1: the plain policy gradient -A
+    y = t64(olp).requires_grad_(True)
+    sapo_loss(y, t64(olp), t64(A), tmask(mask), settings)[0].sum().backward()
+    close(y.grad, -A * mask)
+    # far off policy a token keeps a small gradient where PPO's clip cuts it to 0
+    far = (mask > 0) & (np.abs(lp - olp) > 0.5)
+    assert far.any() and (np.abs(x.grad.numpy()[far]) > 0).all()
+
+
+def test_sapo_needs_its_temperatures():
+    rng, mask, lp, olp, A = ppo_inputs(31)
+    with pytest.raises(ValueError, match="actor.sapo_tau_pos"):
+        sapo_loss(t64(lp), t64(olp), t64(A), tmask(mask), LossSettings(0.2, 0.2))
+
+
+@pytest.mark.parametrize("beta", [0.1, 2.0])
+def test_dro_loss(beta):
+    rng, mask, lp, olp, A = ppo_inputs(32)
+    x = t64(lp).requires_grad_(True)
+    loss, stats = dro_loss(x, t64(olp), t64(A), tmask(mask), LossSettings(0.2, 0.2, dro_beta=beta))
+    ref = lambda z: -(A * z - 0.5 * beta * (z - olp) ** 2) * mask  # noqa: E731
+    close(loss, ref(lp))
+    loss.sum().backward()
+    close(x.grad, num_grad(lambda z: np.sum(ref(z)), lp))
+    with pytest.raises(ValueError, match="actor.dro_beta"):
+        dro_loss(x, t64(olp), t64(A), tmask(mask), LossSettings(0.2, 0.2))
+
+
+def probability_inputs(seed, B=6, T=30):
+    """As ppo_inputs, with log-probs <= 0 (DPPO reads the probabilities themselves) and some tokens whose
+    probability moves by more than 0.3 either way."""
+    rng, mask, lp, olp, A = ppo_inputs(seed, B, T)
+    olp = np.log(rng.uniform(0.02, 0.98, size=lp.shape))
+    lp = np.log(np.clip(np.exp(olp) + rng.normal(size=lp.shape) * 0.2, 1e-3, 1.0 - 1e-3))
+    return rng, mask, lp, olp, A
+
+
+def ref_dppo_inside(lp, olp, A, low, high, kind):
+    """Per token, from the paper's definitions: is the move the advantage pushes for within the region?"""
+    out = np.zeros(lp.shape, dtype=bool)
+    for idx in np.ndindex(lp.shape):
+        p, q, a = math.exp(lp[idx]), math.exp(olp[idx]), A[idx]
+        if kind == "tv":
+            out[idx] = (p - q <= high) if a > 0 else (p - q >= -low)
+        else:
+            kl = q * math.log(q / p) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
+            out[idx] = (kl <= high or p <= q) if a > 0 else (kl <= low or p >= q)
+    return out
+
+
+@pytest.mark.parametrize("kind,low,high,cap", [("tv", 0.2, 0.2, 20.0), ("tv", 0.05, 0.1, 1.5),
+                                              ("kl", 0.05, 0.05, 20.0), ("kl", 0.01, 0.03, 1.5)])
+def test_dppo_losses(kind, low, high, cap):
+    rng, mask, lp, olp, A = probability_inputs(33)
+    fn = dppo_tv_loss if kind == "tv" else dppo_kl_loss
+    x = t64(lp).requires_grad_(True)
+    loss, stats = fn(x, t64(olp), t64(A), tmask(mask), LossSettings(low, high, ratio_cap=cap))
+    inside = ref_dppo_inside(lp, olp, A, low, high, kind)
+    w = np.minimum(np.exp(lp - olp), cap)
+    close(loss, -A * w * lp * inside * mask)
+    loss.sum().backward()
+    close(x.grad, -A * w * inside * mask)  # the weight is held fixed: PPO's unclipped gradient -A d(rho)
+    sel = mask > 0
+    close(stats["clip_fraction"], (~inside)[sel].mean())
+    assert (~inside)[sel].any() and inside[sel].any()
+    if cap < 2:
+        assert (np.exp(lp - olp)[sel & inside] > cap).any()  # the cap bites on a kept token
+
+
+def ref_covariance(lp, A, mask):
+    sel = mask > 0
+    return (A - A[sel].mean()) * (lp - lp[sel].mean())
+
+
+@pytest.mark.parametrize("share", [0.05, 0.9])
+def test_clip_cov_loss(share):
+    rng, mask, lp, olp, A = ppo_inputs(34)
+    settings = LossSettings(0.2, 0.2, cov_ratio=share, cov_low=0.05, cov_high=5.0)
+    x = t64(lp).requires_grad_(True)
+    loss, stats = clip_cov_loss(x, t64(olp), t64(A), tmask(mask), settings)
+    ppo = ref_ppo_token(lp, olp, A, 0.2, 0.2, None) * mask
+    ratio = np.exp(lp - olp)
+    clipped = (mask > 0) & (-A * np.clip(ratio, 0.8, 1.2) > -A * ratio)
+    cov = ref_covariance(lp, A, mask)
+    candidates = (mask > 0) & ~clipped & (cov > 0.05) & (cov < 5.0)
+    limit = max(int(share * mask.sum()), 1)
+    loss.sum().backward()
+    held = (mask > 0) & (loss.detach().numpy() == 0) & (ppo != 0)
+    assert held.sum() == min(limit, candidates.sum()) and (held <= candidates).all()
+    close(loss, ppo * ~held)
+    assert (x.grad.numpy()[held] == 0).all()
+    close(stats["clip_fraction"], (clipped | held)[mask > 0].mean())
+    # the draw depends on the micro-batch only: a rerun holds back the same tokens
+    again, _ = clip_cov_loss(t64(lp), t64(olp), t64(A), tmask(mask), settings)
+    assert torch.equal(again, loss.detach())
+
+
+@pytest.mark.parametrize("share,coef", [(0.05, 1.0), (0.3, 0.1)])
+def test_kl_cov_loss(share, coef):
+    rng, mask, lp, olp, A = ppo_inputs(35)
+    sel = mask > 0
+    cov = ref_covariance(lp, A, mask)
+    k = max(int(sel.sum() * share), 1)
+    threshold = np.sort(cov[sel])[-k]
+    held = sel & (cov >= threshold)
+
+    def ref(z):
+        return (-A * np.exp(z - olp) + coef * np.abs(z - olp) * held) * mask
+
+    x = t64(lp).requires_grad_(True)
+    loss, stats = kl_cov_loss(x, t64(olp), t64(A), tmask(mask), LossSettings(0.2, 0.2, cov_ratio=share,
+                                                                              kl_cov_coef=coef))
+    close(loss, ref(lp))
+    loss.sum().backward()
+    close(x.grad, num_grad(lambda z: np.sum(ref(z)), lp))
+    close(stats["clip_fraction"], held[sel].mean())
 
 
 # ----------------------------------------------------------------------------------------------

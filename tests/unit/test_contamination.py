@@ -3,7 +3,6 @@ small source are boilerplate, a copied problem is still a near duplicate (issue 
 from __future__ import annotations
 
 import copy
-import shlex
 
 from conftest import compose_config
 from test_docs import Command, commands, fenced_blocks

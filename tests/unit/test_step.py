@@ -19,12 +19,12 @@ CTX = SimpleNamespace(device=torch.device("cpu"), rank=0, world_size=1)  # no pr
 ONE_RANK = SimpleNamespace(sizes=SimpleNamespace(dp=1, sp=1, tp=1), dp_rank=0, is_data_leader=True)
 
 
-def advantages(samples, G, c, ref=None, values=None, rewards=None, reward_scale=1.0):
+def advantages(samples, G, c, ref=None, values=None, rewards=None, reward_scale=1.0, routes=None):
     """Advantages through the step batch, as the trainer computes them (one rank: the batch holds
     every sample, in order). Returns (advantages, returns or None, metrics)."""
     rewards = rewards or [s.reward for s in samples]
     index = exchange_index([len(s.ids) for s in samples], [i // G for i in range(len(samples))], rewards,
-                           CTX.device)
+                           CTX.device, routes=routes)
     batch = dispatch(index, [s.ids for s in samples], [s.action_mask for s in samples],
                      [s.sampler_logprobs for s in samples], ONE_RANK, 1, CTX.device)
     assert batch.members == list(range(len(samples)))
@@ -216,6 +216,39 @@ def test_distillation_advantage_is_the_negative_reverse_kl_to_the_teacher_per_to
     for a, s in zip(adv, samples):  # nothing off the action tokens
         assert (a[[t for t in range(len(a)) if not s.action_mask[t + 1]]] == 0).all()
     assert metrics["distill/reverse_kl"] == pytest.approx(np.mean(rkl), abs=1e-6)  # (teacher log-probs held in float32)
+
+
+def test_samples_no_teacher_scores_keep_their_task_advantage():
+    """distill.teachers routes by source; a sample routed to none (-1) has no reverse-KL term, whatever the
+    reference slot holds for it, and the reverse-KL metric averages over the tokens a teacher scored."""
+    from train.trainer.teachers import TeacherRoutes
+
+    rng = np.random.default_rng(6)
+    G = 4
+    samples = make_samples(rng, G=G)
+    teacher = ref_logps(rng, samples)
+    routes = [-1 if i // G == 1 else i // G % 2 for i in range(len(samples))]  # group 1 untaught
+    c = cfg(**{"distill.teachers": {"a": "stub/model"}, "distill.coef": 1.0, "distill.reward_coef": 1.0})
+    adv, _, metrics = advantages(samples, G, c, teacher, routes=routes)
+    R = np.array([s.reward for s in samples])
+    expected, rkl = [], []
+    for i, (s, t) in enumerate(zip(samples, teacher)):
+        grp = R[i - i % G: i - i % G + G]
+        task = (R[i] - grp.mean()) / (math.sqrt(((grp - grp.mean()) ** 2).sum() / (G - 1)) + 1e-6)
+        for p in positions(s):
+            d = s.sampler_logprobs[p + 1] - float(t[p]) if routes[i] >= 0 else 0.0
+            expected.append(task - d)
+            rkl += [d] if routes[i] >= 0 else []
+    np.testing.assert_allclose(as_np(adv, samples), expected, rtol=1e-5, atol=1e-6)
+    assert metrics["distill/reverse_kl"] == pytest.approx(np.mean(rkl), abs=1e-6)
+    assert metrics["distill/taught_share"] == pytest.approx(len(rkl) / len(expected))
+
+    # the routing table: a fallback teacher for sources not named, two sources sharing one model
+    routes = TeacherRoutes.of("stub/model", {"code": "runs/coder", "math": "stub/model/", "chat": "runs/coder"})
+    assert routes.folders == ("stub/model", "runs/coder")
+    assert [routes.route(s) for s in ("math", "code", "chat", "other", None)] == [0, 1, 1, 0, 0]
+    alone = TeacherRoutes.of(None, {"code": "runs/coder"})
+    assert (alone.route("code"), alone.route("math"), alone.route(None)) == (0, -1, -1)
 
 
 def test_kl_metric_in_the_loss_placement():

@@ -28,7 +28,15 @@ class DistillConfig:
     """`distill.*`: on-policy distillation; the teacher scores the student's samples in the reference's slot."""
     teacher: str | None = setting("the teacher: a folder or a Hub id sharing the actor's tokenizer (null: no "
                                   "distillation)")
+    teachers: dict[str, str] | None = setting("a teacher per data source (the names of data.train_data_path's "
+                                              "mixture): {source: folder or Hub id}; a source not named uses "
+                                              "distill.teacher, or without one learns from its reward alone")
     coef: float = setting("weight of the per-token reverse-KL advantage -(log pi_student - log pi_teacher)", ge=0,
                           example="1.0")
     reward_coef: float = setting("weight of the task advantage beside it (0: the teacher alone)", ge=0,
                                  example="0.0")
+
+    @property
+    def enabled(self) -> bool:
+        """A teacher scores the samples (one for all, or some per source)."""
+        return self.teacher is not None or bool(self.teachers)

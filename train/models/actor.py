@@ -14,7 +14,7 @@ from train.algorithms.aggregation import aggregate_loss
 from train.algorithms.kl import kl_estimate
 from train.algorithms.logits import entropy_from_logits, logprobs_from_logits
 from train.algorithms.mismatch import mis_keep, sampler_mismatch_sums, tis_weights
-from train.algorithms.policy_loss import POLICY_LOSSES
+from train.algorithms.policy_loss import POLICY_LOSSES, LossSettings
 from train.algorithms.schedules import entropy_coef_schedule
 from train.models import optim
 from train.models.config import ActorConfig
@@ -31,18 +31,22 @@ from train.parallel.step_batch import StepBatch
 from train.parallel.tensor_parallel import vocab_parallel_logprobs
 
 
-def policy_clip_range(cfg: ActorConfig) -> tuple[float, float]:
-    """(clip_low, clip_high): explicit actor.clip_low/clip_high win; otherwise PPO uses actor.clip on
-    both sides, GSPO its own small sequence-level ranges (actor.gspo_clip_low/high, 3e-4/4e-4 in the paper)
-    and CISPO its IS-weight range (actor.cispo_clip_low/high: no floor, 1 + 5)."""
+def loss_settings(cfg: ActorConfig) -> LossSettings:
+    """The policy loss's settings from `actor.*`. The clip range: explicit actor.clip_low/clip_high win;
+    otherwise PPO (and the others) use actor.clip on both sides, GSPO its own small sequence-level ranges
+    (actor.gspo_clip_low/high, 3e-4/4e-4 in the paper) and CISPO its IS-weight range
+    (actor.cispo_clip_low/high: no floor, 1 + 5)."""
     if cfg.loss == "gspo":
         low_default, high_default = cfg.gspo_clip_low, cfg.gspo_clip_high
     elif cfg.loss == "cispo":  # no floor by default: 1 - 1 = 0, and a weight is never below 0
         low_default, high_default = (cfg.cispo_clip_low if cfg.cispo_clip_low is not None else 1.0), cfg.cispo_clip_high
     else:
         low_default = high_default = cfg.clip
-    return (cfg.clip_low if cfg.clip_low is not None else low_default,
-            cfg.clip_high if cfg.clip_high is not None else high_default)
+    return LossSettings(clip_low=cfg.clip_low if cfg.clip_low is not None else low_default,
+                        clip_high=cfg.clip_high if cfg.clip_high is not None else high_default,
+                        dual_clip=cfg.dual_clip, ratio_cap=cfg.dppo_ratio_cap, tau_pos=cfg.sapo_tau_pos,
+                        tau_neg=cfg.sapo_tau_neg, dro_beta=cfg.dro_beta, cov_ratio=cfg.cov_ratio, cov_low=cfg.cov_low,
+                        cov_high=cfg.cov_high, kl_cov_coef=cfg.kl_cov_coef)
 
 
 class Actor(Trainable):
@@ -112,10 +116,10 @@ class Actor(Trainable):
 
         return to_rows(logp), (to_rows(entropy) if entropy is not None else None)
 
-    def compute_logprobs(self, batch: StepBatch) -> list[torch.Tensor]:
-        """log p(token t+1 | tokens <= t) of every sample of the batch, as [len-1] CPU tensors;
-        exact on action positions, 0 elsewhere."""
-        return self.per_token_pass(batch, lambda mb: self._forward(mb, with_entropy=False)[0])
+    def compute_logprobs(self, batch: StepBatch, positions: list[int] | None = None) -> list[torch.Tensor]:
+        """log p(token t+1 | tokens <= t) of every sample of the batch (or of those at `positions`; None
+        for the others), as [len-1] CPU tensors; exact on action positions, 0 elsewhere."""
+        return self.per_token_pass(batch, lambda mb: self._forward(mb, with_entropy=False)[0], positions)
 
     # -- update ----------------------------------------------------------------------------
     def entropy_coef(self) -> float:
@@ -127,7 +131,7 @@ class Actor(Trainable):
     def policy_loss(self, batch: StepBatch, max_new_tokens: int):
         """The loss hook: one packed micro-batch's share of the mini-batch's policy loss, and its metric sums."""
         cfg = self.cfg
-        clip_low, clip_high = policy_clip_range(cfg)
+        settings = loss_settings(cfg)
         norm_len = cfg.loss_norm_length or max_new_tokens
         kl_in_loss = cfg.kl.coef > 0 and cfg.kl.reward_estimator is None
         old_logp = batch.fields.get("old_logp")  # None: one update per rollout, ratio = 1
@@ -139,7 +143,7 @@ class Actor(Trainable):
             mask = mb.action_mask
             adv = mb.gather(batch.fields["advantages"], "advantages")
             old = mb.gather(old_logp, "old_logp") if old_logp is not None else logp.detach()
-            token_loss, st = clipped_loss(logp, old, adv, mask, clip_low, clip_high, dual_clip=cfg.dual_clip)
+            token_loss, st = clipped_loss(logp, old, adv, mask, settings)
             sampler = mb.gather(batch.sampler_logp, "sampler_logp")
             if cfg.tis_cap is not None:
                 weights = tis_weights(old, sampler, mask, cfg.tis_cap, level=cfg.tis_level)

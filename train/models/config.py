@@ -77,7 +77,9 @@ class ActorConfig:
     target_kl: float | None = setting("stop the update_per_rollout epochs once approx_kl exceeds this", gt=0,
                                       example="0.02")
     loss: str = setting("ppo (token ratio) | gspo (sequence ratio) | cispo (clipped, detached IS weight) | gmpo "
-                        "(geometric mean of clipped token ratios) | gpg (no ratio)", choices=POLICY_LOSSES.names)
+                        "(geometric mean of clipped token ratios) | gpg (no ratio) | dppo_tv, dppo_kl (trust region "
+                        "on the token's probability) | sapo (soft gate) | dro (quadratic penalty) | clip_cov, kl_cov "
+                        "(hold back high-covariance tokens)", choices=POLICY_LOSSES.names)
     clip: float = setting("PPO clip; clip_low/clip_high override it (DAPO clip-higher)", gt=0, example="0.2")
     clip_low: float | None = setting("the ratio floor is 1 - clip_low (null: clip)", gt=0, lt=1, example="0.2",
                                       expect="a number > 0 and < 1 (the ratio floor is 1 - clip_low), or null")
@@ -92,6 +94,19 @@ class ActorConfig:
                                      "null)", gt=0, example="5.0")
     dual_clip: float | None = setting("dual-clip bound on negative-advantage ratios (null: off)", gt=1,
                                       example="3.0")
+    dppo_ratio_cap: float = setting("dppo_tv/dppo_kl: ceiling of the detached importance weight (truncated IS)",
+                                    gt=1, example="20.0")
+    sapo_tau_pos: float = setting("sapo: gate temperature for positive-advantage tokens", gt=0, example="1.0")
+    sapo_tau_neg: float = setting("sapo: gate temperature for the others (> sapo_tau_pos fades them faster)", gt=0,
+                                  example="1.05")
+    dro_beta: float | None = setting("dro: weight of the quadratic log-ratio penalty (required with loss=dro)", gt=0,
+                                     example="0.1")
+    cov_ratio: float = setting("clip_cov/kl_cov: share of a micro-batch's tokens held back", gt=0, lt=1,
+                               example="0.0002")
+    cov_low: float = setting("clip_cov: the held-back tokens are drawn from covariance in (cov_low, cov_high)",
+                             example="1.0")
+    cov_high: float = setting("clip_cov: see cov_low", example="5.0")
+    kl_cov_coef: float = setting("kl_cov: weight of |log ratio| on the held-back tokens", gt=0, example="1.0")
     agg_mode: str = setting("all_token_mean | seq_mean_token_mean | seq_mean_token_sum_norm | seq_mean_token_sum",
                             choices=AGG_MODES.names)
     loss_norm_length: int | None = setting("constant normaliser for seq_mean_token_sum_norm (null: max_new_tokens)",

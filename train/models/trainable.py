@@ -98,12 +98,14 @@ class Trainable:
 
     # -- passes ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def per_token_pass(self, batch: StepBatch, forward: Callable[[PackedMicroBatch], torch.Tensor]
-                       ) -> list[torch.Tensor]:
-        """forward(pack) -> [samples, longest - 1] for every pack of the batch; one [len - 1] float32
-        CPU tensor per sample of the batch."""
+    def per_token_pass(self, batch: StepBatch, forward: Callable[[PackedMicroBatch], torch.Tensor],
+                       positions: list[int] | None = None) -> list[torch.Tensor]:
+        """forward(pack) -> [samples, longest - 1] for every pack of the batch (or of its samples at
+        `positions` only); one [len - 1] float32 CPU tensor per sample of the batch, None for those left out.
+        Every rank of the layout calls it together (ranks with fewer packs run padding forwards)."""
         self.model.eval()
-        [packs] = self._even_out([self.packs(batch, list(range(len(batch))), self.infer_tokens)])
+        chosen = list(range(len(batch))) if positions is None else list(positions)
+        [packs] = self._even_out([self.packs(batch, chosen, self.infer_tokens)])
         out: list[torch.Tensor | None] = [None] * len(batch)
         for mb in packs:
             values = forward(mb)

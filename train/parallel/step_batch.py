@@ -42,31 +42,35 @@ class BatchIndex:
     group: list[int]  # global group id (samples of a group are contiguous on their owner)
     reward: list[float]  # the (shaped) reward the advantages start from
     n_groups: int
+    route: list[int]  # which distillation teacher scores the sample (distill.teachers by source); -1: none
 
     @property
     def size(self) -> int:
         return len(self.owner)
 
 
-def exchange_index(lengths: list[int], groups: list[int], rewards: list[float], device: torch.device) -> BatchIndex:
-    """All ranks' per-sample metadata (two small all-gathers: counts, then the padded rows)."""
+def exchange_index(lengths: list[int], groups: list[int], rewards: list[float], device: torch.device,
+                   routes: list[int] | None = None) -> BatchIndex:
+    """All ranks' per-sample metadata (two small all-gathers: counts, then the padded rows); `routes`: each
+    sample's distillation teacher (default 0: the one teacher, if any)."""
     rank, world = _world()
+    routes = [0] * len(lengths) if routes is None else list(routes)
     if world == 1:
         n_groups = max(groups, default=-1) + 1
         return BatchIndex([0] * len(lengths), list(range(len(lengths))), list(lengths), list(groups),
-                          [float(r) for r in rewards], n_groups)
+                          [float(r) for r in rewards], n_groups, routes)
     count = torch.tensor([len(lengths)], dtype=torch.int64, device=device)
     counts = torch.empty(world, dtype=torch.int64, device=device)
     all_gather_flat(counts, count)
     counts_l = counts.tolist()
     width = max(max(counts_l), 1)
-    rows = torch.zeros(width, 3, dtype=torch.float64, device=device)
+    rows = torch.zeros(width, 4, dtype=torch.float64, device=device)
     if lengths:
-        rows[: len(lengths)] = torch.tensor(list(zip(lengths, groups, rewards)), dtype=torch.float64)
-    everything = torch.empty(world * width * 3, dtype=torch.float64, device=device)
+        rows[: len(lengths)] = torch.tensor(list(zip(lengths, groups, rewards, routes)), dtype=torch.float64)
+    everything = torch.empty(world * width * 4, dtype=torch.float64, device=device)
     all_gather_flat(everything, rows.reshape(-1))
-    everything = everything.cpu().view(world, width, 3)
-    owner, local, length, group, reward = [], [], [], [], []
+    everything = everything.cpu().view(world, width, 4)
+    owner, local, length, group, reward, route = [], [], [], [], [], []
     offset = 0
     for r, n in enumerate(counts_l):
         part = everything[r, :n]
@@ -76,8 +80,9 @@ def exchange_index(lengths: list[int], groups: list[int], rewards: list[float], 
         length += part[:, 0].long().tolist()
         group += (part[:, 1].long() + offset).tolist()
         reward += part[:, 2].tolist()
+        route += part[:, 3].long().tolist()
         offset += n_local_groups
-    return BatchIndex(owner, local, length, group, reward, offset)
+    return BatchIndex(owner, local, length, group, reward, offset, route)
 
 
 def assign(index: BatchIndex, dp: int, mini_batches: int, by_group: bool = False) -> tuple[list[int], list[int]]:

@@ -54,11 +54,14 @@ def compute_advantages(batch: StepBatch, adv: AdvConfig, kl_cfg: KLConfig, devic
     estimator = ESTIMATORS.get(adv.estimator)
     has_ref = "ref_logp" in batch.fields
     kl_in_reward = has_ref and kl_cfg.reward_estimator is not None and kl_cfg.coef > 0
-    teacher_on = has_ref and distill is not None and distill.teacher is not None  # ref_logp: the teacher's
+    teacher_on = has_ref and distill is not None and distill.enabled  # ref_logp: the teachers'
     kl_tok = None
     if has_ref:
         policy = padded(batch.fields.get("old_logp", batch.sampler_logp), width)
         ref = padded(batch.fields["ref_logp"], width)
+        if teacher_on:  # a sample no teacher scores (distill.teachers, route -1): no reverse KL, its reward alone
+            taught = torch.tensor([batch.index.route[g] >= 0 for g in batch.members], dtype=torch.bool)
+            ref = torch.where(taught[:, None], ref, policy)
         kind = kl_cfg.reward_estimator if kl_in_reward else kl_cfg.type
         kl_tok = torch.where(mask, kl_estimate(policy, ref, kind), torch.zeros((), dtype=torch.float64))
         if kl_in_reward and estimator.per_sequence:
@@ -77,7 +80,8 @@ def compute_advantages(batch: StepBatch, adv: AdvConfig, kl_cfg: KLConfig, devic
     if kl_tok is not None:
         sums = [float(kl_tok.sum()), float(n), float(mask.sum())]
         if teacher_on:
-            sums.append(float(torch.where(mask, policy - ref, torch.zeros((), dtype=torch.float64)).sum()))
+            sums += [float(torch.where(mask, policy - ref, torch.zeros((), dtype=torch.float64)).sum()),
+                     float((mask & taught[:, None]).sum())]
         local.append(torch.tensor(sums, dtype=torch.float64) * lead)
     flat = torch.tensor(all_reduce_sum(torch.cat(local).tolist(), device), dtype=torch.float64)
     metrics: dict[str, float] = {}
@@ -86,8 +90,9 @@ def compute_advantages(batch: StepBatch, adv: AdvConfig, kl_cfg: KLConfig, devic
         metrics[f"kl/{kind}"] = kl_total / max(tokens, 1.0)  # per action token, policy vs reference
         if kl_in_reward:
             metrics["kl/reward_penalty"] = kl_total / max(sequences, 1.0)  # per sequence, before the coefficient
-        if teacher_on:  # per action token, log pi_student - log pi_teacher
-            metrics["distill/reverse_kl"] = reverse_kl[0] / max(tokens, 1.0)
+        if teacher_on:  # per action token a teacher scored, log pi_student - log pi_teacher
+            metrics["distill/reverse_kl"] = reverse_kl[0] / max(reverse_kl[1], 1.0)
+            metrics["distill/taught_share"] = reverse_kl[1] / max(tokens, 1.0)  # < 1: sources without a teacher
 
     inputs = AdvantageInputs(
         rewards=rewards, mask=mask, groups=groups, group_sums=flat[: 3 * n_groups].view(n_groups, 3),

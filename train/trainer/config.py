@@ -13,7 +13,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -59,15 +59,18 @@ class ModelPaths:
     critic: str
     rollout: str  # the engine's starting weights (rollout.model_name, default the actor's)
     rollout_tokenizer: str
+    teachers: Mapping[str, str] = field(default_factory=dict)  # distill.teachers: data source -> teacher's folder
 
     @classmethod
     def from_resolved(cls, found: Mapping[str, str]) -> "ModelPaths":
         actor = found["actor.model_name"]
         tokenizer = found.get("actor.tokenizer_name", actor)
         reference = found.get("distill.teacher") or found.get("ref_actor.model_name", actor)
+        prefix = "distill.teachers."
         return cls(actor=actor, tokenizer=tokenizer, reference=reference,
                    critic=found.get("critic.model_name", actor), rollout=found.get("rollout.model_name", actor),
-                   rollout_tokenizer=found.get("rollout.tokenizer_name", tokenizer))
+                   rollout_tokenizer=found.get("rollout.tokenizer_name", tokenizer),
+                   teachers={k[len(prefix):]: v for k, v in found.items() if k.startswith(prefix)})
 
 
 def _get(cfg: DictConfig, key: str):
@@ -102,8 +105,11 @@ def model_names(cfg: DictConfig) -> dict[str, tuple[str, str]]:
         used.add("distill.teacher")
     if cfg.adv.estimator == "gae":
         used.add("critic.model_name")
-    return {key: (str(_get(cfg, key)), kind) for key, kind in MODEL_KEYS.items()
-            if key in used and _get(cfg, key) is not None}
+    names = {key: (str(_get(cfg, key)), kind) for key, kind in MODEL_KEYS.items()
+             if key in used and _get(cfg, key) is not None}
+    for source, teacher in (plain(_get(cfg, "distill.teachers")) or {}).items():  # one key per source's teacher
+        names[f"distill.teachers.{source}"] = (str(teacher), "model")
+    return names
 
 
 def useless_settings(cfg: DictConfig) -> list[str]:
@@ -114,7 +120,8 @@ def useless_settings(cfg: DictConfig) -> list[str]:
         out.append("rollout.train_sampling_params.temperature=0 samples greedily: the responses to a prompt are "
                    "all the same, their advantages 0, and nothing is learned; train with a temperature near 1.0")
     group_baseline = cfg.adv.estimator in ("reinforce", "rloo", "reinforce_pp_baseline") and not cfg.adv.global_norm
-    teacher = _get(cfg, "distill.teacher") is not None and (_get(cfg, "distill.coef") or 0) > 0
+    teacher = (_get(cfg, "distill.teacher") is not None or bool(_get(cfg, "distill.teachers"))) and \
+        (_get(cfg, "distill.coef") or 0) > 0
     if cfg.data.responses_per_prompt == 1 and group_baseline and not teacher:  # (a teacher's advantage is per token)
         out.append(f"data.responses_per_prompt=1 with adv.estimator={cfg.adv.estimator}: a group of one is its "
                    "own baseline, so every advantage is 0 and nothing is learned; sample several responses per "
@@ -201,8 +208,8 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
               f"({paths.actor}): a push sends only the adapters, not {paths.rollout}'s weights",
               "rollout.model_name=null")
     _validate_rollout_model(paths)
-    if run.distill.teacher is not None:
-        _validate_teacher(paths)
+    if run.distill.enabled:
+        _validate_teachers(paths, run.distill.teacher is not None)
     return paths
 
 
@@ -282,18 +289,21 @@ def _validate_rollout_model(paths: ModelPaths) -> None:
                   "rollout.tokenizer_name=null (the actor's)")
 
 
-def _validate_teacher(paths: ModelPaths) -> None:
-    """The teacher scores the token ids the student sampled: both must map ids to the same tokens."""
+def _validate_teachers(paths: ModelPaths, fallback: bool) -> None:
+    """A teacher scores the token ids the student sampled: each must map ids to the same tokens as the actor."""
     from transformers import AutoTokenizer
 
     student = AutoTokenizer.from_pretrained(paths.tokenizer).get_vocab()
-    teacher = AutoTokenizer.from_pretrained(paths.reference).get_vocab()
-    if student != teacher:
-        differ = sorted(set(student.items()) ^ set(teacher.items()), key=lambda kv: kv[1])[:1]
-        first = f"; e.g. token {differ[0][0]!r} (id {differ[0][1]})" if differ else ""
-        _fail("distill.teacher", f"'{paths.reference}' has a different tokenizer from the actor's '{paths.tokenizer}' "
-              f"({len(teacher)} vs {len(student)} tokens{first}): the teacher scores the student's token ids, so "
-              "both must share one tokenizer (a model of the same family)", "distill.teacher=runs/teacher/hf")
+    teachers = {"distill.teacher": paths.reference} if fallback else {}
+    teachers.update({f"distill.teachers.{source}": folder for source, folder in paths.teachers.items()})
+    for key, folder in teachers.items():
+        teacher = AutoTokenizer.from_pretrained(folder).get_vocab()
+        if student != teacher:
+            differ = sorted(set(student.items()) ^ set(teacher.items()), key=lambda kv: kv[1])[:1]
+            first = f"; e.g. token {differ[0][0]!r} (id {differ[0][1]})" if differ else ""
+            _fail(key, f"'{folder}' has a different tokenizer from the actor's '{paths.tokenizer}' ({len(teacher)} vs "
+                  f"{len(student)} tokens{first}): the teacher scores the student's token ids, so both must share "
+                  "one tokenizer (a model of the same family)", f"{key}=runs/teacher/hf")
 
 
 def _validate_algorithms(run: RunConfig) -> None:
@@ -315,11 +325,21 @@ def _validate_algorithms(run: RunConfig) -> None:
         _fail("actor.kl.coef", "actor.kl.reward_estimator is set but the KL coefficient is 0",
               "actor.kl.coef=0.01")
 
+    actor = run.actor
+    if actor.loss == "dro" and actor.dro_beta is None:
+        _fail("actor.dro_beta", "is required with actor.loss=dro: the weight of its quadratic log-ratio penalty",
+              "actor.dro_beta=0.1")
+    if actor.loss == "clip_cov" and actor.cov_low >= actor.cov_high:
+        _fail("actor.cov_low", f"must be below actor.cov_high ({actor.cov_high}): clip_cov draws the tokens it holds "
+              "back from covariance in (cov_low, cov_high)", "actor.cov_low=1.0")
+
     distill = run.distill
-    if distill.teacher is None and distill.reward_coef == 0:
+    if not distill.enabled and distill.reward_coef == 0:
         _fail("distill.teacher", "is required with distill.reward_coef=0 (algorithm=distill: the teacher's signal is "
               "the whole advantage); a folder or Hub id sharing the actor's tokenizer", "distill.teacher=runs/teacher/hf")
-    if distill.teacher is not None:
+    if distill.teachers:
+        _validate_teacher_routes(run)
+    if distill.enabled:
         if kl.coef > 0:
             _fail("actor.kl.coef", "the distillation teacher takes the reference's slot (one frozen model scores "
                   "the samples); its reverse KL already pulls the student towards the teacher", "actor.kl.coef=0")
@@ -342,10 +362,28 @@ def _validate_algorithms(run: RunConfig) -> None:
                   f"max_turns) or a fraction in (0, 1) of it, got {buf!r}", "rollout.overlong_buffer=0.2")
 
 
+def _validate_teacher_routes(run: RunConfig) -> None:
+    """distill.teachers names training sources; with the teachers' signal as the whole advantage, each has one."""
+    distill = run.distill
+    names = [source.name for source in data_sources(run.data)[0]]
+    if names == [None]:
+        _fail("distill.teachers", "routes by data source, but data.train_data_path is one unnamed source; give "
+              "one teacher for all with distill.teacher", "distill.teacher=runs/teacher/hf")
+    for source in distill.teachers:
+        if source not in names:
+            _fail(f"distill.teachers.{source}", f"names no source of data.train_data_path (its sources: "
+                  f"{', '.join(map(str, names))})", f"distill.teachers.{names[0]}=runs/teacher/hf")
+    untaught = [name for name in names if name not in distill.teachers]
+    if untaught and distill.teacher is None and distill.reward_coef == 0:
+        _fail(f"distill.teachers.{untaught[0]}", "is missing: with distill.reward_coef=0 a source without a teacher "
+              "has no advantage at all; name its teacher, set distill.teacher for the rest, or give the task reward "
+              "a weight", f"distill.teachers.{untaught[0]}=runs/teacher/hf")
+
+
 def has_reference_slot(run: RunConfig) -> bool:
     """Whether a frozen model scores the samples beside the actor: the KL reference (actor.kl.coef > 0)
     or the distillation teacher (distill.teacher); both are the reference slot, laid out by ref_actor.*."""
-    return run.actor.kl.coef > 0 or run.distill.teacher is not None
+    return run.actor.kl.coef > 0 or run.distill.enabled
 
 
 PARALLEL_KEYS = ("ddp_size", "tp_size", "sp_size", "offload_model", "offload_optimizer")
@@ -379,10 +417,12 @@ def _validate_parallel(run: RunConfig, world_size: int, paths: ModelPaths) -> No
         except LayoutError as e:
             raise ConfigError(f"config: {e}") from None
         path = {"actor": paths.actor, "ref_actor": paths.reference, "critic": paths.critic}[role]
-        try:
-            check_model_fits(sizes, AutoConfig.from_pretrained(path), prefix=role)
-        except LayoutError as e:
-            raise ConfigError(f"config: {e} (model {path})") from None
+        # the reference slot holds every distill.teachers model too, each laid out as ref_actor
+        for path in [path, *(paths.teachers.values() if role == "ref_actor" else [])]:
+            try:
+                check_model_fits(sizes, AutoConfig.from_pretrained(path), prefix=role)
+            except LayoutError as e:
+                raise ConfigError(f"config: {e} (model {path})") from None
 
 
 def _validate_lora(run: RunConfig) -> None:

@@ -69,6 +69,7 @@ from train.trainer.prefetch import RolloutTimeout, StepRollout
 from train.trainer.report import RunReport
 from train.trainer.schema import load
 from train.trainer.rollouts import rollout_source
+from train.trainer.teachers import RoutedTeachers, TeacherRoutes
 from train.trainer.step import RunningMoments
 from train.trainer.sync_check import PROBE_TEXT, SyncProbe, WeightSyncError, probe_tolerance
 from train.utils import hub
@@ -89,9 +90,10 @@ def seed_everything(seed: int, rank: int) -> None:
 
 @dataclass
 class Models:
-    """The models of a step: the actor, its KL reference (None without KL), the critic (PPO)."""
+    """The models of a step: the actor, its KL reference or distillation teacher(s) (None without either),
+    the critic (PPO)."""
     actor: Actor
-    ref: Actor | AdapterFreeReference | None
+    ref: Actor | AdapterFreeReference | RoutedTeachers | None
     critic: Critic | None
 
     @property
@@ -115,6 +117,9 @@ class Trainer:
         self.run_folder, moved = claim(cfg.trainer.save_dir, cfg.trainer.load_ckpt_from, cfg.trainer.overwrite, ctx)
         set_cpu_threads(ctx, cfg.trainer.num_threads)
         seed_everything(cfg.trainer.seed, ctx.rank)
+        # distill.teacher / distill.teachers: which teacher scores each data source's samples
+        self.teacher_routes = (TeacherRoutes.of(paths.reference if cfg.distill.teacher is not None else None,
+                                                paths.teachers) if cfg.distill.enabled else None)
 
         self.tokenizer = AutoTokenizer.from_pretrained(paths.tokenizer)
         # The engine's tokenizer (templating prompts, decoding replies): the same vocabulary (checked).
@@ -226,11 +231,17 @@ class Trainer:
                       total_updates=updates, layout=layout("actor"), adapter_seed=cfg.trainer.seed)
         ref = None
         same_base = os.path.realpath(paths.reference) == os.path.realpath(paths.actor)
-        if has_reference_slot(cfg) and actor.lora.enabled and same_base:
+
+        def frozen(folder: str) -> Actor:  # a model of the reference slot
+            return Actor(role_config(cfg, "ref_actor"), ctx, folder, pad_token_id=pad_id, train=False,
+                         temperature=temperature, layout=layout("ref_actor"))
+
+        if paths.teachers:  # distill.teachers: a teacher per data source, each scoring its samples
+            ref = RoutedTeachers([frozen(folder) for folder in self.teacher_routes.folders])
+        elif has_reference_slot(cfg) and actor.lora.enabled and same_base:
             ref = AdapterFreeReference(actor)  # the base model is the actor with its adapters off
         elif has_reference_slot(cfg):  # the KL reference, or the distillation teacher (paths.reference)
-            ref = Actor(role_config(cfg, "ref_actor"), ctx, paths.reference, pad_token_id=pad_id, train=False,
-                        temperature=temperature, layout=layout("ref_actor"))
+            ref = frozen(paths.reference)
         critic = None
         if cfg.adv.estimator == "gae":
             critic_updates = self.total_steps * cfg.critic.update_per_rollout * cfg.critic.mini_batches
@@ -341,8 +352,9 @@ class Trainer:
         metrics.update(self.report.samples(step, got.samples, self.rollouts.api_calls()))
         t1, n = time.perf_counter(), self.cfg.data.responses_per_prompt
         # Every rank learns every kept sample's length, group and reward (the step batch's index).
+        routes = [self.teacher_routes.route(s.source) for s in got.kept] if self.teacher_routes else None
         index = exchange_index([len(s.ids) for s in got.kept], [i // n for i in range(len(got.kept))],
-                               [s.shaped_reward for s in got.kept], self.ctx.device)
+                               [s.shaped_reward for s in got.kept], self.ctx.device, routes=routes)
         metrics["batch/groups"] = index.size / n
         frozen, wait = step <= self.cfg.actor.freeze_steps, 0.0
         if index.size == 0:  # nothing to learn from on any rank: skip together, no collective left hanging

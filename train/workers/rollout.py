@@ -75,7 +75,6 @@ class RolloutWorker:
                        seed: int, generated: Callable[[], None]) -> Sample:
         """One sample; `generated()` is called once, when it will not use the engine again (before
         its reward, which may still take long: a judge, a sandbox)."""
-        tok = self.tokenizer
         messages = [dict(m) for m in row["messages"]]
         tools = row.get("tools")
         env = self.envs.for_row(row)
