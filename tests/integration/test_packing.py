@@ -207,3 +207,57 @@ def test_a_shared_prompt_gives_the_unshared_logprobs_and_gradients(model, budget
     torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     for name, g in grads_b.items():
         torch.testing.assert_close(grads_a[name], g, rtol=0, atol=1e-5 * float(g.abs().max()), msg=name)
+
+
+@pytest.mark.parametrize("family,path", [("gemma3", "math"), ("gemma3", "sdpa"), ("gemma3", "shared"),
+                                         ("mistral", "math")])
+def test_sliding_window_attention_is_the_stock_one_when_packed(tmp_path, monkeypatch, family, path):
+    """Gemma 3's local layers and Mistral attend only to the last `sliding_window` keys: packed attention keeps the
+    window (sequences up to 3x longer than it), on CPU's matmul path, SDPA's, and with shared prompts, giving the
+    log-probs of the stock attention run on each sequence alone."""
+    from model_families import FAMILIES, build
+    from train.parallel import seq_parallel
+    from train.parallel.packing import prompt_units
+
+    model_type, overrides, _ = FAMILIES[family]
+    FAMILIES_WINDOW = {**FAMILIES, family: (model_type, {**overrides, "sliding_window": 8}, "")}
+    monkeypatch.setattr("model_families.FAMILIES", FAMILIES_WINDOW)
+    folder = build(family, tmp_path / family)
+    plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    packed = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    install_packed_attention(packed)
+    if path == "sdpa":
+        monkeypatch.setattr(seq_parallel, "MATH_ATTENTION_MAX_LEN", 0)
+    g = torch.Generator().manual_seed(3)
+    if path == "shared":  # two groups of three responses after a 12-token prompt
+        ids, masks, groups = [], [], []
+        for group in range(2):
+            prompt = torch.randint(3, 500, (12,), generator=g).tolist()
+            for _ in range(3):
+                reply = torch.randint(3, 500, (int(torch.randint(5, 14, (1,), generator=g)),), generator=g).tolist()
+                ids.append(prompt + reply)
+                masks.append([0] * 12 + [1] * len(reply))
+                groups.append(group)
+        tensors = [torch.tensor(s) for s in ids]
+        units = prompt_units(list(range(len(ids))), tensors, groups, 10_000)
+        order = [i for u in units for i in u.members]
+        mb = build_packed_tensors(order, tensors, [torch.tensor(m[1:], dtype=torch.float32) for m in masks], 0,
+                                  torch.device("cpu"), multiple=8, units=units)
+        assert mb.laid_out < mb.represented  # the prompts really are shared
+    else:
+        ids = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (24, 9, 17, 6)]
+        masks = [[0] * 3 + [1] * (len(s) - 3) for s in ids]
+        mb = build_packed(list(range(len(ids))), ids, masks, 0, torch.device("cpu"), multiple=8)
+    with torch.no_grad():
+        got = _packed_logprobs(packed, mb)
+        for row, i in enumerate(mb.index):
+            ref = _unpacked_logprobs(plain, ids[i])
+            torch.testing.assert_close(got[row, : len(ids[i]) - 1], ref, rtol=0, atol=1e-5)
+        # and the window matters: packed attention told no window differs on the longest sequence
+        packed.config.sliding_window = None  # Mistral reads it from the config at each call, Gemma from the layer
+        for layer in packed.model.layers:
+            layer.self_attn.sliding_window = None
+        unwindowed = _packed_logprobs(packed, mb)
+        longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+        row = mb.index.index(longest)
+        assert not torch.allclose(got[row], unwindowed[row], atol=1e-4)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from train.models.checkpoint_names import ConvertedReader
 from train.models.lora import FreshAdapters, LoraSettings, apply_lora, base_name, is_adapter
 from train.parallel.layout import Layout
 from train.parallel.parallelize import DTYPES, parallelize
@@ -126,20 +127,40 @@ def fill_from_checkpoint(model: torch.nn.Module, reader: WeightReader, rename: C
 
 @torch.no_grad()
 def reset_non_persistent_buffers(model: torch.nn.Module) -> None:
-    """Buffers that are not in the checkpoint (rotary inverse frequencies) hold garbage after
-    `to_empty`: recompute them by building their module again from its config, as the model's
-    constructor did."""
+    """Buffers that are not in the checkpoint (rotary inverse frequencies, Gemma's embedding scale)
+    hold garbage after `to_empty`: recompute them as the model's constructor did, by building a
+    module that has a config again from it, else through the model's own `_init_weights` for that
+    module with its parameters marked as initialised (transformers then sets only the buffers)."""
+    from transformers import PreTrainedModel
+
+    pretrained = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     for name, module in model.named_modules():
         missing = [b for b in module._non_persistent_buffers_set if getattr(module, b, None) is not None]
         if not missing:
             continue
         config = getattr(module, "config", None)
-        if config is None:
-            raise ModelWeightsError(f"cannot rebuild the non-persistent buffers {missing} of '{name}' "
-                                    f"({type(module).__name__}): it has no config")
-        fresh = type(module)(config)
-        for b in missing:
-            getattr(module, b).copy_(getattr(fresh, b))
+        if config is not None:
+            fresh = type(module)(config)
+            for b in missing:
+                getattr(module, b).copy_(getattr(fresh, b))
+            continue
+        for b in missing:  # NaN until set: what _init_weights leaves alone is caught below
+            if getattr(module, b).is_floating_point():
+                getattr(module, b).fill_(float("nan"))
+        params = list(module.parameters(recurse=False))
+        for p in params:
+            p._is_hf_initialized = True
+        try:
+            if pretrained is not None:
+                pretrained._init_weights(module)
+        finally:
+            for p in params:
+                del p._is_hf_initialized
+        unset = [b for b in missing if getattr(module, b).is_floating_point() and getattr(module, b).isnan().any()]
+        if pretrained is None or unset:
+            raise ModelWeightsError(f"cannot rebuild the non-persistent buffers {unset or missing} of '{name}' "
+                                    f"({type(module).__name__}): it has no config and the model's _init_weights "
+                                    "does not set them")
 
 
 def build_model(path: str, layout: Layout, device: torch.device, *, value_head: bool = False,
@@ -176,7 +197,7 @@ def build_model(path: str, layout: Layout, device: torch.device, *, value_head: 
     if tied and model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
         model.tie_weights()  # to_empty gives each module its own tensor: tie them again
     reset_non_persistent_buffers(model)
-    reader = WeightReader(path)
+    reader = ConvertedReader(WeightReader(path), model)  # the Hub's key layout under the model's names (MoE experts)
     if value_head:
         names = set(reader.keys())
         head = "score" if "score.weight" in names else None  # a critic exported by this trainer

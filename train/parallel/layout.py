@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from train.parallel.distributed import mesh_overrides
+from train.parallel.tensor_parallel import tp_refusal
 
 
 class LayoutError(ValueError):
@@ -49,7 +50,12 @@ def layout_sizes(world: int, ddp: int = 1, tp: int = 1, sp: int = 1, prefix: str
 
 
 def check_model_fits(sizes: Sizes, model_config, prefix: str = "actor") -> None:
-    """Heads and vocabulary must split evenly over tp (and heads over tp * sp for Ulysses)."""
+    """Heads and vocabulary must split evenly over tp (and heads over tp * sp for Ulysses), and the
+    architecture must have a tensor-parallel plan."""
+    if sizes.tp > 1:
+        reason = tp_refusal(model_config)
+        if reason is not None:
+            raise LayoutError(f"{prefix}.tp_size={sizes.tp}: {reason}; set {prefix}.tp_size=1")
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     if heads % (sizes.tp * sizes.sp):

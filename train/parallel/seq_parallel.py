@@ -90,26 +90,31 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      attention_mask: torch.Tensor | None, *,
                      packed_segments: tuple[torch.Tensor, torch.Tensor] | None = None,
                      sp_group: dist.ProcessGroup | None = None, dropout: float = 0.0, scaling: float | None = None,
+                     sliding_window: int | None = None, softcap: float | None = None,
                      **_: Any) -> tuple[torch.Tensor, None]:
     """query [1, H, C, d], key/value [1, Hkv, C, d] for this rank's chunk of a packed row;
     `packed_segments` = (slots, real): the whole row's segment slots, built once per micro-batch
-    by `segment_slots` (train/parallel/packing.py). Returns [1, C, H, d]."""
+    by `segment_slots` (train/parallel/packing.py). `sliding_window` (Mistral, Gemma's local layers): a
+    query sees the keys less than that many positions back, as transformers' own masks. Returns [1, C, H, d]."""
     if packed_segments is None:
         raise ValueError("packed attention needs packed_segments= (train/parallel/packing.py PackedMicroBatch.model_inputs)")
+    if softcap is not None:
+        raise ValueError(f"packed attention does not cap attention logits (softcap={softcap}, Gemma 2's "
+                         "attn_logit_softcapping): this model would train on other numbers than it samples with")
     sp = dist.get_world_size(sp_group) if sp_group is not None else 1
     if sp > 1:
         if key.shape[1] % sp:  # too few key/value heads to split: give every query head its own copy
             rep = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
         query, key, value = (_SwapSplit.apply(t, sp_group, True) for t in (query, key, value))
-    out = _segment_attention(query, key, value, packed_segments, scaling, dropout)
+    out = _segment_attention(query, key, value, packed_segments, scaling, dropout, sliding_window)
     if sp > 1:
         out = _SwapSplit.apply(out, sp_group, False)
     return out.transpose(1, 2).contiguous(), None
 
 
 def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: tuple,
-                       scaling: float | None, dropout: float) -> torch.Tensor:
+                       scaling: float | None, dropout: float, window: int | None = None) -> torch.Tensor:
     """[1, H, T, d] -> [1, H, T, d], causal within each segment: each segment's slots are gathered
     into a [segments, H, longest, d] batch, left-aligned (a real query never sees a slot past its
     segment's end), and the real slots are taken back in row order. index_select both ways: its
@@ -130,16 +135,26 @@ def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segmen
         return t[0].index_select(1, where.reshape(-1)).view(h, n, length, d).transpose(0, 1)
 
     n, longest = slots.shape
+    windowed = window is not None and window < longest
     if q.device.type == "cpu" and longest <= MATH_ATTENTION_MAX_LEN and dropout == 0.0:
-        out = _causal_math_attention(batch(q, slots), batch(k, slots), batch(v, slots), scaling)
+        out = _causal_math_attention(batch(q, slots), batch(k, slots), batch(v, slots), scaling,
+                                     window if windowed else None)
+    elif windowed:  # slots are left-aligned positions within the segment: the window is a band below the diagonal
+        pos = torch.arange(longest, device=q.device)
+        band = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)
+        out = F.scaled_dot_product_attention(batch(q, slots), batch(k, slots), batch(v, slots), attn_mask=band,
+                                             dropout_p=dropout, scale=scaling)
     else:
         out = F.scaled_dot_product_attention(batch(q, slots), batch(k, slots), batch(v, slots), dropout_p=dropout,
                                              is_causal=True, scale=scaling)
     flat = out.transpose(0, 1).reshape(h, n * longest, d)
     if len(segments) == 5:
         queries, keys, prefix = segments[2], segments[3], segments[4]
-        visible = (torch.arange(keys.shape[1], device=q.device)[None, None, :]
-                   <= prefix[:, None, None] + torch.arange(queries.shape[1], device=q.device)[None, :, None])
+        query_at = prefix[:, None, None] + torch.arange(queries.shape[1], device=q.device)[None, :, None]
+        key_at = torch.arange(keys.shape[1], device=q.device)[None, None, :]  # prompt keys, then the sample's own
+        visible = key_at <= query_at
+        if window is not None:
+            visible = visible & (query_at - key_at < window)
         tail = F.scaled_dot_product_attention(batch(q, queries), batch(k, keys), batch(v, keys),
                                               attn_mask=visible[:, None], dropout_p=dropout, scale=scaling)
         flat = torch.cat([flat, tail.transpose(0, 1).reshape(h, -1, d)], dim=1)
@@ -152,12 +167,16 @@ def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segmen
 MATH_ATTENTION_MAX_LEN = 128
 
 
-def _causal_math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """Causal attention [b, H, L, d] as softmax(q k^T * scale, masked) v (what SDPA computes)."""
+def _causal_math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None,
+                           window: int | None = None) -> torch.Tensor:
+    """Causal attention [b, H, L, d] as softmax(q k^T * scale, masked) v (what SDPA computes); with `window`,
+    each query sees only the keys less than `window` positions back."""
     length = q.shape[2]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+    if window is not None:
+        future = future | torch.ones(length, length, dtype=torch.bool, device=q.device).tril(-window)
     probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 

@@ -96,22 +96,50 @@ def _layer_plan(layer: torch.nn.Module) -> dict[str, ParallelStyle]:
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
     }
-    if hasattr(layer.self_attn, "q_norm"):  # Qwen3
+    if hasattr(layer.self_attn, "q_norm"):  # Qwen3, Gemma 3
         plan["self_attn.q_norm"] = HeadShardedNorm()
         plan["self_attn.k_norm"] = HeadShardedNorm()
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 2/3: norms on both sides of attention and MLP
+        # post_attention / post_feedforward norm a block's output before the residual add: back to local shards
+        # (the residual stream is plain tensors); pre_feedforward feeds the MLP as Llama's post_attention does.
+        plan["post_attention_layernorm"] = SequenceParallel(use_local_output=True)
+        plan["pre_feedforward_layernorm"] = SequenceParallel()
+        plan["post_feedforward_layernorm"] = SequenceParallel(use_local_output=True)
     return plan
+
+
+TP_SUPPORTED = "tensor parallelism supports Llama, Qwen2, Qwen3, Mistral and Gemma 3 style models"
+# model types whose layout has no plan here, and why (checked at start-up from config.json: tp_refusal)
+_NO_TP_PLAN = {
+    "phi3": "its fused qkv_proj and gate_up_proj would split across the q/k/v and gate/up boundaries",
+    "olmo2": "its q/k norms span all heads, so a rank holding some heads cannot norm them alone",
+}
+
+
+def tp_refusal(model_config) -> str | None:
+    """Why this model cannot run under tp_size > 1 (None: it can), from its config alone."""
+    kind = getattr(model_config, "model_type", "")
+    if kind in _NO_TP_PLAN:
+        return f"{TP_SUPPORTED}; {kind}: {_NO_TP_PLAN[kind]}"
+    if any(getattr(model_config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        return (f"{TP_SUPPORTED}; {kind}: a mixture of experts, whose experts have no tensor-parallel plan "
+                "(shard them with FSDP2 instead)")
+    return None
 
 
 def check_tp_supported(model: torch.nn.Module) -> None:
     """The plan names Llama-family modules; refuse anything else with a clear message."""
+    reason = tp_refusal(getattr(model, "config", None))
     backbone = getattr(model, "model", model)
     layers = getattr(backbone, "layers", None)
     attn = getattr(layers[0], "self_attn", None) if layers else None
     mlp = getattr(layers[0], "mlp", None) if layers else None
     names = ("q_proj", "k_proj", "v_proj", "o_proj")
-    if attn is None or mlp is None or not all(hasattr(attn, n) for n in names) or not hasattr(mlp, "gate_proj"):
-        raise ValueError(f"tensor parallelism supports Llama / Qwen2 / Qwen3 style models "
-                         f"(q/k/v/o_proj, gate/up/down_proj); {type(model).__name__} is not one: set tp_size=1")
+    if reason is None and (attn is None or mlp is None or not all(hasattr(attn, n) for n in names)
+                           or not hasattr(mlp, "gate_proj") or not hasattr(layers[0], "input_layernorm")):
+        reason = f"{TP_SUPPORTED} (q/k/v/o_proj, gate/up/down_proj); {type(model).__name__} is not one"
+    if reason is not None:
+        raise ValueError(f"{reason}: set tp_size=1")
 
 
 def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> torch.nn.Module:
