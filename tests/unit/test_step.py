@@ -193,6 +193,22 @@ def test_gae_estimator(gamma, lam, whiten, scale, kl_coef):
     assert metrics["critic/explained_variance"] == pytest.approx(ev, rel=1e-5, abs=1e-7)
 
 
+def ref_distillation(samples, teacher, G, coef, reward_coef, taught=None):
+    """Per action token, reward_coef * the GRPO advantage - coef * (log pi_student - log pi_teacher) (0 for a sample
+    no teacher scored); and the reverse KLs of the tokens a teacher scored."""
+    R = np.array([s.reward for s in samples])
+    expected, rkl = [], []
+    for i, (s, t) in enumerate(zip(samples, teacher)):
+        grp = R[i - i % G: i - i % G + G]
+        task = (R[i] - grp.mean()) / (math.sqrt(((grp - grp.mean()) ** 2).sum() / (G - 1)) + 1e-6)
+        scored = taught is None or taught[i]
+        for p in positions(s):
+            d = s.sampler_logprobs[p + 1] - float(t[p]) if scored else 0.0
+            expected.append(reward_coef * task - coef * d)
+            rkl += [d] if scored else []
+    return expected, rkl
+
+
 @pytest.mark.parametrize("coef,reward_coef", [(1.0, 0.0), (0.5, 1.0)])
 def test_distillation_advantage_is_the_negative_reverse_kl_to_the_teacher_per_token(coef, reward_coef):
     """distill.teacher: the reference slot's log-probs are the teacher's; each action token's advantage is
@@ -203,15 +219,7 @@ def test_distillation_advantage_is_the_negative_reverse_kl_to_the_teacher_per_to
     teacher = ref_logps(rng, samples)
     c = cfg(**{"distill.teacher": "stub/model", "distill.coef": coef, "distill.reward_coef": reward_coef})
     adv, _, metrics = advantages(samples, G, c, teacher)
-    R = np.array([s.reward for s in samples])
-    expected, rkl = [], []
-    for i, (s, t) in enumerate(zip(samples, teacher)):
-        grp = R[i - i % G: i - i % G + G]
-        task = (R[i] - grp.mean()) / (math.sqrt(((grp - grp.mean()) ** 2).sum() / (G - 1)) + 1e-6)
-        for p in positions(s):
-            d = s.sampler_logprobs[p + 1] - float(t[p])
-            expected.append(reward_coef * task - coef * d)
-            rkl.append(d)
+    expected, rkl = ref_distillation(samples, teacher, G, coef, reward_coef)
     np.testing.assert_allclose(as_np(adv, samples), expected, rtol=1e-5, atol=1e-6)
     for a, s in zip(adv, samples):  # nothing off the action tokens
         assert (a[[t for t in range(len(a)) if not s.action_mask[t + 1]]] == 0).all()
@@ -230,15 +238,7 @@ def test_samples_no_teacher_scores_keep_their_task_advantage():
     routes = [-1 if i // G == 1 else i // G % 2 for i in range(len(samples))]  # group 1 untaught
     c = cfg(**{"distill.teachers": {"a": "stub/model"}, "distill.coef": 1.0, "distill.reward_coef": 1.0})
     adv, _, metrics = advantages(samples, G, c, teacher, routes=routes)
-    R = np.array([s.reward for s in samples])
-    expected, rkl = [], []
-    for i, (s, t) in enumerate(zip(samples, teacher)):
-        grp = R[i - i % G: i - i % G + G]
-        task = (R[i] - grp.mean()) / (math.sqrt(((grp - grp.mean()) ** 2).sum() / (G - 1)) + 1e-6)
-        for p in positions(s):
-            d = s.sampler_logprobs[p + 1] - float(t[p]) if routes[i] >= 0 else 0.0
-            expected.append(task - d)
-            rkl += [d] if routes[i] >= 0 else []
+    expected, rkl = ref_distillation(samples, teacher, G, 1.0, 1.0, taught=[r >= 0 for r in routes])
     np.testing.assert_allclose(as_np(adv, samples), expected, rtol=1e-5, atol=1e-6)
     assert metrics["distill/reverse_kl"] == pytest.approx(np.mean(rkl), abs=1e-6)
     assert metrics["distill/taught_share"] == pytest.approx(len(rkl) / len(expected))
