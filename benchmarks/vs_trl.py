@@ -371,19 +371,36 @@ def matmul_peak_gflops(threads: int, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best / 1e9
 
 
+def active_body_params(c) -> float:
+    """Parameters a token goes through in the decoder layers (the MFU's "6 x params"): attention projections and
+    the MLP; for a mixture of experts only the router and its top-k experts (plus a shared expert), not all of
+    them (Qwen3-30B-A3B: ~3B active of 30B)."""
+    h, layers = c.hidden_size, c.num_hidden_layers
+    heads = c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or h // heads
+    attention = h * heads * head_dim * 2 + h * kv * head_dim * 2
+    experts = next((getattr(c, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(c, k, None)), 0)
+    dense_mlp = 3 * h * c.intermediate_size
+    if not experts:
+        return layers * (attention + dense_mlp)
+    expert_width = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+    moe_mlp = h * experts + c.num_experts_per_tok * 3 * h * expert_width  # router + the experts each token uses
+    moe_mlp += 3 * h * (getattr(c, "shared_expert_intermediate_size", None) or 0)
+    dense_layers = len(getattr(c, "mlp_only_layers", None) or [])  # Qwen3-MoE: layers with a dense MLP
+    return layers * attention + dense_layers * dense_mlp + (layers - dense_layers) * moe_mlp
+
+
 def update_gflop(model_dir: str, samples: int, tokens_per_sample: float, action_tokens_per_sample: float) -> float:
-    """FLOPs of one update (forward + backward): 6 x body parameters x tokens, the LM head only on
-    action tokens (as ours runs it), and causal attention scores and values, 6 x L^2 x hidden per
-    layer and sequence (L the mean sequence length)."""
+    """FLOPs of one update (forward + backward): 6 x active body parameters x tokens (active_body_params: a
+    mixture of experts counts its top-k experts), the LM head only on action tokens (as ours runs it), and
+    causal attention scores and values, 6 x L^2 x hidden per layer and sequence (L the mean sequence length)."""
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model_dir)
     h, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
-    heads = c.num_attention_heads
-    kv = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or h // heads
-    per_layer = h * heads * head_dim * 2 + h * kv * head_dim * 2 + 3 * h * c.intermediate_size
-    body = layers * per_layer
+    body = active_body_params(c)
     tokens = samples * tokens_per_sample
     flops = 6 * body * tokens + 6 * vocab * h * samples * action_tokens_per_sample
     flops += 6 * layers * h * samples * tokens_per_sample**2
