@@ -251,7 +251,7 @@ def test_cispo_with_masked_importance_sampling_trains(tmp_path):
     assert any(m["actor/ratio_max"] != 1.0 for m in metrics)  # the second pass saw moved weights
 
 
-@pytest.mark.parametrize("loss,extra", [("sapo", ["actor.agg_mode=seq_mean_token_mean"]),
+@pytest.mark.parametrize("loss,extra", [slow("sapo", ["actor.agg_mode=seq_mean_token_mean"]),
                                         slow("dppo_tv", []), slow("dppo_kl", []), slow("dro", ["actor.dro_beta=0.1"]),
                                         slow("clip_cov", ["actor.cov_ratio=0.05"]), slow("kl_cov", ["actor.cov_ratio=0.05"])])
 def test_each_registered_loss_trains_through_the_actor(tmp_path, loss, extra):

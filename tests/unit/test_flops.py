@@ -8,14 +8,14 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, slow
 from model_families import FAMILIES, build
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from vs_trl import active_body_params  # noqa: E402
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", [slow("qwen3"), "qwen3_moe", "mixtral"])
 def test_active_parameters_are_what_a_forward_multiplies(tmp_path, family):
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
