@@ -52,7 +52,6 @@ def build(family: str, folder: str | os.PathLike, seed: int = 0) -> str:
     return str(folder)
 
 
-TP_REFUSED = "tensor parallelism supports Llama, Qwen2, Qwen3, Mistral and Gemma 3 style models"
 # family -> feature -> None (works, a test checks it) or the reason it cannot (the start of the error users get)
 FEATURES = ("load", "fsdp2", "tp2", "train_fsdp2", "train_tp2")
 FEATURE_NAMES = {"load": "meta-device load = from_pretrained", "fsdp2": "FSDP2 x2 load, logits bit for bit",

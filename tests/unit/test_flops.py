@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT, slow
-from model_families import FAMILIES, build
+from model_families import build
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from vs_trl import active_body_params  # noqa: E402

@@ -213,9 +213,7 @@ def _dppo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     cap = settings.need("ratio_cap", name)
     log_ratio = (logp.detach() - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     weight = torch.exp(log_ratio).clamp(max=cap)
-    loss = torch.where(inside.detach(), -advantages * weight * logp, torch.zeros((), dtype=logp.dtype,
-                                                                                  device=logp.device))
-    return _on_actions(loss, m), _stats(~inside.detach(), log_ratio, m)
+    return _on_actions(-advantages * weight * logp, m & inside), _stats(~inside, log_ratio, m)
 
 
 @POLICY_LOSSES.register("dppo_tv")
@@ -319,8 +317,7 @@ def clip_cov_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tens
         candidates = candidates[pick.to(candidates.device)]
     held = torch.zeros_like(m)
     held[candidates[:, 0], candidates[:, 1]] = True
-    loss = torch.where(held, torch.zeros((), dtype=loss.dtype, device=loss.device), loss)
-    return _on_actions(loss, m), _stats(clipped | held, log_ratio.detach(), m)
+    return _on_actions(loss, m & ~held), _stats(clipped | held, log_ratio.detach(), m)
 
 
 @POLICY_LOSSES.register("kl_cov")

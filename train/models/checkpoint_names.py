@@ -63,7 +63,7 @@ class ConvertedReader:
 
         self.folder = reader.folder
         self._reader = reader
-        pretrained = _pretrained(model)
+        pretrained = pretrained_model(model)
         transforms = get_model_conversion_mapping(pretrained) if pretrained is not None else []
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -102,22 +102,21 @@ class ConvertedReader:
         fused = self._fused[name]
         experts = range(len(fused.parts[0]))
         chosen = experts[index[0]] if index is not None else experts
-        stacked = []
-        for e in chosen:  # only the experts of this block are read
-            pieces = [self._reader.read(part[e]) for part in fused.parts]
-            stacked.append(torch.cat(pieces, dim=fused.cat_dim - 1) if fused.cat_dim is not None else pieces[0])
-        if not stacked:
-            shape = [0, *self._expert_shape(fused)]
-            return torch.empty(shape, dtype=self._reader.read(fused.parts[0][0]).dtype)
+        stacked = [self._expert(fused, e) for e in chosen]  # only the experts of this block are read
+        if not stacked:  # a rank holding none of its experts: an empty block of the right shape
+            first = self._expert(fused, 0)
+            return first.new_empty((0, *first.shape))
         out = torch.stack(stacked)
         return out[(slice(None), *index[1:])] if index is not None else out
 
-    def _expert_shape(self, fused: Fused) -> list[int]:
-        pieces = [self._reader.read(part[0]) for part in fused.parts]
-        return list(torch.cat(pieces, dim=fused.cat_dim - 1).shape if fused.cat_dim is not None else pieces[0].shape)
+    def _expert(self, fused: Fused, e: int) -> torch.Tensor:
+        """Expert e's slice of a fused tensor: its part of each source pattern, concatenated."""
+        pieces = [self._reader.read(part[e]) for part in fused.parts]
+        return torch.cat(pieces, dim=fused.cat_dim - 1) if fused.cat_dim is not None else pieces[0]
 
 
-def _pretrained(model: torch.nn.Module):
+def pretrained_model(model: torch.nn.Module):
+    """The transformers PreTrainedModel in `model` (itself, or the backbone a critic wraps); None if there is none."""
     from transformers import PreTrainedModel
 
     return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from train.models.checkpoint_names import ConvertedReader
+from train.models.checkpoint_names import ConvertedReader, pretrained_model
 from train.models.lora import FreshAdapters, LoraSettings, apply_lora, base_name, is_adapter
 from train.parallel.layout import Layout
 from train.parallel.parallelize import DTYPES, parallelize
@@ -131,9 +131,7 @@ def reset_non_persistent_buffers(model: torch.nn.Module) -> None:
     hold garbage after `to_empty`: recompute them as the model's constructor did, by building a
     module that has a config again from it, else through the model's own `_init_weights` for that
     module with its parameters marked as initialised (transformers then sets only the buffers)."""
-    from transformers import PreTrainedModel
-
-    pretrained = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    pretrained = pretrained_model(model)
     for name, module in model.named_modules():
         missing = [b for b in module._non_persistent_buffers_set if getattr(module, b, None) is not None]
         if not missing:

@@ -140,10 +140,9 @@ def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segmen
         out = _causal_math_attention(batch(q, slots), batch(k, slots), batch(v, slots), scaling,
                                      window if windowed else None)
     elif windowed:  # slots are left-aligned positions within the segment: the window is a band below the diagonal
-        pos = torch.arange(longest, device=q.device)
-        band = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)
-        out = F.scaled_dot_product_attention(batch(q, slots), batch(k, slots), batch(v, slots), attn_mask=band,
-                                             dropout_p=dropout, scale=scaling)
+        out = F.scaled_dot_product_attention(batch(q, slots), batch(k, slots), batch(v, slots),
+                                             attn_mask=_visible(longest, window, q.device), dropout_p=dropout,
+                                             scale=scaling)
     else:
         out = F.scaled_dot_product_attention(batch(q, slots), batch(k, slots), batch(v, slots), dropout_p=dropout,
                                              is_causal=True, scale=scaling)
@@ -174,11 +173,16 @@ def _causal_math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     length = q.shape[2]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
-    if window is not None:
-        future = future | torch.ones(length, length, dtype=torch.bool, device=q.device).tril(-window)
-    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+    hidden = ~_visible(length, window, q.device)
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
+
+
+def _visible(length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[length, length] bool: query i sees key j when j <= i (causal) and, with `window`, i - j < window."""
+    pos = torch.arange(length, device=device)
+    seen = pos[None, :] <= pos[:, None]
+    return seen & (pos[:, None] - pos[None, :] < window) if window is not None else seen
 
 
 def install_packed_attention(model: torch.nn.Module) -> None:
