@@ -1,8 +1,9 @@
-"""One command that validates and measures the trainer on a CUDA machine (about 8 minutes on one GPU).
+"""One command that validates and measures the trainer on a CUDA machine (about 6.5 minutes on one H100).
 
     .venv/bin/python benchmarks/gpu_suite.py                      # on one CUDA GPU: every section, full shapes
     .venv/bin/python benchmarks/gpu_suite.py --tiny               # the same code paths on CPU, tiny shapes (~1 min)
     .venv/bin/python benchmarks/gpu_suite.py --only decode,mfu    # some sections
+    .venv/bin/python benchmarks/gpu_suite.py --only bigmodel --big-cases qwen3-4b-full
 
 Sections (each one's failure is recorded and the others still run; the exit status is 1 if any failed):
 
@@ -21,6 +22,11 @@ Sections (each one's failure is recorded and the others still run; the exit stat
   trainer's `PolicySync.push` path.
 * `step`: 3 trainer steps on the same 0.5B-shaped model (stub tokenizer and data, `eq.py`),
   the step's time breakdown from `metrics.jsonl`.
+* `bigmodel`: one GPU, big models (issue 36): random-weight Llama-3.1-8B with LoRA rank 32 and
+  Qwen3-4B fully fine-tuned (`--big-cases` picks), filled on the device through the trainer's
+  loading path (RandomReader: no checkpoint written), one sequence of 16K tokens per update: peak
+  memory per phase (update, rollout, update again after the engine's sleep), update time and MFU,
+  rollout time, and for the full model the push in s per billion.
 
 Writes `gpu_suite.json` and `gpu_suite.md` into `--out` (default `runs/gpu_suite`). `--tiny` uses a
 2-layer, 64-wide model and a handful of tokens, so the test suite runs it on CPU and the script
@@ -48,7 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step")
+SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step", "bigmodel")
 
 # Datasheet figures (dense bf16 TFLOP/s, HBM TB/s) matched on torch.cuda.get_device_name().
 DATASHEET = (
@@ -257,6 +263,7 @@ def section_decode(args, work: Path, shapes: Shapes, info: dict) -> dict:
 
     from train.engines.base import SamplingParams
     from train.engines.hf import HFEngine
+    from train.engines.static_decode import uncompile_modules
 
     device = torch.device("cuda" if info["cuda"] else "cpu")
     dtype = torch.bfloat16 if info["cuda"] else torch.float32
@@ -271,18 +278,23 @@ def section_decode(args, work: Path, shapes: Shapes, info: dict) -> dict:
     rows = []
     # The engine's path on this device (static cache + CUDA graphs on GPU), then the dynamic-cache
     # path it replaced (on the largest batch only: it is the slow one) for the before/after.
-    for path, static, batches in (("static", None if info["cuda"] else True, shapes.decode_batches),
-                                  ("dynamic", False, shapes.decode_batches[-1:])):
+    # Last, the static path with the engine's norm and MLP modules compiled (rollout.compile_decode).
+    static_here = None if info["cuda"] else True
+    for path, static, batches in (("static", static_here, shapes.decode_batches),
+                                  ("dynamic", False, shapes.decode_batches[-1:]),
+                                  ("static+compiled", static_here, shapes.decode_batches)):
         engine = HFEngine(model, eos_token_ids=[], max_batch_size=max(shapes.decode_batches), copy_model=False,
-                          static_cache=static)
+                          static_cache=static, compile_decode=path == "static+compiled")
         try:
             for batch in batches:
                 g = torch.Generator().manual_seed(batch)
                 prompts = [torch.randint(3, shapes.vocab, (shapes.decode_prompt,), generator=g).tolist()
                            for _ in range(batch)]
                 # An untimed pass first: graph captures and allocator warm-up, as every RL step after the first.
-                warm = shapes.decode_new if path == "static" else 4
+                warm = 4 if path == "dynamic" else shapes.decode_new
+                warm_start = time.perf_counter()
                 asyncio.run(generate_all(engine, prompts, SamplingParams(max_new_tokens=warm, ignore_eos=True)))
+                warm_s = time.perf_counter() - warm_start
                 new = shapes.decode_new
                 sp = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True)
                 sync()
@@ -294,17 +306,20 @@ def section_decode(args, work: Path, shapes: Shapes, info: dict) -> dict:
                 # Mean context over the decode steps: the prompt and half the new tokens.
                 kv_bytes = batch * (shapes.decode_prompt + new / 2) * kv_bytes_per_token
                 bound = batch * bw * 1e12 / (weight_bytes + kv_bytes)
-                if path == "static" and batch == max(shapes.decode_batches):
+                if path != "dynamic" and batch == max(shapes.decode_batches):
                     short = SamplingParams(max_new_tokens=32, temperature=1.0, ignore_eos=True)
                     # The batch the queue would form, run in this thread so the profiler sees its CPU side too.
-                    profiled(lambda: engine._generate_batch([(p, short) for p in prompts]), work / "decode_profile.txt")
+                    profiled(lambda: engine._generate_batch([(p, short) for p in prompts]),
+                             work / f"decode_profile{'_compiled' if 'compiled' in path else ''}.txt")
                 rows.append({"path": path, "batch": batch, "new_tokens": new, "tokens": tokens, "seconds": seconds,
                              "tokens_per_s": tokens / seconds, "bound_tokens_per_s": bound,
                              "fraction_of_bound": tokens / seconds / bound, "cuda_graphs": engine.stats["cuda_graphs"],
-                             "graph_error": engine.static_error})
+                             "graph_error": engine.static_error, "warmup_s": warm_s,
+                             "compiled_modules": engine.stats["compiled_modules"], "compile_error": engine.compile_error})
         finally:
             engine.close()
             del engine
+    uncompile_modules(model)
     del model
     if info["cuda"]:
         torch.cuda.empty_cache()
@@ -313,7 +328,7 @@ def section_decode(args, work: Path, shapes: Shapes, info: dict) -> dict:
             "measured_copy_tb_s": measured_bw, "batches": rows}
 
 
-def build_actor(model_dir: Path, max_tokens: int, info: dict):
+def build_actor(model_dir: Path, max_tokens: int, info: dict, lora: dict | None = None, fused_head: bool = False):
     import torch
     from omegaconf import OmegaConf
 
@@ -326,6 +341,9 @@ def build_actor(model_dir: Path, max_tokens: int, info: dict):
     cfg.max_length_per_device = max_tokens
     cfg.dtype = "bfloat16" if info["cuda"] else "float32"
     cfg.gradient_checkpointing = True
+    cfg.use_liger_kernel = fused_head
+    if lora:
+        cfg.lora.rank, cfg.lora.alpha = lora["rank"], lora["alpha"]
     torch.manual_seed(0)
     return Actor(cfg, ctx, str(model_dir), pad_token_id=0, train=True, temperature=1.0, total_updates=100), ctx
 
@@ -438,6 +456,181 @@ def section_step(args, work: Path, shapes: Shapes, model_dir: Path) -> dict:
     return {"steps": len(rows), **{k: statistics.mean(r[k] for r in keep if k in r) for k in keys}}
 
 
+# Big models on one GPU (issue 36): Llama-3.1-8B with LoRA rank 32 and Qwen3-4B fully fine-tuned, one
+# sequence of `tokens` per update. `--tiny` keeps the families at toy sizes.
+BIG = (
+    dict(name="llama3.1-8b-lora32", family="llama", lora_rank=32, tokens=16384,
+         config=dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=14336, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
+                     tie_word_embeddings=False)),
+    dict(name="qwen3-4b-full", family="qwen3", lora_rank=0, tokens=16384,
+         config=dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=9728, vocab_size=151936, rope_theta=1000000.0,
+                     max_position_embeddings=40960, tie_word_embeddings=True)),
+)
+BIG_TINY_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=128, vocab_size=512, max_position_embeddings=4096)
+
+
+def big_config(case: dict, tiny: bool):
+    from transformers import AutoConfig
+
+    kw = dict(BIG_TINY_CONFIG, head_dim=16, tie_word_embeddings=case["config"]["tie_word_embeddings"]) if tiny \
+        else case["config"]
+    return AutoConfig.for_model(case["family"], bos_token_id=1, eos_token_id=2, pad_token_id=0, **kw)
+
+
+class RandomReader:
+    """Stands in for train.models.model_init.WeightReader in the big-model section: every tensor of the
+    model's own state dict, drawn N(0, 0.02) on the device block by block, so no 16 GB checkpoint
+    is written or read (the loading path, slices and all, is the trainer's own)."""
+
+    def __init__(self, folder: str, device) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.folder, self.device = folder, device
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+        self.shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+    def keys(self) -> list[str]:
+        return list(self.shapes)
+
+    def read(self, name: str, index=None):
+        import torch
+
+        shape = self.shapes[name]
+        if index is not None:
+            shape = tuple(len(range(*sl.indices(n))) for sl, n in zip(index, shape))
+        out = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
+        return out.fill_(1.0) if name.endswith("norm.weight") else out.normal_(0.0, 0.02)
+
+
+def gib(n: float) -> float:
+    return n / 2**30
+
+
+def section_bigmodel(args, work: Path, info: dict) -> dict:
+    """Per case: the actor (bf16 compute; LoRA keeps its frozen base in bf16) filled from random
+    weights; a first update on one packed sequence of `tokens` (gradient checkpointing, fused
+    log-prob head), which allocates the optimizer state; then a step as the trainer runs it: a bf16
+    engine of the same model generates 8 replies (1024-token prompts, 128 new), a full model is
+    pushed into it, the engine sleeps (weights to host memory), and the update runs again (timed).
+    Peak device memory per phase; the update's model FLOP/s (6 x params x tokens + attention)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import train.models.model_init as model_init
+    from train.engines.base import SamplingParams
+    from train.engines.hf import HFEngine
+    from train.models.lora import LoraSettings, apply_lora
+    from train.parallel.step_batch import dispatch, exchange_index
+    from vs_trl import update_gflop
+
+    cuda = info["cuda"]
+    device = torch.device("cuda" if cuda else "cpu")
+    peak_tflops = info["datasheet_bf16_tflops"] or measured_matmul_tflops(device, torch.bfloat16 if cuda else torch.float32)
+    mem = (lambda: gib(torch.cuda.max_memory_allocated())) if cuda else (lambda: None)
+    rows = []
+    for case in BIG:
+        if args.big_cases and case["name"] not in args.big_cases:
+            continue
+        tokens = 512 if args.tiny else case["tokens"]
+        prompt_len, new, replies = (16, 8, 2) if args.tiny else (1024, 128, 8)
+        row: dict = {"case": case["name"], "tokens": tokens, "lora_rank": case["lora_rank"]}
+        rows.append(row)
+        actor = engine = engine_model = batch = push = None
+        folder = Path(tempfile.mkdtemp(prefix="gpu_suite_big_"))
+        real_reader = model_init.WeightReader
+        try:
+            config = big_config(case, args.tiny)
+            config.save_pretrained(folder)
+            for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+                if (ROOT / "stub" / "model" / name).exists():
+                    shutil.copy(ROOT / "stub" / "model" / name, folder / name)
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            model_init.WeightReader = lambda f: RandomReader(f, device)  # noqa: E731
+            lora = {"rank": case["lora_rank"], "alpha": 2 * case["lora_rank"]} if case["lora_rank"] else None
+            actor, ctx = build_actor(folder, tokens, info, lora=lora, fused_head=True)
+            row["build_s"] = time.perf_counter() - start
+            row["actor_gib"] = gib(sum(p.numel() * p.element_size() for p in actor.model.parameters()))
+            row["params"] = sum(p.numel() for p in actor.model.parameters())
+            row["trainable_params"] = sum(p.numel() for p in actor.model.parameters() if p.requires_grad)
+            ids, masks, _, sampler, max_new = fixed_batch(tokens, config.vocab_size, groups=1, per_group=1)
+            index = exchange_index([len(x) for x in ids], [0], [0.0], ctx.device)
+            batch = dispatch(index, ids, masks, sampler, actor.layout, 1, ctx.device)
+            batch.fields["advantages"] = [1.0 * m for m in batch.mask]
+            sync()
+            start = time.perf_counter()
+            actor.update(batch, max_new)  # the first update allocates the optimizer state: steady state after it
+            sync()
+            row["first_update_s"], row["first_update_peak_gib"] = time.perf_counter() - start, mem()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            # The rollout: a bf16 engine of the same model (its own copy of the weights, plus LoRA layers).
+            with torch.device(device):
+                torch.manual_seed(0)
+                engine_model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32)
+            if lora:
+                apply_lora(engine_model, LoraSettings(rank=lora["rank"], alpha=float(lora["alpha"])))
+                engine_model.to(device)
+            engine = HFEngine(engine_model, eos_token_ids=[], max_batch_size=replies, copy_model=False)
+            row["engine_gib"] = gib(sum(p.numel() * p.element_size() for p in engine.model.parameters()))
+            g = torch.Generator().manual_seed(0)
+            prompts = [torch.randint(3, config.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(replies)]
+            sync()
+            start = time.perf_counter()
+            asyncio.run(generate_all(engine, prompts, SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True)))
+            sync()
+            row["rollout_s"] = time.perf_counter() - start
+            row["rollout_peak_gib"] = mem()
+            if not lora:  # a full model's push at this size (a LoRA push sends adapters only)
+                from train.trainer.policy_sync import PolicySync
+
+                for verify in (True, False):
+                    push = PolicySync(actor.model, engine, 512, None, {"actor": actor}, log=None, verify=verify)
+                    push.push()  # warm-up
+                    row[f"push_s_per_billion{'' if verify else '_unverified'}"] = push.push() / row["params"] * 1e9
+            engine.sleep()  # as the trainer does before its update: the engine's weights go to host memory
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            sync()
+            start = time.perf_counter()
+            actor.update(batch, max_new)
+            sync()
+            row["update_s"] = time.perf_counter() - start
+            row["update_peak_gib"] = mem()
+            actions = sum(masks[0])
+            tflops = update_gflop(str(folder), 1, len(ids[0]), actions) / row["update_s"] / 1e3
+            row.update({"update_tflops": tflops, "mfu": tflops / peak_tflops,
+                        "step_s": row["rollout_s"] + row["update_s"]})
+        except Exception as exc:  # one case's failure (say, out of memory) is recorded; the next still runs
+            traceback.print_exc()
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        finally:
+            model_init.WeightReader = real_reader
+            if engine is not None:
+                engine.close()
+            # Every reference to the case's tensors (the push holds the actor's model): the next case
+            # and the next section start from an empty device (a leak here ran the mfu section out of memory).
+            del actor, engine, engine_model, batch, push
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            shutil.rmtree(folder, ignore_errors=True)
+        print(f"[gpu_suite] bigmodel {json.dumps(row, default=str)}", flush=True)
+    if any("error" in r for r in rows):
+        raise RuntimeError("; ".join(f"{r['case']}: {r['error']}" for r in rows if "error" in r) + f" (rows: {rows})")
+    left = gib(torch.cuda.memory_allocated()) if cuda else None
+    if left is not None and left > 1.0:
+        raise RuntimeError(f"the big-model cases left {left:.1f} GiB allocated: a reference outlived its case")
+    return {"peak_tflops": peak_tflops, "cases": rows, "left_allocated_gib": left}
+
+
 # ------------------------------------------------------------------------------------------ report
 
 
@@ -465,6 +658,11 @@ def markdown(result: dict) -> str:
         for m in r["micro_batches"]) + f" (peak {r['peak_tflops']:.3g} TFLOP/s, {r['peak_source']})")
     cell("push", lambda r: f"{r['seconds']:.4g} s for {r['params'] / 1e6:.3g}M params = {r['s_per_billion']:.3g} s per "
                            f"billion (verified); {r['s_per_billion_unverified']:.3g} s per billion with verify_push off")
+    cell("bigmodel", lambda r: "; ".join(
+        f"{c['case']} at {c['tokens']} tokens: " + (f"FAILED {c['error']}" if "error" in c else
+        f"rollout peak {c['rollout_peak_gib'] or 0:.1f} GiB, update peak {c['update_peak_gib'] or 0:.1f} GiB, "
+        f"update {c['update_s']:.2f} s (MFU {100 * c['mfu']:.1f}%), rollout {c['rollout_s']:.2f} s")
+        for c in r["cases"]))
     cell("step", lambda r: ", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in r.items() if k.startswith("time/")))
     return "\n".join(lines) + "\n"
 
@@ -476,12 +674,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "runs" / "gpu_suite"), help="folder for gpu_suite.json/.md and logs")
     p.add_argument("--demo-steps", type=int, default=None, help="stub demo steps (default 200, --tiny 2)")
     p.add_argument("--timeout", type=int, default=900, help="seconds for each subprocess")
+    p.add_argument("--big-cases", default="", help=f"comma list of bigmodel cases (default all: {', '.join(c['name'] for c in BIG)})")
     args = p.parse_args(argv)
     only = [x.strip() for x in args.only.split(",") if x.strip()]
     unknown = sorted(set(only) - set(SECTIONS))
     if unknown:
         p.error(f"--only: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     args.demo_steps = args.demo_steps or (2 if args.tiny else 200)
+    args.big_cases = [c for c in args.big_cases.split(",") if c]
     shapes = TINY if args.tiny else FULL
     info = device_info()
     if not info["cuda"] and not args.tiny:
@@ -507,6 +707,10 @@ def main(argv: list[str] | None = None) -> int:
                     out = section_demo(args, work)
                 elif name == "decode":
                     out = section_decode(args, work, shapes, info)
+                elif name == "bigmodel":
+                    actor = None  # the mfu section's actor: its memory is not this section's
+                    gc.collect()
+                    out = section_bigmodel(args, work, info)
                 elif name == "mfu":
                     out = section_mfu(args, work, shapes, info, model_dir)
                     actor = out.pop("_actor")
@@ -528,6 +732,8 @@ def main(argv: list[str] | None = None) -> int:
             out["section_s"] = time.perf_counter() - start
             result["sections"][name] = out
             print(f"[gpu_suite] {name}: {json.dumps(out, default=str)[:400]}", flush=True)
+            # After every section: a run stopped by a time limit still leaves what it measured.
+            (work / "gpu_suite.json").write_text(json.dumps(result, indent=1, default=str))
         del actor
     from train.parallel.distributed import cleanup
 

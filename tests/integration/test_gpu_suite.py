@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT
 
-SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step")
+SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step", "bigmodel")
 
 
 @pytest.mark.slow
@@ -25,13 +25,24 @@ def test_gpu_suite_tiny_runs_every_section(tmp_path):
     # the gpu-marked tests were found and, without CUDA, skipped
     assert s["tests"]["files"] and s["tests"]["skipped"] >= 2 and s["tests"]["passed"] == 0
     assert s["demo"]["test_reward"] and all(0.0 <= r <= 1.0 for _, r in s["demo"]["test_reward"])
-    # the static-cache path at every batch (on CPU without graphs), then the dynamic one at the largest
+    # the static-cache path at every batch (on CPU without graphs), the dynamic one at the largest, then
+    # the static path with compiled norm and MLP modules (rollout.compile_decode; inductor's C++ on CPU)
     decode = s["decode"]["batches"]
+    batches = result["shapes"]["decode_batches"]
     assert [(r["path"], r["batch"]) for r in decode] == (
-        [("static", b) for b in result["shapes"]["decode_batches"]] + [("dynamic", result["shapes"]["decode_batches"][-1])])
+        [("static", b) for b in batches] + [("dynamic", batches[-1])] + [("static+compiled", b) for b in batches])
     for row in decode:
         assert row["tokens"] == row["batch"] * row["new_tokens"]  # ignore_eos: every row runs to the end
         assert 0 < row["fraction_of_bound"] and row["tokens_per_s"] > 0 and row["cuda_graphs"] == 0
+        assert (row["compiled_modules"] > 0) == (row["path"] == "static+compiled") and row["compile_error"] is None
+    # the big-model cases at toy sizes: LoRA trains its adapters only; the full model's push is timed
+    big = {c["case"]: c for c in s["bigmodel"]["cases"]}
+    assert list(big) == ["llama3.1-8b-lora32", "qwen3-4b-full"]
+    lora, full = big["llama3.1-8b-lora32"], big["qwen3-4b-full"]
+    assert 0 < lora["trainable_params"] < lora["params"] and full["trainable_params"] == full["params"]
+    assert full["push_s_per_billion"] > 0 and "push_s_per_billion" not in lora
+    for case in big.values():
+        assert case["update_s"] > 0 and case["rollout_s"] > 0 and case["update_peak_gib"] is None  # no CUDA
     for row in s["mfu"]["micro_batches"]:
         assert 0 < row["mfu"] < 1.5 and row["seconds"] > 0
     # the plain LM head at each size, then the fused one

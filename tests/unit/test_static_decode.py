@@ -63,9 +63,9 @@ def generate(engine: HFEngine, reqs):
     return asyncio.run(main())
 
 
-def compare(model, device: str = "cpu", rounds: int = 2):
+def compare(model, device: str = "cpu", rounds: int = 2, compile_decode: bool = False):
     dynamic = HFEngine(model, eos_token_ids=[2], device=device, static_cache=False, seed=5)
-    static = HFEngine(model, eos_token_ids=[2], device=device, static_cache=True, seed=5)
+    static = HFEngine(model, eos_token_ids=[2], device=device, static_cache=True, seed=5, compile_decode=compile_decode)
     assert static.static_cache and not dynamic.static_cache
     for r in range(rounds):  # the second round reuses the decoder's buffers (and graphs on GPU)
         reqs = requests(seed=r + 1)
@@ -124,9 +124,40 @@ def test_a_weight_push_keeps_the_decoder_and_a_moved_weight_drops_it() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 @pytest.mark.parametrize("make", [llama, qwen2], ids=["llama", "qwen2-gqa-tied"])
-def test_cuda_graph_decoding_matches_the_dynamic_path(make) -> None:
-    engine = compare(make(), device="cuda")  # float32 weights: the two paths agree to rounding
+@pytest.mark.parametrize("compile_decode", [False, True], ids=["eager-modules", "compiled-modules"])
+def test_cuda_graph_decoding_matches_the_dynamic_path(make, compile_decode) -> None:
+    # float32 weights: the two paths agree to rounding; compiled modules are captured in the graphs
+    engine = compare(make(), device="cuda", compile_decode=compile_decode)
     assert engine.static_error is None and engine.stats["cuda_graphs"] > 0
+    assert engine.compile_error is None and (engine.stats["compiled_modules"] > 0) == compile_decode
+
+
+def test_compiled_decode_modules_match_the_dynamic_path_on_cpu() -> None:
+    """rollout.compile_decode: the engine's norm and MLP instances run through inductor (C++ on CPU)
+    and the static path samples the same tokens, with log-probs to rounding. Only the engine's own
+    module instances are compiled: another model of the same classes stays eager."""
+    engine = compare(qwen2(), rounds=1, compile_decode=True)
+    assert engine.compile_error is None
+    assert engine.stats["compiled_modules"] == 3 * 3 + 1  # per layer two norms and the MLP; the final norm
+    other = qwen2()
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in other.modules())
+
+
+def test_a_compile_that_fails_falls_back_to_the_eager_modules() -> None:
+    model = llama()
+    engine = HFEngine(model, eos_token_ids=[2], static_cache=True, seed=5, compile_decode=True)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    for module in engine.model.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = broken
+    reqs = requests()[:8]
+    got = generate(engine, reqs)
+    want = generate(HFEngine(model, eos_token_ids=[2], static_cache=True, seed=5), reqs)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert "no C++ compiler found" in engine.compile_error and engine.stats["compiled_modules"] == 0
 
 
 def test_grouped_decode_attention_against_a_float64_reference() -> None:

@@ -229,3 +229,32 @@ class StaticDecoder:
             except Exception as exc:  # a model that cannot be captured decodes eagerly on the same buffers
                 self.capture_error = f"{type(exc).__name__}: {exc}"
         return logits
+
+
+# Module types whose instances `compile_decode_modules` compiles, matched on the class name's end:
+# they carry no per-layer Python state (a decoder layer's `layer_idx` would make dynamo compile
+# one graph per layer), so every instance shares the same compiled code.
+FUSED_MODULES = ("RMSNorm", "MLP")
+
+
+def compile_decode_modules(model: torch.nn.Module) -> int:
+    """torch.compile the engine's own norm and MLP module instances (never their classes: the actor
+    shares them), so each RMSNorm (float32 upcast, variance, rsqrt, scale) and each SwiGLU's
+    activation-times-gate run as one fused kernel instead of several. The CUDA graphs of the static
+    path then capture the compiled kernels. Graphs compile on first use per shape class (a static one,
+    then one with a dynamic batch). Returns the number of module instances compiled."""
+    count = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith(FUSED_MODULES) and "Moe" not in name and hasattr(module, "compile"):
+            module.compile()
+            count += 1
+    return count
+
+
+def uncompile_modules(model: torch.nn.Module) -> int:
+    """Undo `compile_decode_modules`: every module runs its eager forward again. Returns 0."""
+    for module in model.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+    return 0

@@ -59,7 +59,7 @@ class ConvertedReader:
 
     def __init__(self, reader, model: torch.nn.Module) -> None:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_renamings
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
 
         self.folder = reader.folder
         self._reader = reader
@@ -71,7 +71,9 @@ class ConvertedReader:
         self._plain: dict[str, str] = {}
         collected: dict[str, tuple[object, dict[str, dict[int, str]]]] = {}
         for key in reader.keys():
-            renamed = apply_renamings(key, renamings)
+            renamed = key
+            for renaming in renamings:  # every renaming in turn, as from_pretrained does (transformers 5.17+)
+                renamed, _ = renaming.rename_source_key(renamed)
             for converter in converters:
                 target, pattern = converter.rename_source_key(renamed)
                 if pattern is not None:

@@ -37,6 +37,8 @@ class RolloutConfig:
     dtype: str | None = setting("engine weights: float32 | bfloat16 | float16 (null: bfloat16 on GPU, float32 on "
                                 "CPU)", choices=("bfloat16", "float32", "float16"))
     static_cache: bool | None = setting("hf: decode over a preallocated KV cache with CUDA graphs (null: on GPU)")
+    compile_decode: bool | None = setting("hf: torch.compile the engine's norm and MLP module instances (fused "
+                                          "element-wise kernels in the decode graphs; null: on GPU)")
     tp_size: int = setting("sglang: GPUs per engine; the first rank of each group of tp_size owns it", ge=1)
     gpu_memory_utilization: float | None = setting("sglang mem_fraction_static: weights + KV cache share of each "
                                                    "GPU", gt=0, le=1, example="0.5")
