@@ -515,8 +515,9 @@ def section_bigmodel(args, work: Path, info: dict) -> dict:
     """Per case: the actor (bf16 compute; LoRA keeps its frozen base in bf16) filled from random
     weights; a first update on one packed sequence of `tokens` (gradient checkpointing, fused
     log-prob head), which allocates the optimizer state; then a step as the trainer runs it: a bf16
-    engine of the same model generates 8 replies (1024-token prompts, 128 new), a full model is
-    pushed into it, the engine sleeps (weights to host memory), and the update runs again (timed).
+    engine of the same model (with LoRA, over the actor's own frozen base: rollout.share_actor_base)
+    generates 8 replies (1024-token prompts, 128 new), a full model is pushed into it, the engine
+    sleeps (its own weights to host memory), and the update runs again (timed).
     Peak device memory per phase; the update's model FLOP/s (6 x params x tokens + attention)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -524,7 +525,8 @@ def section_bigmodel(args, work: Path, info: dict) -> dict:
     import train.models.model_init as model_init
     from train.engines.base import SamplingParams
     from train.engines.hf import HFEngine
-    from train.models.lora import LoraSettings, apply_lora
+    from train.models.lora import LoraSettings
+    from train.models.shared_base import engine_model_over
     from train.parallel.step_batch import dispatch, exchange_index
     from vs_trl import update_gflop
 
@@ -571,15 +573,20 @@ def section_bigmodel(args, work: Path, info: dict) -> dict:
             row["first_update_s"], row["first_update_peak_gib"] = time.perf_counter() - start, mem()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            # The rollout: a bf16 engine of the same model (its own copy of the weights, plus LoRA layers).
-            with torch.device(device):
-                torch.manual_seed(0)
-                engine_model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32)
+            # The rollout: a bf16 engine of the same model. With LoRA it borrows the actor's frozen base, as the
+            # trainer's engine does (rollout.share_actor_base); a full model's engine holds its own copy.
+            borrowed: list[str] = []
             if lora:
-                apply_lora(engine_model, LoraSettings(rank=lora["rank"], alpha=float(lora["alpha"])))
-                engine_model.to(device)
-            engine = HFEngine(engine_model, eos_token_ids=[], max_batch_size=replies, copy_model=False)
-            row["engine_gib"] = gib(sum(p.numel() * p.element_size() for p in engine.model.parameters()))
+                engine_model, borrowed = engine_model_over(actor.model, LoraSettings(rank=lora["rank"],
+                                                                                     alpha=float(lora["alpha"])))
+            else:
+                with torch.device(device):
+                    torch.manual_seed(0)
+                    engine_model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32)
+            engine = HFEngine(engine_model, eos_token_ids=[], max_batch_size=replies, copy_model=False, borrowed=borrowed)
+            own = [t for n, t in engine.model.state_dict().items() if n not in engine.borrowed]
+            row["engine_gib"] = gib(sum(t.numel() * t.element_size() for t in own))  # what the engine adds
+            row["engine_borrows_base"] = bool(borrowed)
             g = torch.Generator().manual_seed(0)
             prompts = [torch.randint(3, config.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(replies)]
             sync()

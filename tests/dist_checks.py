@@ -385,6 +385,90 @@ def lora_reference(args, ctx) -> None:
                     "engine_names": names, "probe_diff": probe_diff}, args.out)
 
 
+def rss_mib() -> float:
+    """This process's resident memory (VmRSS: private and file-backed pages, e.g. a memory-mapped
+    checkpoint that from_pretrained reads without copying), MiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def shared_base(args, ctx) -> None:
+    """rollout.share_actor_base: an engine over the LoRA actor's own base tensors (train/models/shared_base.py)
+    against an engine that loads its own copy: the tensors it borrows are the actor's (data pointers),
+    building it costs no model's worth of memory, a push moves the adapters alone, both engines generate
+    the same tokens and log-probs, sleep leaves the borrowed tensors in place, an update leaves the base
+    alone, and a push of a borrowed tensor is refused."""
+    from train.models.lora import LoraSettings, adapter_state, is_adapter
+    from train.models.shared_base import engine_model_over
+    from train.trainer.policy_sync import PolicySync
+
+    class Log:
+        def event(self, *a, **k): ...
+        def write(self, *a, **k): ...
+
+    torch.manual_seed(0)
+    settings = LoraSettings(4, 8.0)
+    cfg = actor_cfg(model_name=args.model, dtype=args.dtype, **{"lora.rank": 4, "lora.alpha": 8.0})
+    actor = Actor(cfg, ctx, args.model, pad_token_id=0, train=True, temperature=1.0, total_updates=2)
+    perturb_adapters(actor.model)
+    local = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in actor.model.state_dict().items()}
+    prompts = [[1, 50 + i, 60, 70 + 3 * i] for i in range(6)]
+
+    async def gen(engine):
+        return await asyncio.gather(*(engine.generate(p, SamplingParams(max_new_tokens=12, temperature=1.0, seed=i))
+                                      for i, p in enumerate(prompts)))
+
+    # Each engine built and run once (every weight page touched); the one with its own copy first, so
+    # one-time costs land on it, not on the shared one.
+    before = rss_mib()
+    own = HFEngine.from_pretrained(args.model, device=ctx.device, dtype=args.dtype, seed=0, lora=settings,
+                                   eos_token_ids=[2])
+    asyncio.run(gen(own))
+    grown_own = rss_mib() - before
+    before = rss_mib()
+    model, borrowed = engine_model_over(actor.model, settings)
+    shared = HFEngine(model, eos_token_ids=[2], device=ctx.device, seed=0, copy_model=False, borrowed=borrowed)
+    asyncio.run(gen(shared))
+    grown_shared = rss_mib() - before
+    engine_state = shared.model.state_dict()
+    same_storage = all(engine_state[n].data_ptr() == local[n].data_ptr() for n in borrowed)
+    pushed: list[tuple[str, int]] = []
+    record = shared.update_weights
+
+    def recording(named):
+        return record((pushed.append((n, t.numel() * t.element_size())) or (n, t)) for n, t in named)
+
+    shared.update_weights = recording
+    for engine in (shared, own):
+        PolicySync(actor.model, engine, 1.0, None, {"actor": actor}, Log(), verify=True, device=ctx.device,
+                   rank=ctx.rank).push(step=1)
+    got, want = asyncio.run(gen(shared)), asyncio.run(gen(own))
+    shared.sleep()
+    kept_on_sleep = all(shared.model.state_dict()[n].data_ptr() == local[n].data_ptr() for n in borrowed)
+    shared.wake()
+    base_before = {n: local[n].clone() for n in borrowed}
+    batch = fixed_batch()
+    set_ownership(len(batch.ids), "uneven", ctx.world_size)
+    sb, source = step_batch(actor, batch, OWN[ctx.rank], ctx)
+    sb.fields["advantages"] = per_token(batch.advantages, sb, source)
+    actor.update(sb, 32)
+    base_unchanged = all(torch.equal(base_before[n], local[n]) for n in borrowed)
+    try:
+        record({borrowed[0]: local[borrowed[0]]})  # the engine's own method (not the recording wrapper)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    if ctx.is_main:
+        torch.save({"borrowed": borrowed, "base_names": [n for n in local if not is_adapter(n)],
+                    "adapter_names": [n for n, _ in adapter_state(actor.model)], "same_storage": same_storage,
+                    "grown_shared_mib": grown_shared, "grown_own_mib": grown_own,
+                    "model_mib": sum(t.numel() * t.element_size() for n, t in local.items() if not is_adapter(n)) / 2**20,
+                    "pushed": pushed, "tokens": ([g.token_ids for g in got], [w.token_ids for w in want]),
+                    "logprobs": ([g.logprobs for g in got], [w.logprobs for w in want]),
+                    "kept_on_sleep": kept_on_sleep, "base_unchanged": base_unchanged, "refused": refused,
+                    "engine_dtype": str(shared.dtype)}, args.out)
+
+
 def match(args, ctx) -> None:
     """Sampler (hf engine) log-probs vs the trainer's recomputation, and the weight push."""
     torch.manual_seed(0)
@@ -477,7 +561,8 @@ def sync(args, ctx) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["grads", "match", "critic_grads", "reference", "teachers", "lora_reference", "packing",
+    parser.add_argument("mode", choices=["grads", "match", "critic_grads", "reference", "teachers", "lora_reference",
+                                         "shared_base", "packing",
                                          "collectives", "advantages", "push", "load", "reshard", "sync"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--agg", default="all_token_mean")
@@ -497,12 +582,13 @@ def main() -> None:
     parser.add_argument("--grouped", action="store_true", help="samples in groups that share a prompt")
     parser.add_argument("--share", action="store_true", help="dispatch with share_prompt (lay each prompt out once)")
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank of the actor / critic (0: full model)")
+    parser.add_argument("--dtype", default="float32", help="the actor's compute dtype (shared_base)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = init_distributed()
     try:
         {"grads": grads, "match": match, "critic_grads": critic_grads, "reference": reference, "teachers": teachers,
-         "lora_reference": lora_reference,
+         "lora_reference": lora_reference, "shared_base": shared_base,
          "packing": packing, "collectives": collectives, "advantages": advantages,
          "push": push, "load": load, "reshard": reshard, "sync": sync}[args.mode](args, ctx)
     finally:

@@ -41,6 +41,7 @@ def test_gpu_suite_tiny_runs_every_section(tmp_path):
     lora, full = big["llama3.1-8b-lora32"], big["qwen3-4b-full"]
     assert 0 < lora["trainable_params"] < lora["params"] and full["trainable_params"] == full["params"]
     assert full["push_s_per_billion"] > 0 and "push_s_per_billion" not in lora
+    assert lora["engine_borrows_base"] and not full["engine_borrows_base"]  # rollout.share_actor_base
     for case in big.values():
         assert case["update_s"] > 0 and case["rollout_s"] > 0 and case["update_peak_gib"] is None  # no CUDA
     for row in s["mfu"]["micro_batches"]:

@@ -87,9 +87,17 @@ def engine_kwargs(rollout: Any, ctx: Any, *, model_path: str, tokenizer: Any, se
 
 
 def build_engine(rollout: Any, ctx: Any, *, model_path: str, tokenizer: Any, seed: int,
-                 lora: Any = None) -> RolloutEngine:
+                 lora: Any = None, model: Any = None, borrowed: tuple[str, ...] = ()) -> RolloutEngine:
     """The rollout engine a run's config asks for, on this rank: `rollout` is the rollout section
     (train/workers/config.py's RolloutConfig); `lora` (LoraSettings): the actor's adapters, which the
-    engine holds in the same form."""
-    return make_engine(rollout.engine, **engine_kwargs(rollout, ctx, model_path=model_path, tokenizer=tokenizer,
-                                                       seed=seed, lora=lora))
+    engine holds in the same form. `model` (hf only): a model built already, e.g. over the actor's own
+    base tensors (train/models/shared_base.py), whose `borrowed` tensors the engine never writes."""
+    kwargs = engine_kwargs(rollout, ctx, model_path=model_path, tokenizer=tokenizer, seed=seed, lora=lora)
+    if model is None:
+        return make_engine(rollout.engine, **kwargs)
+    from train.engines.hf import default_eos_token_ids
+
+    for key in ("path", "dtype", "lora"):  # the model is built: its weights, dtype and adapters are set
+        kwargs.pop(key)
+    return make_engine("hf", model, eos_token_ids=default_eos_token_ids(model, tokenizer), copy_model=False,
+                       borrowed=borrowed, **kwargs)

@@ -97,6 +97,7 @@ class HFEngine:
         static_cache: bool | None = None,
         static_cache_max_bytes: int | None = None,
         compile_decode: bool | None = None,
+        borrowed: Iterable[str] = (),
     ) -> None:
         """`model` is copied (unless `copy_model=False`) so training the caller's model never
         changes the engine's weights behind its back; only `update_weights` does. `tokenizer` is
@@ -110,7 +111,9 @@ class HFEngine:
         `compile_decode`: torch.compile this engine's norm and MLP module instances
         (static_decode.compile_decode_modules) so their element-wise work runs fused; None = with the
         static path on CUDA (measured 1.07-1.19x there), off on CPU. A compile that fails is recorded in
-        `compile_error` and the engine goes on eagerly."""
+        `compile_error` and the engine goes on eagerly.
+        `borrowed`: names of tensors the model borrows from the trainer's actor (rollout.share_actor_base,
+        train/models/shared_base.py): a push may not write them, and `sleep()` leaves them in place."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = copy.deepcopy(model) if copy_model else model
@@ -121,6 +124,7 @@ class HFEngine:
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype  # pushed weights are cast to it before they travel
         self.tokenizer = tokenizer
+        self.borrowed = frozenset(borrowed)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_batch_size = int(max_batch_size)
         self.share_prefill = share_prefill
@@ -239,6 +243,10 @@ class HFEngine:
             with torch.no_grad():
                 for name, tensor in named_tensors:
                     target = targets.get(name)
+                    if name in self.borrowed:
+                        raise ValueError(f"update_weights: {name!r} is the actor's own tensor, which this engine "
+                                         "borrows (rollout.share_actor_base): a push must not write it (with LoRA "
+                                         "only the adapters are pushed)")
                     if target is None:
                         known = ", ".join(list(targets)[:5])
                         raise KeyError(
@@ -303,7 +311,9 @@ class HFEngine:
                 self._static = None  # its KV buffers and graphs: captured again after waking
                 pin = self.device.type == "cuda"
                 with torch.no_grad():
-                    for tensor in self._named_targets().values():
+                    for name, tensor in self._named_targets().items():
+                        if name in self.borrowed:  # the actor's: moving it would free nothing
+                            continue
                         if tensor.device.type != "cpu":  # pinned host memory: faster copies back
                             host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
                             host.copy_(tensor)

@@ -207,6 +207,12 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
         _fail("rollout.model_name", f"with actor.lora.rank > 0 the engine must hold the actor's base model "
               f"({paths.actor}): a push sends only the adapters, not {paths.rollout}'s weights",
               "rollout.model_name=null")
+    if rollout.share_actor_base:
+        from train.models.shared_base import share_base_refusal
+
+        why = share_base_refusal(run, world_size, device_type=None)
+        if why is not None:
+            _fail("rollout.share_actor_base", f"cannot apply: {why}", "rollout.share_actor_base=null")
     _validate_rollout_model(paths)
     if run.distill.enabled:
         _validate_teachers(paths, run.distill.teacher is not None)

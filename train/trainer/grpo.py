@@ -46,6 +46,7 @@ from train.models.actor import Actor, AdapterFreeReference
 from train.models.critic import Critic
 from train.models.lora import LoraTargetError
 from train.models.model_init import ModelWeightsError
+from train.models.shared_base import engine_model_over, share_base_refusal
 from train.parallel.collectives import broadcast_from_main
 from train.parallel.distributed import DistContext, cleanup, init_distributed, set_cpu_threads
 from train.parallel.layout import Layout, layout_for
@@ -252,6 +253,7 @@ class Trainer:
     def _build_rollout(self, env: EnvRouter, tokenizer, max_len: int):
         """The engine and the rollout worker: in this process, or a dedicated rollout rank's (rollout.ranks)."""
         cfg, ctx, paths = self.cfg, self.ctx, self.paths
+        self.engine_borrows = 0
         if ctx.bridge is not None:  # rollout.ranks > 0: a dedicated rollout rank generates and scores for this rank
             engine = RemoteEngine(ctx.bridge, ctx.rank, max(1, int(cfg.rollout.bucket_size_mb * (1 << 20))))
             names = {"model_name": cfg.rollout.model_name or cfg.actor.model_name,
@@ -259,8 +261,16 @@ class Trainer:
             return engine, RemoteRollout(engine, {"model": paths.rollout, "tokenizer": paths.rollout_tokenizer,
                                                   "max_total_length": max_len, **names})
         actor = self.models.actor
+        lora = actor.lora if actor.lora.enabled else None
+        shared, borrowed = None, ()
+        why = share_base_refusal(cfg, ctx.world_size, ctx.device.type)
+        if why is None and cfg.rollout.share_actor_base is not False:  # no second copy of a frozen base
+            shared, borrowed = engine_model_over(actor.model, actor.lora)
+        elif why is not None and cfg.rollout.share_actor_base:
+            raise ConfigError(f"rollout.share_actor_base=true cannot apply: {why} (e.g. rollout.share_actor_base=null)")
         engine = build_engine(cfg.rollout, ctx, model_path=paths.rollout, tokenizer=tokenizer,
-                              seed=cfg.trainer.seed, lora=actor.lora if actor.lora.enabled else None)
+                              seed=cfg.trainer.seed, lora=lora, model=shared, borrowed=tuple(borrowed))
+        self.engine_borrows = len(borrowed)  # said in the layout line
         return engine, RolloutWorker(engine, env, tokenizer, max_turns=cfg.rollout.max_turns,
                                      env_error_reward=cfg.rollout.env_error_reward, max_total_length=max_len,
                                      max_env_chars=cfg.rollout.max_env_chars)
@@ -287,9 +297,11 @@ class Trainer:
                 trainable, total = worker.parameter_counts()
                 base_ref = worker is m.actor and ref is not m.ref
                 reference = "; KL reference: the base (adapters off)" if base_ref else ""
+                shared = ("; the rollout engine uses the actor's frozen base (rollout.share_actor_base: "
+                          f"{self.engine_borrows} tensors not copied)") if worker is m.actor and self.engine_borrows else ""
                 self.log.write(f"{role}: LoRA rank {worker.lora.rank} (alpha {worker.lora.alpha:g}) on "
                                f"{', '.join(worker.lora.target_modules)}: {trainable / 1e6:.3g}M trainable "
-                               f"parameters of {total / 1e6:.4g}M{reference}")
+                               f"parameters of {total / 1e6:.4g}M{reference}{shared}")
 
     # -- checkpoints -----------------------------------------------------------------------
     def _load_checkpoint(self) -> tuple[dict, dict | None] | None:

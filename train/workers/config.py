@@ -39,6 +39,8 @@ class RolloutConfig:
     static_cache: bool | None = setting("hf: decode over a preallocated KV cache with CUDA graphs (null: on GPU)")
     compile_decode: bool | None = setting("hf: torch.compile the engine's norm and MLP module instances (fused "
                                           "element-wise kernels in the decode graphs; null: on GPU)")
+    share_actor_base: bool | None = setting("hf + LoRA: the engine's base weights are the actor's own tensors (no "
+                                            "second copy; null: where it applies, true: required)")
     tp_size: int = setting("sglang: GPUs per engine; the first rank of each group of tp_size owns it", ge=1)
     gpu_memory_utilization: float | None = setting("sglang mem_fraction_static: weights + KV cache share of each "
                                                    "GPU", gt=0, le=1, example="0.5")
