@@ -452,32 +452,30 @@ def section_step(args, work: Path, shapes: Shapes, model_dir: Path) -> dict:
     run_logged(trainer_cmd(run, overrides), work / "step.log", args.timeout)
     rows = [r for r in read_metrics(run) if "time/step_s" in r]
     keep = rows[1:] or rows  # the first step pays for warm-up
-    keys = sorted({k for r in keep for k in r if k.startswith("time/")})
+    keys = sorted({k for r in keep for k in r if k.startswith(("time/", "memory/"))})  # memory/: CUDA only
     return {"steps": len(rows), **{k: statistics.mean(r[k] for r in keep if k in r) for k in keys}}
 
 
 # Big models on one GPU (issue 36): Llama-3.1-8B with LoRA rank 32 and Qwen3-4B fully fine-tuned, one
 # sequence of `tokens` per update. `--tiny` keeps the families at toy sizes.
-BIG = (
-    dict(name="llama3.1-8b-lora32", family="llama", lora_rank=32, tokens=16384,
-         config=dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                     intermediate_size=14336, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
-                     tie_word_embeddings=False)),
-    dict(name="qwen3-4b-full", family="qwen3", lora_rank=0, tokens=16384,
-         config=dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                     head_dim=128, intermediate_size=9728, vocab_size=151936, rope_theta=1000000.0,
-                     max_position_embeddings=40960, tie_word_embeddings=True)),
+BIG = (  # shapes from train/models/memory_plan.py's presets, whose estimates these runs check
+    dict(name="llama3.1-8b-lora32", preset="llama3.1-8b", lora_rank=32, tokens=16384),
+    dict(name="qwen3-4b-full", preset="qwen3-4b", lora_rank=0, tokens=16384),
 )
 BIG_TINY_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=128, vocab_size=512, max_position_embeddings=4096)
+                       intermediate_size=128, vocab_size=512, max_position_embeddings=4096, head_dim=16)
 
 
 def big_config(case: dict, tiny: bool):
     from transformers import AutoConfig
 
-    kw = dict(BIG_TINY_CONFIG, head_dim=16, tie_word_embeddings=case["config"]["tie_word_embeddings"]) if tiny \
-        else case["config"]
-    return AutoConfig.for_model(case["family"], bos_token_id=1, eos_token_id=2, pad_token_id=0, **kw)
+    from train.models.memory_plan import PRESETS, preset_config
+
+    if not tiny:
+        return preset_config(case["preset"])
+    preset = PRESETS[case["preset"]]
+    return AutoConfig.for_model(preset["model_type"], bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                tie_word_embeddings=preset["tie_word_embeddings"], **BIG_TINY_CONFIG)
 
 
 class RandomReader:
@@ -526,6 +524,7 @@ def section_bigmodel(args, work: Path, info: dict) -> dict:
     from train.engines.base import SamplingParams
     from train.engines.hf import HFEngine
     from train.models.lora import LoraSettings
+    from train.models.memory_plan import plan
     from train.models.shared_base import engine_model_over
     from train.parallel.step_batch import dispatch, exchange_index
     from vs_trl import update_gflop
@@ -615,6 +614,10 @@ def section_bigmodel(args, work: Path, info: dict) -> dict:
             tflops = update_gflop(str(folder), 1, len(ids[0]), actions) / row["update_s"] / 1e3
             row.update({"update_tflops": tflops, "mfu": tflops / peak_tflops,
                         "step_s": row["rollout_s"] + row["update_s"]})
+            # train/models/memory_plan.py's estimate of the same step, to check it against the measurement
+            estimate = plan(config, seq=tokens, lora_rank=case["lora_rank"], share_base=True, replies=replies,
+                            prompt=prompt_len, new=new)
+            row.update({"estimate_update_gib": gib(estimate.update_peak), "estimate_rollout_gib": gib(estimate.rollout_peak)})
         except Exception as exc:  # one case's failure (say, out of memory) is recorded; the next still runs
             traceback.print_exc()
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -667,10 +670,12 @@ def markdown(result: dict) -> str:
                            f"billion (verified); {r['s_per_billion_unverified']:.3g} s per billion with verify_push off")
     cell("bigmodel", lambda r: "; ".join(
         f"{c['case']} at {c['tokens']} tokens: " + (f"FAILED {c['error']}" if "error" in c else
-        f"rollout peak {c['rollout_peak_gib'] or 0:.1f} GiB, update peak {c['update_peak_gib'] or 0:.1f} GiB, "
+        f"rollout peak {c['rollout_peak_gib'] or 0:.1f} GiB (estimate {c['estimate_rollout_gib']:.1f}), update peak "
+        f"{c['update_peak_gib'] or 0:.1f} GiB (estimate {c['estimate_update_gib']:.1f}), "
         f"update {c['update_s']:.2f} s (MFU {100 * c['mfu']:.1f}%), rollout {c['rollout_s']:.2f} s")
         for c in r["cases"]))
-    cell("step", lambda r: ", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in r.items() if k.startswith("time/")))
+    cell("step", lambda r: ", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in r.items() if k.startswith("time/"))
+         + "".join(f"; {k.removeprefix('memory/')} {v:.1f} GiB" for k, v in r.items() if k.startswith("memory/")))
     return "\n".join(lines) + "\n"
 
 

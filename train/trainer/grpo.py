@@ -57,6 +57,7 @@ from train.runtime.export import GB, export_hf
 from train.runtime.lifecycle import StopRequest
 from train.runtime.logging import RunLogger, test_line
 from train.runtime.run_folder import RunFolderError, claim
+from train.runtime.device_memory import PhasePeaks
 from train.runtime.watchdog import Watchdog
 from train.trainer.advantages import compute_advantages
 from train.trainer.config import (ConfigError, collective_timeout_s, data_sources, has_reference_slot,
@@ -166,6 +167,7 @@ class Trainer:
                                 freeze_steps=cfg.actor.freeze_steps, overlong_prompts=cfg.data.overlong_prompts,
                                 # rows skipped at rollout time, named on rank 0 (those named at start-up only counted)
                                 prompt_overflows=PromptOverflowLog(context, found.overlong_rows))
+        self.peaks = PhasePeaks(ctx.device)  # memory/<phase>_peak_gib on CUDA
         self.watchdog = Watchdog(cfg.trainer.watchdog_min_s, cfg.trainer.watchdog_factor, ctx.rank,
                                  cfg.trainer.save_dir, describe=env.longest_call)
         # Request seeds derive from (base seed, step, sample): sampling_params.seed, else trainer.seed.
@@ -357,9 +359,11 @@ class Trainer:
         """Rollout, update, push. With `boundary` (an evaluation or the run's end follows) nothing is left
         in flight; otherwise the next rollout may still be computing rewards when it returns."""
         t0 = time.perf_counter()
-        with self.watchdog.phase("rollout"):
+        peaks: dict[str, float] = {}  # memory/<phase>_peak_gib (CUDA)
+        with self.watchdog.phase("rollout"), self.peaks.phase("rollout", peaks):
             got = self.rollouts.next(step, self.trainer_version)  # made now, made ahead, or on a rollout rank
         metrics = got.metrics
+        metrics.update(peaks)
         self.rollouts.hand_over(step, metrics)  # the next rollout starts (max_staleness), or the engine sleeps
         metrics.update(self.report.samples(step, got.samples, self.rollouts.api_calls()))
         t1, n = time.perf_counter(), self.cfg.data.responses_per_prompt
@@ -377,7 +381,8 @@ class Trainer:
             with self.watchdog.phase("update"):
                 metrics.update(self.update(step, index, got.kept, frozen))  # log-probs, advantages, optimizer steps
                 wait = self.rollouts.before_push(metrics)  # a rollout in flight keeps the weights it started with
-                metrics.update(self.sync.after_update(step, metrics, push=not frozen))  # governor, push, verify
+                with self.peaks.phase("push", metrics):
+                    metrics.update(self.sync.after_update(step, metrics, push=not frozen))  # governor, push, verify
             if not frozen and not metrics.get("governor/rollback"):
                 self.trainer_version = step
             if self.probe.due(step, pushed="time/weight_sync_s" in metrics):
@@ -405,9 +410,11 @@ class Trainer:
             return batches[key]
 
         batch = batch_for(m.actor)
+        peaks: dict[str, float] = {}
         if m.ref is not None:
             ref_batch = batch_for(m.ref)
-            ref_batch.fields["ref_logp"] = m.ref.compute_logprobs(ref_batch)
+            with self.peaks.phase("reference", peaks):
+                ref_batch.fields["ref_logp"] = m.ref.compute_logprobs(ref_batch)
             transfer(ref_batch, batch, ["ref_logp"], device)
         if cfg.actor.update_per_rollout > 1 or cfg.actor.mini_batches > 1:
             batch.fields["old_logp"] = m.actor.compute_logprobs(batch)  # with one update the ratio is 1: skip
@@ -421,13 +428,15 @@ class Trainer:
                 moments.update(index.reward)
                 scale = 1.0 / (moments.std + 1e-8) if moments.count > 1 else 1.0
         metrics = compute_advantages(batch, cfg.adv, cfg.actor.kl, device, reward_scale=scale, distill=cfg.distill)
+        metrics.update(peaks)
         if m.critic is not None:
             transfer(batch, critic_batch, ["returns"], device)
             metrics.update(m.critic.update(critic_batch))
         if frozen:
             metrics["actor/frozen"] = 1.0
             return metrics
-        metrics.update(m.actor.update(batch, self.rollouts.sampling.max_new_tokens))
+        with self.peaks.phase("update", metrics):
+            metrics.update(m.actor.update(batch, self.rollouts.sampling.max_new_tokens))
         if self.sync.governor is None:  # (the governor rolls such an update back itself)
             self.report.weight_change(step, metrics.get("actor/weight_change", 0.0),
                                       cfg.trainer.governor.max_weight_change)

@@ -1,0 +1,215 @@
+"""What fits on one GPU: device memory of an RL step on one rank, estimated from a model's config.
+
+    .venv/bin/python -m train.models.memory_plan --model llama3.1-8b --lora-rank 32 --seq 16384
+    .venv/bin/python -m train.models.memory_plan --model path/to/hf_folder --seq 8192 --full
+    .venv/bin/python -m train.models.memory_plan --table          # the presets on 80 GB and 141 GB cards
+
+The rule, per rank with the actor unsharded (one GPU), P parameters, L LoRA adapter parameters,
+bf16 compute (`actor.dtype=bfloat16`), S tokens per packed micro-batch:
+
+- actor weights: full fine-tuning keeps fp32 master weights (4P); LoRA keeps the frozen base in bf16
+  (2P) and fp32 adapters (4L). Gradients 4 bytes and AdamW moments 8 bytes per trainable parameter.
+  Fused AdamW (train/models/optim.py) adds no temporary; the `foreach` one added 4 bytes per trainable
+  parameter during the step (`--foreach`, to compare with runs before that change).
+- update activations with gradient checkpointing: every layer's bf16 input (layers x S x hidden x 2),
+  plus one layer's recomputed working set, about 1.5 x (4 hidden + 2 query + 2 key/value + 5
+  intermediate) x S x 2 bytes; the fused log-prob head keeps no [S, vocab] logits (without it, 12
+  bytes per action token and vocabulary entry). FSDP2's one-rank unshard of the largest group (the
+  embeddings, or one layer) in bf16, and for a full fine-tune its fp32 gradient before the reduce.
+- rollout: the actor's weights and optimizer state stay (gradients are freed after the step), the
+  engine's own bf16 weights (2P + 2L; 2L when it borrows the actor's frozen base,
+  `rollout.share_actor_base`) and the KV cache of the replies in flight. The engine sleeps (its
+  weights to host memory) during the update.
+
+A plan "fits" a card when its larger phase, plus 10% for the allocator and what the rule leaves out,
+stays under the card's memory. Checked against the H100 runs of `benchmarks/gpu_suite.py --only bigmodel`
+(tests/unit/test_memory_plan.py holds those figures).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+
+GIB = 2**30
+HEADROOM = 1.10
+CARDS = {"80 GB (H100)": 79.2, "141 GB (H200)": 139.8}  # usable GiB that torch reports on each
+
+# Shapes only (no weights): the configs benchmarks/gpu_suite.py builds its big models from.
+PRESETS: dict[str, dict] = {
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
+                     rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True),
+    "llama3.1-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
+                        max_position_embeddings=131072, tie_word_embeddings=False),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+                     tie_word_embeddings=False),
+    "qwen3-32b": dict(model_type="qwen3", hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, head_dim=128, intermediate_size=25600, vocab_size=151936,
+                      tie_word_embeddings=False),
+}
+
+
+def preset_config(name: str):
+    """The transformers config of a preset (shapes of the public model of that name)."""
+    from transformers import AutoConfig
+
+    kw = dict(PRESETS[name])
+    return AutoConfig.for_model(kw.pop("model_type"), bos_token_id=1, eos_token_id=2, pad_token_id=0, **kw)
+
+
+def load_config(model: str):
+    """A preset name or a model folder (its config.json)."""
+    if model in PRESETS:
+        return preset_config(model)
+    if os.path.isdir(model):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model)
+    raise ValueError(f"--model {model!r}: neither a preset ({', '.join(PRESETS)}) nor a model folder")
+
+
+def count_parameters(config, lora_rank: int = 0) -> tuple[int, int]:
+    """(base parameters, LoRA adapter parameters at `lora_rank` on the default targets), counted on a
+    model built on the meta device: exact, tied embeddings once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from train.models.lora import DEFAULT_TARGETS
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    # peft's A (rank x in) and B (out x rank) on every targeted linear layer
+    adapters = sum(lora_rank * (m.in_features + m.out_features) for name, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in DEFAULT_TARGETS)
+    return sum(p.numel() for p in model.parameters()), adapters
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per rank by part; `update_peak` and `rollout_peak` are the two phases' totals."""
+    params: int
+    adapters: int
+    weights: int
+    gradients: int
+    optimizer: int
+    optimizer_temporary: int
+    activations: int
+    unshard: int
+    engine_weights: int
+    kv_cache: int
+
+    @property
+    def update_peak(self) -> int:
+        backward = self.weights + self.gradients + self.optimizer + self.activations + self.unshard
+        step = self.weights + self.gradients + self.optimizer + self.optimizer_temporary
+        return max(backward, step)
+
+    @property
+    def rollout_peak(self) -> int:
+        return self.weights + self.optimizer + self.engine_weights + self.kv_cache
+
+    @property
+    def peak(self) -> int:
+        return max(self.update_peak, self.rollout_peak)
+
+    def fits(self, card_gib: float) -> bool:
+        return self.peak * HEADROOM / GIB <= card_gib
+
+
+def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, replies: int = 8,
+         prompt: int = 1024, new: int = 128, fused_head: bool = True, foreach: bool = False,
+         counts: tuple[int, int] | None = None) -> MemoryPlan:
+    """The memory of one step (module docstring) for `config` at `seq` tokens per micro-batch;
+    `counts`: `count_parameters(config, lora_rank)` when the caller has it already."""
+    params, adapters = counts or count_parameters(config, lora_rank)
+    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    inter = config.intermediate_size
+    trainable = adapters if lora_rank else params
+    weights = (2 * params + 4 * adapters) if lora_rank else 4 * params
+    checkpoints = layers * seq * h * 2
+    layer_set = int(1.5 * (4 * h + 2 * heads * head_dim + 2 * kv_heads * head_dim + 5 * inter) * seq * 2)
+    head = 0 if fused_head else 12 * seq * vocab
+    largest_group = max(vocab * h, params // max(layers, 1))
+    unshard = largest_group * 2 + (0 if lora_rank else largest_group * 4)
+    kv_per_token = 2 * layers * kv_heads * head_dim * 2
+    engine = 2 * adapters if (lora_rank and share_base) else 2 * (params + adapters)
+    return MemoryPlan(params=params, adapters=adapters, weights=weights, gradients=4 * trainable,
+                      optimizer=8 * trainable, optimizer_temporary=4 * trainable if foreach else 0,
+                      activations=checkpoints + layer_set + head, unshard=unshard, engine_weights=engine,
+                      kv_cache=replies * (prompt + new) * kv_per_token)
+
+
+def describe(name: str, p: MemoryPlan, seq: int, lora_rank: int) -> str:
+    g = lambda n: f"{n / GIB:.1f}"  # noqa: E731
+    kind = f"LoRA rank {lora_rank} ({p.adapters / 1e6:.0f}M adapters)" if lora_rank else "full fine-tuning"
+    lines = [f"{name}: {p.params / 1e9:.2f}B parameters, {kind}, {seq} tokens per micro-batch",
+             f"  actor weights {g(p.weights)} GiB, gradients {g(p.gradients)}, AdamW moments {g(p.optimizer)}"
+             + (f", step temporary {g(p.optimizer_temporary)}" if p.optimizer_temporary else ""),
+             f"  update: activations {g(p.activations)} GiB, FSDP unshard {g(p.unshard)} -> peak {g(p.update_peak)} GiB",
+             f"  rollout: engine's own weights {g(p.engine_weights)} GiB, KV cache {g(p.kv_cache)} -> peak "
+             f"{g(p.rollout_peak)} GiB"]
+    lines.append("  fits (peak + 10%): " + ", ".join(f"{card} {'yes' if p.fits(gib) else 'no'}"
+                                                     for card, gib in CARDS.items()))
+    return "\n".join(lines)
+
+
+TABLE_ROWS = (("qwen2.5-0.5b", 0), ("qwen3-4b", 0), ("qwen3-4b", 32), ("llama3.1-8b", 0), ("llama3.1-8b", 32),
+              ("qwen3-8b", 32), ("qwen3-32b", 32))
+
+
+def table(seqs: tuple[int, ...] = (16384, 32768)) -> str:
+    """Markdown: the presets' peaks (GiB) and whether they fit each card, at each sequence length."""
+    head = "| model | training | " + " | ".join(f"peak at {s // 1024}K (GiB) | fits 80 / 141 GB at {s // 1024}K"
+                                                for s in seqs) + " |"
+    lines = [head, "|" + "---|" * (2 + 2 * len(seqs))]
+    for name, rank in TABLE_ROWS:
+        config = preset_config(name)
+        counts = count_parameters(config, rank)
+        cells = []
+        for s in seqs:
+            p = plan(config, seq=s, lora_rank=rank, counts=counts)
+            cells += [f"{p.peak / GIB:.1f}", " / ".join("yes" if p.fits(g) else "no" for g in CARDS.values())]
+        lines.append(f"| {name} | {f'LoRA r={rank}' if rank else 'full'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help=f"a preset ({', '.join(PRESETS)}) or a model folder")
+    ap.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+    ap.add_argument("--seq", type=int, default=16384, help="tokens per packed micro-batch (actor.max_length_per_device)")
+    ap.add_argument("--replies", type=int, default=8, help="replies in flight in the engine")
+    ap.add_argument("--prompt", type=int, default=1024, help="prompt tokens per reply")
+    ap.add_argument("--new", type=int, default=128, help="new tokens per reply")
+    ap.add_argument("--no-share-base", action="store_true", help="the engine holds its own base (LoRA)")
+    ap.add_argument("--plain-head", action="store_true", help="without the fused log-prob head")
+    ap.add_argument("--foreach", action="store_true", help="the foreach AdamW's step temporary (before fused)")
+    ap.add_argument("--json", action="store_true", help="print the parts as JSON")
+    ap.add_argument("--table", action="store_true", help="the presets' table (docs/gpu.md)")
+    args = ap.parse_args(argv)
+    if args.table:
+        print(table())
+        return 0
+    if not args.model:
+        ap.error("--model is required (or --table)")
+    p = plan(load_config(args.model), seq=args.seq, lora_rank=args.lora_rank, share_base=not args.no_share_base,
+             replies=args.replies, prompt=args.prompt, new=args.new, fused_head=not args.plain_head,
+             foreach=args.foreach)
+    if args.json:
+        print(json.dumps({**p.__dict__, "update_peak": p.update_peak, "rollout_peak": p.rollout_peak}))
+    else:
+        print(describe(args.model, p, args.seq, args.lora_rank))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
