@@ -3,7 +3,7 @@ a scripted counter here (no GPU on this machine): each phase resets the peak whe
 records it when it ends; a phase seen twice keeps its larger peak; on CPU nothing is recorded."""
 import torch
 
-from train.runtime.device_memory import GIB, PhasePeaks
+from train.runtime.device_memory import GIB, phase_peak
 
 
 def test_each_phase_records_the_peak_since_it_began():
@@ -16,21 +16,24 @@ def test_each_phase_records_the_peak_since_it_began():
     def reset() -> None:
         state["peak"] = state["allocated"]
 
-    peaks = PhasePeaks(torch.device("cpu"), reset=reset, peak=lambda: state["peak"])
-    metrics: dict[str, float] = {}
-    with peaks.phase("rollout", metrics):
+    cpu, metrics = torch.device("cpu"), {}
+
+    def phase(name: str):
+        return phase_peak(cpu, name, metrics, reset=reset, peak=lambda: state["peak"])
+
+    with phase("rollout"):
         allocate(3 * GIB)
         allocate(-2 * GIB)  # the engine's KV buffers freed at the end
-    with peaks.phase("update", metrics):
+    with phase("update"):
         allocate(2 * GIB)
         allocate(-2 * GIB)
-    with peaks.phase("update", metrics):  # a second pass with less: the larger stays
+    with phase("update"):  # a second pass with less: the larger stays
         allocate(GIB // 2)
     assert metrics == {"memory/rollout_peak_gib": 3.0, "memory/update_peak_gib": 3.0}
 
 
 def test_nothing_is_recorded_on_cpu():
     metrics: dict[str, float] = {}
-    with PhasePeaks(torch.device("cpu")).phase("rollout", metrics):
+    with phase_peak(torch.device("cpu"), "rollout", metrics):
         pass
     assert metrics == {}

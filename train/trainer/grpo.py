@@ -57,7 +57,7 @@ from train.runtime.export import GB, export_hf
 from train.runtime.lifecycle import StopRequest
 from train.runtime.logging import RunLogger, test_line
 from train.runtime.run_folder import RunFolderError, claim
-from train.runtime.device_memory import PhasePeaks
+from train.runtime.device_memory import phase_peak
 from train.runtime.watchdog import Watchdog
 from train.trainer.advantages import compute_advantages
 from train.trainer.config import (ConfigError, collective_timeout_s, data_sources, has_reference_slot,
@@ -167,7 +167,6 @@ class Trainer:
                                 freeze_steps=cfg.actor.freeze_steps, overlong_prompts=cfg.data.overlong_prompts,
                                 # rows skipped at rollout time, named on rank 0 (those named at start-up only counted)
                                 prompt_overflows=PromptOverflowLog(context, found.overlong_rows))
-        self.peaks = PhasePeaks(ctx.device)  # memory/<phase>_peak_gib on CUDA
         self.watchdog = Watchdog(cfg.trainer.watchdog_min_s, cfg.trainer.watchdog_factor, ctx.rank,
                                  cfg.trainer.save_dir, describe=env.longest_call)
         # Request seeds derive from (base seed, step, sample): sampling_params.seed, else trainer.seed.
@@ -255,7 +254,6 @@ class Trainer:
     def _build_rollout(self, env: EnvRouter, tokenizer, max_len: int):
         """The engine and the rollout worker: in this process, or a dedicated rollout rank's (rollout.ranks)."""
         cfg, ctx, paths = self.cfg, self.ctx, self.paths
-        self.engine_borrows = 0
         if ctx.bridge is not None:  # rollout.ranks > 0: a dedicated rollout rank generates and scores for this rank
             engine = RemoteEngine(ctx.bridge, ctx.rank, max(1, int(cfg.rollout.bucket_size_mb * (1 << 20))))
             names = {"model_name": cfg.rollout.model_name or cfg.actor.model_name,
@@ -272,7 +270,6 @@ class Trainer:
             raise ConfigError(f"rollout.share_actor_base=true cannot apply: {why} (e.g. rollout.share_actor_base=null)")
         engine = build_engine(cfg.rollout, ctx, model_path=paths.rollout, tokenizer=tokenizer,
                               seed=cfg.trainer.seed, lora=lora, model=shared, borrowed=tuple(borrowed))
-        self.engine_borrows = len(borrowed)  # said in the layout line
         return engine, RolloutWorker(engine, env, tokenizer, max_turns=cfg.rollout.max_turns,
                                      env_error_reward=cfg.rollout.env_error_reward, max_total_length=max_len,
                                      max_env_chars=cfg.rollout.max_env_chars)
@@ -299,8 +296,9 @@ class Trainer:
                 trainable, total = worker.parameter_counts()
                 base_ref = worker is m.actor and ref is not m.ref
                 reference = "; KL reference: the base (adapters off)" if base_ref else ""
+                borrowed = len(getattr(self.engine, "borrowed", ()))
                 shared = ("; the rollout engine uses the actor's frozen base (rollout.share_actor_base: "
-                          f"{self.engine_borrows} tensors not copied)") if worker is m.actor and self.engine_borrows else ""
+                          f"{borrowed} tensors not copied)") if worker is m.actor and borrowed else ""
                 self.log.write(f"{role}: LoRA rank {worker.lora.rank} (alpha {worker.lora.alpha:g}) on "
                                f"{', '.join(worker.lora.target_modules)}: {trainable / 1e6:.3g}M trainable "
                                f"parameters of {total / 1e6:.4g}M{reference}{shared}")
@@ -359,11 +357,9 @@ class Trainer:
         """Rollout, update, push. With `boundary` (an evaluation or the run's end follows) nothing is left
         in flight; otherwise the next rollout may still be computing rewards when it returns."""
         t0 = time.perf_counter()
-        peaks: dict[str, float] = {}  # memory/<phase>_peak_gib (CUDA)
-        with self.watchdog.phase("rollout"), self.peaks.phase("rollout", peaks):
+        with self.watchdog.phase("rollout"), phase_peak(self.ctx.device, "rollout", peaks := {}):  # memory/*: CUDA
             got = self.rollouts.next(step, self.trainer_version)  # made now, made ahead, or on a rollout rank
-        metrics = got.metrics
-        metrics.update(peaks)
+        metrics = {**got.metrics, **peaks}
         self.rollouts.hand_over(step, metrics)  # the next rollout starts (max_staleness), or the engine sleeps
         metrics.update(self.report.samples(step, got.samples, self.rollouts.api_calls()))
         t1, n = time.perf_counter(), self.cfg.data.responses_per_prompt
@@ -381,7 +377,7 @@ class Trainer:
             with self.watchdog.phase("update"):
                 metrics.update(self.update(step, index, got.kept, frozen))  # log-probs, advantages, optimizer steps
                 wait = self.rollouts.before_push(metrics)  # a rollout in flight keeps the weights it started with
-                with self.peaks.phase("push", metrics):
+                with phase_peak(self.ctx.device, "push", metrics):
                     metrics.update(self.sync.after_update(step, metrics, push=not frozen))  # governor, push, verify
             if not frozen and not metrics.get("governor/rollback"):
                 self.trainer_version = step
@@ -413,7 +409,7 @@ class Trainer:
         peaks: dict[str, float] = {}
         if m.ref is not None:
             ref_batch = batch_for(m.ref)
-            with self.peaks.phase("reference", peaks):
+            with phase_peak(device, "reference", peaks):
                 ref_batch.fields["ref_logp"] = m.ref.compute_logprobs(ref_batch)
             transfer(ref_batch, batch, ["ref_logp"], device)
         if cfg.actor.update_per_rollout > 1 or cfg.actor.mini_batches > 1:
@@ -435,7 +431,7 @@ class Trainer:
         if frozen:
             metrics["actor/frozen"] = 1.0
             return metrics
-        with self.peaks.phase("update", metrics):
+        with phase_peak(device, "update", metrics):
             metrics.update(m.actor.update(batch, self.rollouts.sampling.max_new_tokens))
         if self.sync.governor is None:  # (the governor rolls such an update back itself)
             self.report.weight_change(step, metrics.get("actor/weight_change", 0.0),
