@@ -145,9 +145,9 @@ def test_sequence_level_loss_and_entropy_bonus_across_shards(tmp_path, single_pr
     assert_same_update(single_process("grads", *extra), other, weight_atol=3e-5)
 
 
-# fsdp2 by default (2 processes); the critic's TP plan (fsdp2_tp2, 4 processes) in the slow set: the actor's
-# fsdp2_tp2 case runs the same backbone plan by default
-@pytest.mark.parametrize("layout", [slow("dp2"), "fsdp2", slow("tp2"), slow("sp2"), slow("fsdp2_tp2")])
+# All in the slow set (suite time): the critic shares the Trainable update loop and the backbone's
+# parallel plans with the actor, whose layout cases run by default
+@pytest.mark.parametrize("layout", [slow("dp2"), slow("fsdp2"), slow("tp2"), slow("sp2"), slow("fsdp2_tp2")])
 def test_critic_layouts_match_one_process(tmp_path, single_process, layout):
     nproc, flags = LAYOUTS[layout]
     other = launch(nproc, tmp_path / "x.pt", "critic_grads", "--max_tokens", "64", "--clip", "0.05", *SHARED,

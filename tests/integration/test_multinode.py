@@ -48,6 +48,7 @@ def test_two_nodes_on_one_machine_train_end_to_end(tmp_path):
     assert not any("sequential all_gather" in out for out in outputs), [o[-2000:] for o in outputs]
 
 
+@pytest.mark.slow  # suite time: rollout ranks (test_rollout_ranks.py) and two nodes (above) run by default
 def test_a_rollout_rank_on_another_node_serves_the_trainer(tmp_path):
     """rollout.ranks=1 over two nodes: the trainer rank on node 0, the rollout rank on node 1; the
     world is split on the torchrun agents' store (c10d rendezvous), the push and samples cross nodes."""

@@ -236,6 +236,7 @@ def test_target_kl_stops_the_epochs_early(tmp_path):
         assert m["actor/optimizer_steps"] < 6 and m["actor/optimizer_steps"] == m["actor/stop_epoch"] - 1
 
 
+@pytest.mark.slow  # suite time: CISPO's and masked IS's math against references in tests/unit/test_algorithms.py
 def test_cispo_with_masked_importance_sampling_trains(tmp_path):
     """The CISPO preset (two passes per rollout: the IS weight acts on the second) with token-level masked
     IS and TIS on: the step runs the registered loss, and the masked share is reported."""
