@@ -405,7 +405,8 @@ class HFEngine:
                     raise
                 # Compiling failed (no compiler, an unsupported op): the same batch again, eagerly.
                 self.compile_error = f"{type(exc).__name__}: {exc}"
-                self.stats["compiled_modules"] = uncompile_modules(self.model)
+                uncompile_modules(self.model)
+                self.stats["compiled_modules"] = 0
                 self._static = None  # its graphs may hold compiled kernels
                 results = self._decode_in_parts(requests)
             self.stats["generation_seconds"] += time.perf_counter() - start

@@ -252,9 +252,8 @@ def compile_decode_modules(model: torch.nn.Module) -> int:
     return count
 
 
-def uncompile_modules(model: torch.nn.Module) -> int:
-    """Undo `compile_decode_modules`: every module runs its eager forward again. Returns 0."""
+def uncompile_modules(model: torch.nn.Module) -> None:
+    """Undo `compile_decode_modules`: every module runs its eager forward again."""
     for module in model.modules():
         if getattr(module, "_compiled_call_impl", None) is not None:
             module._compiled_call_impl = None
-    return 0

@@ -26,9 +26,6 @@ import torch
 from train.models.lora import LoraSettings, apply_lora, is_adapter
 from train.parallel.layout import layout_sizes
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def share_base_refusal(run, world_size: int, device_type: str | None, rollout_ranks: int = 0) -> str | None:
     """Why the engine cannot use the actor's base tensors under this run config (`RunConfig`), or None when it
     can. `device_type` None (not known yet) skips the dtype rule."""
