@@ -27,6 +27,9 @@ Sections (each one's failure is recorded and the others still run; the exit stat
   loading path (RandomReader: no checkpoint written), one sequence of 16K tokens per update: peak
   memory per phase (update, rollout, update again after the engine's sleep), update time and MFU,
   rollout time, and for the full model the push in s per billion.
+* `moe`: a random Qwen3-MoE-shaped model of 1.0B parameters (64 experts, top-8; issue 37), 3 trainer
+  steps with router replay and the load-balancing loss, then 3 without replay: step time, memory, and
+  the sampler-trainer KL of each (the engine samples in bf16).
 
 Writes `gpu_suite.json` and `gpu_suite.md` into `--out` (default `runs/gpu_suite`). `--tiny` uses a
 2-layer, 64-wide model and a handful of tokens, so the test suite runs it on CPU and the script
@@ -54,7 +57,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step", "bigmodel")
+SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step", "bigmodel", "moe")
 
 # Datasheet figures (dense bf16 TFLOP/s, HBM TB/s) matched on torch.cuda.get_device_name().
 DATASHEET = (
@@ -456,6 +459,52 @@ def section_step(args, work: Path, shapes: Shapes, model_dir: Path) -> dict:
     return {"steps": len(rows), **{k: statistics.mean(r[k] for r in keep if k in r) for k in keys}}
 
 
+# A mixture of experts on one GPU (issue 37): a Qwen3-MoE shape of 1.0B parameters (0.25B active per token:
+# 16 layers of hidden 1024, 64 experts of 256, top-8, Qwen's vocabulary), three trainer steps with router
+# replay and the load-balancing loss, then without replay (the engine samples in bf16, the actor is fp32).
+MOE_FULL = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                intermediate_size=2816, moe_intermediate_size=256, num_experts=64, num_experts_per_tok=8,
+                vocab_size=151936)
+MOE_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, vocab_size=512)
+
+
+def section_moe(args, work: Path, shapes: Shapes) -> dict:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = work / "moe_model"
+    shutil.rmtree(folder, ignore_errors=True)
+    config = AutoConfig.for_model("qwen3_moe", **(MOE_TINY if args.tiny else MOE_FULL), norm_topk_prob=True,
+                                  max_position_embeddings=32768, tie_word_embeddings=True, bos_token_id=1,
+                                  eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(folder)
+    del model
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(ROOT / "stub" / "model" / name, folder / name)
+    out: dict = {"params": params, "experts": config.num_experts, "top_k": config.num_experts_per_tok}
+    for name, flags in (("replay", ["actor.router_replay=response", "actor.router_aux_loss_coef=0.001"]),
+                        ("no_replay", [])):
+        run = work / f"moe_{name}"
+        shutil.rmtree(run, ignore_errors=True)
+        overrides = [f"actor.model_name={folder}", "trainer.total_steps=3", "trainer.test_freq=null",
+                     f"data.prompts_per_rollout={shapes.step_prompts}",
+                     f"data.responses_per_prompt={shapes.step_responses}",
+                     f"rollout.train_sampling_params.max_new_tokens={shapes.step_new_tokens}",
+                     "rollout.dynamic_filtering=false", "trainer.save_freq=null", *flags]
+        run_logged(trainer_cmd(run, overrides), work / f"moe_{name}.log", args.timeout)
+        rows = [r for r in read_metrics(run) if "time/step_s" in r]
+        keep = rows[1:] or rows  # the first step pays for warm-up
+        keys = sorted({k for r in keep for k in r if k.startswith(("time/", "memory/")) or k in (
+            "actor/sampler_kl", "actor/sampler_abs_diff", "actor/router_aux_loss")})
+        out[name] = {"steps": len(rows), **{k: statistics.mean(r[k] for r in keep if k in r) for k in keys}}
+    shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
 # Big models on one GPU (issue 36): Llama-3.1-8B with LoRA rank 32 and Qwen3-4B fully fine-tuned, one
 # sequence of `tokens` per update. `--tiny` keeps the families at toy sizes.
 BIG = (  # shapes from train/models/memory_plan.py's presets, whose estimates these runs check
@@ -674,6 +723,10 @@ def markdown(result: dict) -> str:
         f"{c['update_peak_gib'] or 0:.1f} GiB (estimate {c['estimate_update_gib']:.1f}), "
         f"update {c['update_s']:.2f} s (MFU {100 * c['mfu']:.1f}%), rollout {c['rollout_s']:.2f} s")
         for c in r["cases"]))
+    cell("moe", lambda r: f"{r['params'] / 1e9:.2f}B params, {r['experts']} experts top-{r['top_k']}: " + "; ".join(
+        f"{k.replace('_', ' ')}: step {v.get('time/step_s', 0):.2f} s, sampler KL {v.get('actor/sampler_kl', 0):.2e}"
+        + "".join(f", {m.removeprefix('memory/')} {x:.1f} GiB" for m, x in v.items() if m.startswith("memory/"))
+        for k, v in r.items() if isinstance(v, dict)))
     cell("step", lambda r: ", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in r.items() if k.startswith("time/"))
          + "".join(f"; {k.removeprefix('memory/')} {v:.1f} GiB" for k, v in r.items() if k.startswith("memory/")))
     return "\n".join(lines) + "\n"
@@ -730,14 +783,14 @@ def main(argv: list[str] | None = None) -> int:
                     if actor is None:
                         actor, _ = build_actor(model_dir, max(shapes.mfu_tokens), info)
                     out = section_push(args, work, info, actor)
-                else:
-                    actor = None  # the step runs in its own process: give it this one's GPU memory
+                else:  # step, moe
+                    actor = None  # the trainer runs in its own process: give it this one's GPU memory
                     gc.collect()
                     if info["cuda"]:
                         import torch
 
                         torch.cuda.empty_cache()
-                    out = section_step(args, work, shapes, model_dir)
+                    out = section_step(args, work, shapes, model_dir) if name == "step" else section_moe(args, work, shapes)
             except Exception as exc:  # one section's failure is recorded; the others still run
                 traceback.print_exc()
                 out = {"error": f"{type(exc).__name__}: {exc}"}

@@ -502,6 +502,48 @@ def match(args, ctx) -> None:
                     "changed": any(a.token_ids != b.token_ids for a, b in zip(gens, changed))}, args.out)
 
 
+def router_replay(args, ctx) -> None:
+    """A mixture of experts whose routers the sampler and the trainer break differently: the trainer's model
+    ties experts 0 and 1 exactly, the engine's copy moves expert 1's gate row by 1e-6, so tokens in contention
+    for the last top-k slot go to another expert. The trainer's own path (dispatch with the routes, packing,
+    the actor's forward) with and without the sampler's routes replayed, against the engine's log-probs."""
+    from train.models.router_replay import dispatch_routes, moe_routers
+
+    cfg = actor_cfg(model_name=args.model, router_replay="all", **layout_overrides(args))
+    actor = Actor(cfg, ctx, args.model, pad_token_id=0, train=True, temperature=1.0, total_updates=1)
+    engine = HFEngine.from_pretrained(args.model, device=ctx.device, seed=0, record_routing=True)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for router in moe_routers(engine.model):
+            router.weight[1] += 1e-6 * torch.randn(router.weight.shape[1], generator=g)
+    prompts = [[1, 50 + i // 4, 60, 70 + 3 * (i // 4)] for i in range(12)]  # groups of 4 share a prompt
+
+    async def gen():
+        return await asyncio.gather(*(engine.generate(p, SamplingParams(max_new_tokens=16, seed=i))
+                                      for i, p in enumerate(prompts)))
+
+    gens = asyncio.run(gen())
+    samples = [argparse.Namespace(ids=p + x.token_ids, action_mask=[0] * len(p) + [1] * len(x.token_ids),
+                                  routing=x.extra["routing"]) for p, x in zip(prompts, gens)]
+    set_ownership(len(samples), args.split, ctx.world_size)
+    own = [samples[i] for i in OWN[ctx.rank]]
+    groups = [i // 4 for i in OWN[ctx.rank]]
+    index = exchange_index([len(s.ids) for s in own], [sorted(set(groups)).index(x) for x in groups],
+                           [0.0] * len(own), ctx.device)
+    out = {}
+    for name, routes in (("replayed", dispatch_routes(own, "all", actor.replay.spec)), ("own", {})):
+        sb = dispatch(index, [s.ids for s in own], [s.action_mask for s in own], [[0.0] * len(s.ids) for s in own],
+                      actor.layout, 1, ctx.device, share_prompt=args.share, **routes)
+        owners = {(r, j): i for r in range(ctx.world_size) for j, i in enumerate(OWN[r])}
+        source = [owners[(index.owner[g], index.local[g])] for g in sb.members]
+        trainer = actor.compute_logprobs(sb)
+        diffs = [(t[len(prompts[i]) - 1:] - torch.tensor(gens[i].logprobs)).abs() for t, i in zip(trainer, source)]
+        out[name] = max(float(d.max()) for d in diffs)
+        out[f"{name}_tokens_off"] = sum(int((d > 1e-4).sum()) for d in diffs)
+    if ctx.is_main:
+        torch.save(out, args.out)
+
+
 def sync(args, ctx) -> None:
     """Verified weight sync through PolicySync (what the trainer calls): an honest push verifies and
     the probe agrees; an engine that silently drops one tensor on the last rank, or whose weights
@@ -562,7 +604,7 @@ def sync(args, ctx) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["grads", "match", "critic_grads", "reference", "teachers", "lora_reference",
-                                         "shared_base", "packing",
+                                         "shared_base", "packing", "router_replay",
                                          "collectives", "advantages", "push", "load", "reshard", "sync"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--agg", default="all_token_mean")
@@ -588,7 +630,7 @@ def main() -> None:
     ctx = init_distributed()
     try:
         {"grads": grads, "match": match, "critic_grads": critic_grads, "reference": reference, "teachers": teachers,
-         "lora_reference": lora_reference, "shared_base": shared_base,
+         "lora_reference": lora_reference, "shared_base": shared_base, "router_replay": router_replay,
          "packing": packing, "collectives": collectives, "advantages": advantages,
          "push": push, "load": load, "reshard": reshard, "sync": sync}[args.mode](args, ctx)
     finally:

@@ -35,6 +35,9 @@ FAMILIES: dict[str, tuple[str, dict, str]] = {
 }
 
 
+MIXTURES = ("qwen3_moe", "mixtral")  # their training cells run with router replay and the load-balancing loss
+
+
 def build(family: str, folder: str | os.PathLike, seed: int = 0) -> str:
     """Save a random tiny model of `family` and the stub's tokenizer into `folder`; returns the folder."""
     import torch

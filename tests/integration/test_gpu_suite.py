@@ -54,5 +54,9 @@ def test_gpu_suite_tiny_runs_every_section(tmp_path):
                  "push_profile_verify_True.txt"):
         assert "Self CPU" in (tmp_path / name).read_text()  # the profiles the GPU run is read by
     assert s["step"]["steps"] == 3 and s["step"]["time/step_s"] > 0 and "time/rollout_s" in s["step"]
+    moe = s["moe"]  # a mixture of experts, with router replay and the balance loss, then without replay
+    assert moe["replay"]["steps"] == 3 and moe["no_replay"]["steps"] == 3
+    assert moe["replay"]["actor/router_aux_loss"] > 0 and "actor/router_aux_loss" not in moe["no_replay"]
+    assert moe["replay"]["actor/sampler_kl"] < 1e-4  # fp32 on both sides on CPU
     table = (tmp_path / "gpu_suite.md").read_text()
     assert result["device"]["device"] in table and "FAILED" not in table

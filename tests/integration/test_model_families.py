@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT, compose_config, read_jsonl, run_torchrun, run_trainer, slow
-from model_families import FAMILIES, MATRIX, build, markdown
+from model_families import FAMILIES, MATRIX, MIXTURES, build, markdown
 from train.trainer.config import ConfigError, validate
 
 # The cells the default suite runs; the others are in the slow set (each family's FSDP2 and TP load paths
@@ -79,13 +79,18 @@ def test_a_family_trains_two_steps_on_two_ranks(tmp_path, family_model, family, 
     env.write_text(textwrap.dedent(PARITY_ENV))
     run = tmp_path / "run"
     nproc, flags = LAYOUTS[feature]
+    experts = family in MIXTURES  # with router replay, the load-balancing loss and activation checkpointing
+    moe = ["actor.router_replay=response", "actor.router_aux_loss_coef=0.01",
+           "actor.gradient_checkpointing=true"] if experts else []
     run_trainer([f"trainer.save_dir={run}", f"actor.model_name={family_model(family)}", f"rollout.env_path={env}",
                  "trainer.total_steps=2", "data.prompts_per_rollout=4", "data.responses_per_prompt=4",
-                 "rollout.dynamic_filtering=false", "trainer.test_freq=null", *flags], nproc=nproc)
+                 "rollout.dynamic_filtering=false", "trainer.test_freq=null", *flags, *moe], nproc=nproc)
     metrics = read_jsonl(run / "metrics.jsonl")
     assert len(metrics) == 2
     for m in metrics:
         assert math.isfinite(m["actor/loss"]) and m["actor/grad_norm"] > 0
+        if experts:  # top-2 of 4 experts: a perfectly balanced router scores 2
+            assert 1.9 < m["actor/router_aux_loss"] < 4.0, m
         # the engine's log-probs and the trainer's agree in fp32: the same model, the same routing
         assert m["actor/sampler_kl"] < 1e-4 and m["actor/sampler_abs_diff"] < 1e-4, m
     assert metrics[-1]["actor/weight_change"] > 0

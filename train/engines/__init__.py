@@ -87,12 +87,19 @@ def engine_kwargs(rollout: Any, ctx: Any, *, model_path: str, tokenizer: Any, se
 
 
 def build_engine(rollout: Any, ctx: Any, *, model_path: str, tokenizer: Any, seed: int,
-                 lora: Any = None, model: Any = None, borrowed: tuple[str, ...] = ()) -> RolloutEngine:
+                 lora: Any = None, model: Any = None, borrowed: tuple[str, ...] = (),
+                 record_routing: bool = False) -> RolloutEngine:
     """The rollout engine a run's config asks for, on this rank: `rollout` is the rollout section
     (train/workers/config.py's RolloutConfig); `lora` (LoraSettings): the actor's adapters, which the
     engine holds in the same form. `model` (hf only): a model built already, e.g. over the actor's own
-    base tensors (train/models/shared_base.py), whose `borrowed` tensors the engine never writes."""
+    base tensors (train/models/shared_base.py), whose `borrowed` tensors the engine never writes.
+    `record_routing` (hf only; actor.router_replay): each generation carries its MoE routing."""
     kwargs = engine_kwargs(rollout, ctx, model_path=model_path, tokenizer=tokenizer, seed=seed, lora=lora)
+    if record_routing:
+        if rollout.engine != "hf":
+            raise ValueError(f"actor.router_replay needs rollout.engine=hf, which records each token's experts; "
+                             f"rollout.engine={rollout.engine} does not (set actor.router_replay=null)")
+        kwargs["record_routing"] = True
     if model is None:
         return make_engine(rollout.engine, **kwargs)
     from train.engines.hf import default_eos_token_ids

@@ -54,6 +54,7 @@ from train.engines.base import Generation, SamplingParams
 from train.engines.static_decode import (StaticDecoder, column_bucket, compile_decode_modules,
                                          install_grouped_decode_attention, kv_bytes_per_token, row_bucket,
                                          supports_static_decode, uncompile_modules)
+from train.models.router_replay import RoutingRecorder
 from train.utils.checksum import tensor_checksum
 
 
@@ -72,6 +73,32 @@ class _LoopState:
     pending: list[_Request] = field(default_factory=list)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
+
+
+class _Routes:
+    """The experts every row of a decoding batch was routed to (record_routing): the prefill's, then
+    one column per decode step, kept on the device until the batch ends."""
+
+    def __init__(self, recorder: RoutingRecorder, prefill_rows: int, width: int, rows: int, steps: int,
+                 device: torch.device) -> None:
+        self.recorder, self.spec = recorder, recorder.spec
+        self.prefill = recorder.take().view(prefill_rows, width, self.spec.layers, self.spec.top_k)
+        self.width = width
+        self.decoded = torch.full((rows, steps, self.spec.layers, self.spec.top_k), self.spec.none,
+                                  dtype=self.spec.dtype, device=device)
+        self.all_rows = torch.arange(rows, device=device)
+        self._cpu: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def step(self, step: int, live: torch.Tensor | None) -> None:
+        """After the forward of the tokens sampled at `step` by the rows `live` (None: all)."""
+        self.decoded[self.all_rows if live is None else live, step] = self.recorder.take()
+
+    def of(self, row: int, prefill_row: int, prompt: int, decoded: int) -> torch.Tensor:
+        """[prompt + decoded, layers, top_k] on the CPU: the row's prompt positions, then its fed-back tokens."""
+        if self._cpu is None:  # one copy per batch
+            self._cpu = (self.prefill.cpu(), self.decoded.cpu())
+        prefill, steps = self._cpu
+        return torch.cat([prefill[prefill_row, self.width - prompt:], steps[row, :decoded]])
 
 
 class HFEngine:
@@ -98,6 +125,7 @@ class HFEngine:
         static_cache_max_bytes: int | None = None,
         compile_decode: bool | None = None,
         borrowed: Iterable[str] = (),
+        record_routing: bool = False,
     ) -> None:
         """`model` is copied (unless `copy_model=False`) so training the caller's model never
         changes the engine's weights behind its back; only `update_weights` does. `tokenizer` is
@@ -113,7 +141,10 @@ class HFEngine:
         static path on CUDA (measured 1.07-1.19x there), off on CPU. A compile that fails is recorded in
         `compile_error` and the engine goes on eagerly.
         `borrowed`: names of tensors the model borrows from the trainer's actor (rollout.share_actor_base,
-        train/models/shared_base.py): a push may not write them, and `sleep()` leaves them in place."""
+        train/models/shared_base.py): a push may not write them, and `sleep()` leaves them in place.
+        `record_routing` (a mixture of experts; actor.router_replay): every Generation's `extra["routing"]`
+        holds the experts each position was routed to, [prompt + sampled - 1, layers, top_k]
+        (train/models/router_replay.py). Recording takes the dynamic path: CUDA graphs would skip the hooks."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = copy.deepcopy(model) if copy_model else model
@@ -130,7 +161,8 @@ class HFEngine:
         self.share_prefill = share_prefill
         if static_cache is None:
             static_cache = self.device.type == "cuda"
-        self.static_cache = bool(static_cache) and supports_static_decode(self.model)
+        self._routing = RoutingRecorder(self.model) if record_routing else None
+        self.static_cache = bool(static_cache) and supports_static_decode(self.model) and not record_routing
         if self.static_cache:
             install_grouped_decode_attention(self.model)
         self._static: StaticDecoder | None = None  # kept across batches while its shapes fit
@@ -507,9 +539,13 @@ class HFEngine:
         active = list(range(n))  # positions in `rows` still decoding, in batch order
 
         cache = DynamicCache(config=getattr(self.model, "config", None))
+        if self._routing is not None:
+            self._routing.clear()  # (a scoring pass may have left calls behind)
         logits = self._forward(
             input_ids=input_ids, attention_mask=attention, position_ids=positions, **{self._cache_arg: cache}
         )
+        routes = None if self._routing is None else _Routes(self._routing, len(prefill), width, n,
+                                                           max(budgets[i] for i in rows), dev)
         if shared:
             expand = torch.tensor(owner, device=dev)
             cache.batch_select_indices(expand)
@@ -580,9 +616,14 @@ class HFEngine:
                 **{self._cache_arg: cache},
             )
             next_pos = next_pos + 1
+            if routes is not None:
+                routes.step(step, live)
         if static is not None:
             self.stats["cuda_graphs"] += static.captures - captured
             self.static_error = static.capture_error
+        if routes is not None:
+            for j, (p, got) in enumerate(zip(prompts, tokens)):
+                results[rows[j]].extra["routing"] = routes.of(j, owner[j] if shared else j, len(p), len(got) - 1)
         return results  # type: ignore[return-value]
 
     def _static_decoder(self, prefill: DynamicCache, rows: int, columns: int) -> StaticDecoder | None:

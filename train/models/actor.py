@@ -20,6 +20,7 @@ from train.models import optim
 from train.models.config import ActorConfig
 from train.models.lora import LoraSettings, adapters_disabled
 from train.models.model_init import build_model
+from train.models.router_replay import RouterBalance, RouterReplay
 from train.models.trainable import Norms, Trainable, UpdateStats
 from train.parallel.collectives import all_reduce_sum
 from train.parallel.distributed import DistContext
@@ -68,6 +69,10 @@ class Actor(Trainable):
                                  offload=bool(cfg.offload_model), lora=self.lora, adapter_seed=adapter_seed)
         # actor.use_liger_kernel: fused log-prob/entropy head, no [tokens, vocab] logits (train/parallel/fused_logprobs.py)
         self.fused_head = FusedLogprobHead(self.model) if cfg.use_liger_kernel else None
+        # Mixtures of experts (train/models/router_replay.py): the sampler's expert choices replayed in every
+        # forward of the trained policy (actor.router_replay), the routers' load-balancing loss.
+        self.replay = RouterReplay(self.model) if train and cfg.router_replay else None
+        self.balance = RouterBalance(self.model) if train and cfg.router_aux_loss_coef > 0 else None
         self.optimizer = self.scheduler = None
         self.last_entropy_coef = 0.0
         if train:
@@ -91,6 +96,10 @@ class Actor(Trainable):
             mb.cache["keep"] = (keep, mb.loss_positions[keep].float(), mb.labels[keep])
         keep, valid, labels = mb.cache["keep"]
         kwargs = dict(mb.model_inputs(), use_cache=False, logits_to_keep=keep, sp_group=lay.sp_group)
+        if self.replay is not None:
+            self.replay.set(mb.routes)  # kept until the next forward: a checkpointed backward recomputes with it
+        if self.balance is not None:
+            self.balance.clear()
         bonus = bool(self.cfg.entropy.coef or self.cfg.entropy.min_coef)
         if self.fused_head is not None:  # actor.use_liger_kernel
             logp, entropy = self.fused_head(self.model, labels[None], self.temperature, with_entropy, **kwargs)
@@ -119,7 +128,17 @@ class Actor(Trainable):
     def compute_logprobs(self, batch: StepBatch, positions: list[int] | None = None) -> list[torch.Tensor]:
         """log p(token t+1 | tokens <= t) of every sample of the batch (or of those at `positions`; None
         for the others), as [len-1] CPU tensors; exact on action positions, 0 elsewhere."""
-        return self.per_token_pass(batch, lambda mb: self._forward(mb, with_entropy=False)[0], positions)
+        try:
+            return self.per_token_pass(batch, lambda mb: self._forward(mb, with_entropy=False)[0], positions)
+        finally:
+            self._unroute()
+
+    def _unroute(self) -> None:
+        """After a pass: the routers route themselves again (other callers of the model: export, probes)."""
+        if self.replay is not None:
+            self.replay.clear()
+        if self.balance is not None:
+            self.balance.clear()
 
     # -- update ----------------------------------------------------------------------------
     def entropy_coef(self) -> float:
@@ -163,6 +182,10 @@ class Actor(Trainable):
                                    n_seqs_global=norms.seqs, max_len_norm=norm_len)
             # Metrics as token-weighted sums; the caller divides by the global token count.
             n_mask = mask.sum()
+            if self.balance is not None:  # the pack's load-balancing loss, weighted by its share of the action tokens
+                aux = self.balance.loss(mb.laid_out)
+                value = value + cfg.router_aux_loss_coef * aux * (n_mask / norms.tokens)
+                stats.add("router_aux_loss", aux.detach() * n_mask)
             stats.add("loss", value.detach())
             stats.add("entropy", (entropy.detach() * mask).sum())
             stats.add("clip_fraction", st["clip_fraction"] * n_mask)
@@ -201,8 +224,11 @@ class Actor(Trainable):
 
         checked = cfg.target_kl is not None and "old_logp" in batch.fields
         square_before = self.local_weight_square()
-        stats = self.run_update(batch, cfg.update_per_rollout, cfg.mini_batches, self.policy_loss(batch, max_new_tokens),
-                                after_backward=check_kl if checked else None)
+        try:
+            stats = self.run_update(batch, cfg.update_per_rollout, cfg.mini_batches,
+                                    self.policy_loss(batch, max_new_tokens), after_backward=check_kl if checked else None)
+        finally:
+            self._unroute()
         sum_keys = ("loss", "entropy", "clip_fraction", "approx_kl", "sampler_kl", "sampler_abs_diff", "tokens",
                     "laid_out", "represented")
         if cfg.tis_cap is not None:
@@ -211,6 +237,8 @@ class Actor(Trainable):
             sum_keys += ("mis_masked",)  # the fraction of action tokens masked out by actor.mis_*
         if cfg.kl.coef > 0 and cfg.kl.reward_estimator is None:
             sum_keys += ("kl",)
+        if self.balance is not None:
+            sum_keys += ("router_aux_loss",)  # the routers' load-balancing loss, action-token weighted
         metrics = self.reduce(stats, "actor", sum_keys, ("ratio_max", "neg_ratio_min", "sampler_ratio_max"))
         metrics["actor/entropy_coef"] = self.last_entropy_coef
         # Tokens the update's passes computed per token its samples hold: 1.0 unshared, less when a

@@ -10,6 +10,7 @@ from train.algorithms.kl import KL_ESTIMATORS
 from train.algorithms.mismatch import MIS_LEVELS, TIS_LEVELS
 from train.algorithms.policy_loss import POLICY_LOSSES
 from train.algorithms.schedules import ENTROPY_SCHEDULES
+from train.models.router_replay import REPLAY_MODES
 from train.utils.typed_config import SectionError, setting
 
 DTYPES = ("float32", "bfloat16")  # actor.dtype, critic.dtype
@@ -124,6 +125,11 @@ class ActorConfig:
     gradient_checkpointing: bool = setting("recompute activations in the backward pass")
     use_liger_kernel: bool = setting("fused log-prob/entropy head, no [batch, seq, vocab] logits")
     share_prompt: bool = setting("each group's prompt laid out once per packed row in every pass")
+    router_replay: str | None = setting("mixtures of experts: null (off) | response (positions holding sampled "
+                                        "tokens) | all (the prompt's and tool replies' too): the trainer's routers "
+                                        "take the experts the sampler chose", choices=REPLAY_MODES, example="response")
+    router_aux_loss_coef: float = setting("mixtures of experts: weight of the routers' load-balancing loss "
+                                          "(Switch Transformer's, as transformers computes it)", ge=0, example="0.001")
     lora: LoraConfig = setting("LoRA adapters on a frozen base")
     ddp_size: int = setting("replicas: FSDP2 hybrid sharding replicates over ddp, shards over fsdp", ge=1)
     tp_size: int = setting("tensor parallel size (heads, MLP, vocab-parallel lm_head)", ge=1)

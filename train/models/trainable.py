@@ -80,11 +80,11 @@ class Trainable:
             sizes = [unit_length([int(batch.ids[i].numel()) for i in u.members], u.shared) for u in units]
             return [build_packed([i for k in p for i in units[k].members], batch.ids, batch.mask, self.pad_id,
                                  self.device, sp_rank=self.layout.sp_rank, sp_size=sp, multiple=sp * tp,
-                                 units=[units[k] for k in p]) for p in plan_packs(sizes, budget)]
+                                 units=[units[k] for k in p], routing=batch.routing) for p in plan_packs(sizes, budget)]
         lengths = [batch.ids[i].numel() for i in positions]
         plan = [[positions[j] for j in p] for p in plan_packs(lengths, budget)] if positions else []
         return [build_packed(p, batch.ids, batch.mask, self.pad_id, self.device, sp_rank=self.layout.sp_rank,
-                             sp_size=sp, multiple=sp * tp) for p in plan]
+                             sp_size=sp, multiple=sp * tp, routing=batch.routing) for p in plan]
 
     def _padding(self) -> PackedMicroBatch:
         sp, tp = self.layout.sizes.sp, self.layout.sizes.tp

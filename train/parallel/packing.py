@@ -63,6 +63,7 @@ class PackedMicroBatch:
     cache: dict = field(default_factory=dict)  # per-pack tensors built once and reused across epochs
     laid_out: int = 0  # tokens the row holds (no end padding): what a pass computes
     represented: int = 0  # tokens of its samples: what an unshared row would hold
+    routes: torch.Tensor | None = None  # [C, layers, top_k] the sampler's experts per position (router replay)
 
     @property
     def total_len(self) -> int:
@@ -93,6 +94,18 @@ class PackedMicroBatch:
         if name is not None:
             self.cache[name] = out
         return out
+
+
+def lay_routes(routing: list[torch.Tensor], index: list[int], row_index: torch.Tensor, total: int) -> torch.Tensor:
+    """The row's routes [total, layers, top_k]: sample i's entry t (position t) at its row position,
+    positions without one (each sample's last token, the end padding) at the dtype's maximum, which
+    no expert index reaches (the router routes them itself; train/models/router_replay.py)."""
+    first = routing[index[0]]
+    out = torch.full((total, *first.shape[1:]), torch.iinfo(first.dtype).max, dtype=first.dtype)
+    for row, i in enumerate(index):
+        n = routing[i].shape[0]
+        out[row_index[row, :n]] = routing[i]
+    return out
 
 
 def segment_slots(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,13 +207,14 @@ def shared_slots(whole: list[tuple[int, int]], tails: list[tuple[int, int, int]]
 
 def build_packed(index: list[int], ids: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int,
                  device: torch.device, sp_rank: int = 0, sp_size: int = 1, multiple: int = 1,
-                 units: list[Unit] | None = None) -> PackedMicroBatch:
+                 units: list[Unit] | None = None, routing: list[torch.Tensor] | None = None) -> PackedMicroBatch:
     """Pack samples `index` (int64 token ids [len]; float action masks [len - 1], entry t for token
     t + 1) into one row of length T (a multiple of `multiple`, itself a multiple of sp_size) and keep
     this sp rank's chunk of it. With `units` (covering `index`, in its order), a unit's shared prefix
-    is laid out once: see `prompt_units` and `shared_slots`."""
+    is laid out once: see `prompt_units` and `shared_slots`. With `routing` (per sample [len - 1,
+    layers, top_k]), the pack's `routes` hold them at their row positions (`lay_routes`)."""
     if units is not None and any(u.shared for u in units):
-        return _build_shared(units, ids, masks, pad_id, device, sp_rank, sp_size, multiple)
+        return _build_shared(units, ids, masks, pad_id, device, sp_rank, sp_size, multiple, routing)
     if index:
         seqs = [ids[i] for i in index]
         acts = [masks[i].float() for i in index]
@@ -230,11 +244,13 @@ def build_packed(index: list[int], ids: list[torch.Tensor], masks: list[torch.Te
         segments=segments, segment_slots=segment_slots(segments, device), labels=labels[lo:hi].to(device),
         loss_positions=label_mask[lo:hi].to(device) > 0, row_index=row_index.to(device),
         row_valid=row_valid.to(device), action_mask=action[:, :longest].to(device),
-        laid_out=real if index else 0, represented=real if index else 0)
+        laid_out=real if index else 0, represented=real if index else 0,
+        routes=lay_routes(routing, index, row_index, total)[lo:hi].to(device) if routing and index else None)
 
 
 def _build_shared(units: list[Unit], ids: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int,
-                  device: torch.device, sp_rank: int, sp_size: int, multiple: int) -> PackedMicroBatch:
+                  device: torch.device, sp_rank: int, sp_size: int, multiple: int,
+                  routing: list[torch.Tensor] | None = None) -> PackedMicroBatch:
     """`build_packed` with shared prefixes. A unit sharing s tokens is laid out as its prefix (positions
     0..s-1, labels the next prefix token), then each member's tokens from s on (positions continuing
     from s). Sample i's entry t sits at the prefix's row position t for t < s, else in its own part.
@@ -299,4 +315,5 @@ def _build_shared(units: list[Unit], ids: list[torch.Tensor], masks: list[torch.
         segments=segments, segment_slots=shared_slots(whole, tails, total, device),
         labels=label_ids[lo:hi].to(device), loss_positions=loss[lo:hi].to(device) > 0, row_index=row_index.to(device),
         row_valid=row_valid.to(device), action_mask=action[:, :longest].to(device),
-        laid_out=at - pad, represented=sum(int(ids[i].numel()) for i in index))
+        laid_out=at - pad, represented=sum(int(ids[i].numel()) for i in index),
+        routes=lay_routes(routing, index, row_index, total)[lo:hi].to(device) if routing else None)

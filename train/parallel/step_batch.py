@@ -124,6 +124,8 @@ class StepBatch:
     sampler_logp: list[torch.Tensor]  # float32 [len - 1]: the engine's log-prob of token t + 1
     fields: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # per token [len - 1], added by passes
     share_prompt: bool = False  # a group's common prefix is laid out once per pack (actor.share_prompt)
+    # The sampler's expert choices per position, [len - 1, layers, top_k] (actor.router_replay); None: off
+    routing: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.members)
@@ -166,10 +168,13 @@ def _all_to_all(send: list[list[torch.Tensor]], recv_sizes: list[int], dtype: to
 
 
 def dispatch(index: BatchIndex, ids: list[list[int]], masks: list[list[int]], sampler_logp: list[list[float]],
-             layout: Layout, mini_batches: int, device: torch.device, share_prompt: bool = False) -> StepBatch:
+             layout: Layout, mini_batches: int, device: torch.device, share_prompt: bool = False,
+             routing: list[torch.Tensor] | None = None, route_shape: tuple[int, int] = (0, 0),
+             route_dtype: torch.dtype = torch.uint8) -> StepBatch:
     """This rank's kept samples (ids, action masks, sampler log-probs: one entry per token) -> the
     StepBatch of its dp group in `layout`. Two all-to-alls (token ids with masks, log-probs); every
-    rank takes part."""
+    rank takes part. With `routing` (per sample [len - 1, *route_shape] of `route_dtype`, every rank
+    passing it), a third carries the sampler's expert choices."""
     rank, world = _world()
     dp, dp_rank = layout.sizes.dp, layout.dp_rank
     group_size, is_leader = layout.sizes.sp * layout.sizes.tp, layout.is_data_leader
@@ -178,6 +183,7 @@ def dispatch(index: BatchIndex, ids: list[list[int]], masks: list[list[int]], sa
     own = [g for g in range(index.size) if index.owner[g] == rank]  # in local order
     send_int: list[list[torch.Tensor]] = [[] for _ in range(world)]
     send_float: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    send_route: list[list[torch.Tensor]] = [[] for _ in range(world)]
     for g in own:
         j = index.local[g]
         tokens = torch.tensor([ids[j], masks[j]], dtype=torch.int64)
@@ -185,6 +191,8 @@ def dispatch(index: BatchIndex, ids: list[list[int]], masks: list[list[int]], sa
         for r in _ranks_of(target[g], group_size):
             send_int[r].append(tokens)
             send_float[r].append(logp)
+            if routing is not None:
+                send_route[r].append(routing[j])
     # What arrives from rank r: its samples for my group, in its local order (sizes known from the index).
     from_rank = [[g for g in range(index.size) if index.owner[g] == r and target[g] == dp_rank] for r in range(world)]
     got_int = _all_to_all(send_int, [2 * sum(index.length[g] for g in gs) for gs in from_rank], torch.int64, device)
@@ -201,8 +209,16 @@ def dispatch(index: BatchIndex, ids: list[list[int]], masks: list[list[int]], sa
         batch_ids.append(tok[0].clone())
         batch_mask.append(tok[1, 1:].float())  # the shift: entry t is token t + 1
         batch_logp.append(lp[1:].clone())
+    batch_routing = None
+    if routing is not None:
+        width = route_shape[0] * route_shape[1]
+        sizes = [[(index.length[g] - 1) * width for g in gs] for gs in from_rank]
+        got_route = _all_to_all(send_route, [sum(s) for s in sizes], route_dtype, device)
+        routes = {g: part.view(-1, *route_shape) for gs, flat, s in zip(from_rank, got_route, sizes)
+                  for g, part in zip(gs, torch.split(flat, s))}
+        batch_routing = [routes[g].clone() for g in mine]
     return StepBatch(index, dp, dp_rank, group_size, is_leader, mini_batches, mine, batch_ids, batch_mask,
-                     batch_logp, share_prompt=share_prompt)
+                     batch_logp, share_prompt=share_prompt, routing=batch_routing)
 
 
 def transfer(src: StepBatch, dst: StepBatch, names: list[str], device: torch.device) -> None:

@@ -214,6 +214,7 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
         if why is not None:
             _fail("rollout.share_actor_base", f"cannot apply: {why}", "rollout.share_actor_base=null")
     _validate_rollout_model(paths)
+    _validate_experts(run, paths)
     if run.distill.enabled:
         _validate_teachers(paths, run.distill.teacher is not None)
     return paths
@@ -429,6 +430,30 @@ def _validate_parallel(run: RunConfig, world_size: int, paths: ModelPaths) -> No
                 check_model_fits(sizes, AutoConfig.from_pretrained(path), prefix=role)
             except LayoutError as e:
                 raise ConfigError(f"config: {e} (model {path})") from None
+
+
+def _validate_experts(run: RunConfig, paths: ModelPaths) -> None:
+    """actor.router_replay and actor.router_aux_loss_coef need a mixture of experts (from its config.json),
+    replay an engine that records routing (hf), the balance loss one sequence shard per rank."""
+    actor, engine = run.actor, run.rollout.engine
+    if not actor.router_replay and not actor.router_aux_loss_coef:
+        return
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(paths.actor)
+    experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(config, k, None)), None)
+    for key, value, off in (("router_replay", actor.router_replay, "null"), ("router_aux_loss_coef",
+                                                                            actor.router_aux_loss_coef, "0")):
+        if value and not experts:
+            _fail(f"actor.{key}", f"{paths.actor} is not a mixture of experts ({type(config).__name__} has no "
+                  "experts): there are no routers", f"actor.{key}={off}")
+    if actor.router_replay and engine != "hf":
+        _fail("actor.router_replay", f"needs rollout.engine=hf, which records each token's experts; {engine} does "
+              "not", "actor.router_replay=null")
+    if actor.router_aux_loss_coef and actor.sp_size > 1:
+        _fail("actor.router_aux_loss_coef", "the load-balancing loss is computed per packed row, not yet across "
+              f"actor.sp_size={actor.sp_size} sequence shards", "actor.sp_size=1")
 
 
 def _validate_lora(run: RunConfig) -> None:

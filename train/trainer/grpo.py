@@ -46,6 +46,7 @@ from train.models.actor import Actor, AdapterFreeReference
 from train.models.critic import Critic
 from train.models.lora import LoraTargetError
 from train.models.model_init import ModelWeightsError
+from train.models.router_replay import dispatch_routes
 from train.models.shared_base import engine_model_over, share_base_refusal
 from train.parallel.collectives import broadcast_from_main
 from train.parallel.distributed import DistContext, cleanup, init_distributed, set_cpu_threads
@@ -259,7 +260,8 @@ class Trainer:
             names = {"model_name": cfg.rollout.model_name or cfg.actor.model_name,
                      "tokenizer_name": cfg.rollout.tokenizer_name or cfg.actor.tokenizer_name or cfg.actor.model_name}
             return engine, RemoteRollout(engine, {"model": paths.rollout, "tokenizer": paths.rollout_tokenizer,
-                                                  "max_total_length": max_len, **names})
+                                                  "max_total_length": max_len,
+                                                  "record_routing": bool(cfg.actor.router_replay), **names})
         actor = self.models.actor
         lora = actor.lora if actor.lora.enabled else None
         shared, borrowed = None, ()
@@ -269,7 +271,8 @@ class Trainer:
         elif why is not None and cfg.rollout.share_actor_base:
             raise ConfigError(f"rollout.share_actor_base=true cannot apply: {why} (e.g. rollout.share_actor_base=null)")
         engine = build_engine(cfg.rollout, ctx, model_path=paths.rollout, tokenizer=tokenizer,
-                              seed=cfg.trainer.seed, lora=lora, model=shared, borrowed=tuple(borrowed))
+                              seed=cfg.trainer.seed, lora=lora, model=shared, borrowed=tuple(borrowed),
+                              record_routing=bool(cfg.actor.router_replay))
         return engine, RolloutWorker(engine, env, tokenizer, max_turns=cfg.rollout.max_turns,
                                      env_error_reward=cfg.rollout.env_error_reward, max_total_length=max_len,
                                      max_env_chars=cfg.rollout.max_env_chars)
@@ -400,9 +403,11 @@ class Trainer:
             sizes = model.layout.sizes
             key = (sizes.dp, sizes.sp * sizes.tp)
             if key not in batches:
+                replay = m.actor.replay if model is m.actor else None  # the sampler's experts (actor.router_replay)
+                routes = {} if replay is None else dispatch_routes(kept, cfg.actor.router_replay, replay.spec)
                 batches[key] = dispatch(index, [s.ids for s in kept], [s.action_mask for s in kept],
                                         [s.sampler_logprobs for s in kept], model.layout, cfg.actor.mini_batches,
-                                        device, share_prompt=cfg.actor.share_prompt)
+                                        device, share_prompt=cfg.actor.share_prompt, **routes)
             return batches[key]
 
         batch = batch_for(m.actor)

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from train.datasets.tokenize import bound_messages, continuation_ids, prompt_ids, prompt_too_long
 from train.engines.base import RolloutEngine, SamplingParams
 from train.workers.env_routing import EnvRouter
@@ -39,10 +41,24 @@ class Sample:
     # use (with DAPO's overlong penalty), and that penalty.
     shaped_reward: float | None = None
     overlong_penalty: float = 0.0
+    # The experts each position was routed to when the engine ran it ([positions, layers, top_k], a prefix
+    # of ids; engines that record them: actor.router_replay, train/models/router_replay.py); None otherwise.
+    routing: torch.Tensor | None = None
 
     @property
     def n_action_tokens(self) -> int:
         return sum(self.action_mask)
+
+
+def record_routing(sample: Sample, routing: torch.Tensor | None) -> None:
+    """Extend the sample's routing with a turn's: each position keeps the routing of the turn that ran
+    it first (its sampled tokens from that turn's decoding; the environment's tokens from the next
+    turn's prefill), the routing its sampler log-probs were computed under."""
+    if routing is None:
+        return
+    have = 0 if sample.routing is None else sample.routing.shape[0]
+    new = routing[have:]
+    sample.routing = new if sample.routing is None else torch.cat([sample.routing, new])
 
 
 def sample_seed(base_seed: int, step: int, index: int) -> int:
@@ -113,6 +129,7 @@ class RolloutWorker:
             version = getattr(self.engine, "weight_version", 0)  # engines that cannot tag their outputs
             gen = await self.engine.generate(sample.ids, params)
             sample.turn_versions.append(int(gen.extra.get("weight_version", version)))
+            record_routing(sample, gen.extra.get("routing"))
             sample.ids += gen.token_ids
             sample.action_mask += [1] * len(gen.token_ids)
             sample.sampler_logprobs += list(gen.logprobs)

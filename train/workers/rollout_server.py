@@ -132,7 +132,8 @@ class RolloutServer:
         env = EnvRouter(env_paths(settings), timeout_s=settings.env_timeout_s, max_workers=settings.env_workers,
                         max_turns=settings.max_turns)
         self.status.longest_call = env.longest_call
-        engine = build_engine(settings, self.ctx, model_path=model_dir, tokenizer=tokenizer, seed=self.seed)
+        engine = build_engine(settings, self.ctx, model_path=model_dir, tokenizer=tokenizer, seed=self.seed,
+                              record_routing=bool(hello.get("record_routing")))
         self.worker = RolloutWorker(engine, env, tokenizer, max_turns=settings.max_turns,
                                     env_error_reward=settings.env_error_reward,
                                     max_total_length=hello["max_total_length"], max_env_chars=settings.max_env_chars)
