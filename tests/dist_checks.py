@@ -201,12 +201,12 @@ def packing(args, ctx) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    cfg = actor_cfg(max_length_per_device=48)
-    actor = Actor(cfg, ctx, MODEL, pad_token_id=0, train=True, temperature=0.7, total_updates=1)
-    batch = fixed_batch()
+    cfg = actor_cfg(max_length_per_device=48, model_name=args.model)
+    actor = Actor(cfg, ctx, args.model, pad_token_id=0, train=True, temperature=0.7, total_updates=1)
+    batch = grouped_batch() if args.grouped else fixed_batch()
     n = len(batch.ids)
     set_ownership(n, "uneven", ctx.world_size)
-    sb, source = step_batch(actor, batch, list(range(n)), ctx)
+    sb, source = step_batch(actor, batch, list(range(n)), ctx, share=args.share, group=4 if args.grouped else 0)
     assert source == list(range(n))
     packs = len(actor.packs(sb, list(range(n)), 48))
     logp = actor.compute_logprobs(sb)
@@ -215,7 +215,7 @@ def packing(args, ctx) -> None:
     actor.model.train()
     actor.accumulate(mbs, norms[0], actor.policy_loss(sb, 32), UpdateStats())
     got = {name: p.grad.clone() for name, p in actor.model.named_parameters()}
-    plain = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     n_tok = sum(sum(m[1:]) for m in batch.action_mask)
     loss, err = 0.0, 0.0
     for seq, mask, adv, lp in zip(batch.ids, batch.action_mask, batch.advantages, logp):

@@ -56,10 +56,14 @@ def build(family: str, folder: str | os.PathLike, seed: int = 0) -> str:
 
 
 # family -> feature -> None (works, a test checks it) or the reason it cannot (the start of the error users get)
-FEATURES = ("load", "fsdp2", "tp2", "train_fsdp2", "train_tp2")
+FEATURES = ("load", "fsdp2", "tp2", "train_fsdp2", "train_tp2", "packing", "decode", "lora")
 FEATURE_NAMES = {"load": "meta-device load = from_pretrained", "fsdp2": "FSDP2 x2 load, logits bit for bit",
                  "tp2": "TP x2 load, logits to 1e-4", "train_fsdp2": "2 steps, 2 ranks, FSDP2",
-                 "train_tp2": "2 steps, 2 ranks, TP x2"}
+                 "train_tp2": "2 steps, 2 ranks, TP x2",
+                 "packing": "packed rows, shared prompts: log-probs and gradients = each sequence alone",
+                 "decode": "static-cache decode = dynamic", "lora": "LoRA on attention and MLP projections"}
+# The projections LoRA adapts in each family (train/models/lora.py's defaults unless named here).
+LORA_TARGETS = {"phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
 MATRIX: dict[str, dict[str, str | None]] = {family: {f: None for f in FEATURES} for family in FAMILIES}
 NO_TP = {"phi3": "no TP plan: the fused qkv_proj and gate_up_proj would split across the q/k/v and gate/up "
                  "boundaries (refused at start)",
@@ -69,6 +73,10 @@ NO_TP = {"phi3": "no TP plan: the fused qkv_proj and gate_up_proj would split ac
 for family, reason in NO_TP.items():
     for feature in ("tp2", "train_tp2"):
         MATRIX[family][feature] = reason
+MATRIX["gemma3"]["decode"] = "sliding-window layers keep the dynamic cache (the engine chooses it)"
+for family in MIXTURES:
+    MATRIX[family]["lora"] = ("the experts are fused 3-D tensors, not linear layers: LoRA adapts the attention "
+                              "projections only (refused at start naming the missing targets)")
 
 
 def markdown() -> str:

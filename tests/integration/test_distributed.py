@@ -126,8 +126,9 @@ def single_process(tmp_path_factory):
 SHARED = ("--grouped", "--share")
 
 
-# fsdp x tp in the default suite; each dimension alone, hsdp, sp x tp with checkpointing and offload with -m slow
-@pytest.mark.parametrize("layout", [layout if layout == "fsdp2_tp2" else slow(layout) for layout in LAYOUTS])
+# Each layout with -m slow: in the default suite, test_qwen_families_under_tensor_and_sequence_parallel's
+# 4-rank run (fsdp 2 over the sp ranks x tp 2 x sp 2, shared prompts) covers fsdp x tp and sp x tp.
+@pytest.mark.parametrize("layout", [slow(layout) for layout in LAYOUTS])
 def test_actor_layouts_match_one_process(tmp_path, single_process, layout):
     nproc, flags = LAYOUTS[layout]
     other = launch(nproc, tmp_path / "x.pt", "grads", "--max_tokens", "64", "--clip", "0.05", *SHARED, *flags)
@@ -158,12 +159,13 @@ def test_critic_layouts_match_one_process(tmp_path, single_process, layout):
 @pytest.mark.parametrize("family", [slow("qwen2"), "qwen3"])
 def test_qwen_families_under_tensor_and_sequence_parallel(tmp_path_factory, tmp_path, family):
     """The TP plan's module names and the Ulysses attention hold for Qwen2 (biases) and Qwen3
-    (q/k norms over local heads): tp=2 x sp=2 (one 4-rank run covers both) gives the 1-process
-    gradients and weights."""
+    (q/k norms over local heads): tp=2 x sp=2 (one 4-rank run covers both; FSDP shards over the 2 sp
+    ranks), GRPO groups packed with their prompts shared, gives the 1-process gradients and weights."""
     model = tiny_model(tmp_path_factory, family)
-    one = launch(1, tmp_path / "one.pt", "grads", "--max_tokens", "200", "--clip", "0.05", "--model", model)
+    one = launch(1, tmp_path / "one.pt", "grads", "--max_tokens", "200", "--clip", "0.05", "--model", model,
+                 "--grouped")
     other = launch(4, tmp_path / "x.pt", "grads", "--max_tokens", "64", "--clip", "0.05", "--model", model,
-                   "--tp", "2", "--sp", "2")
+                   "--tp", "2", "--sp", "2", *SHARED)
     assert_same_update(one, other)
 
 

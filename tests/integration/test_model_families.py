@@ -4,6 +4,7 @@ too, to 1e-4 under TP), and trained 2 steps on 2 CPU ranks with the sampler and 
 A ✗ cell must be refused at start-up with its reason, before anything loads."""
 from __future__ import annotations
 
+import asyncio
 import math
 import sys
 import textwrap
@@ -19,7 +20,8 @@ from train.trainer.config import ConfigError, validate
 # share their code with these: the fused-expert reader, Gemma's norms and buffers, the refusals). The
 # fused-expert reader's block reads are also tests/unit/test_checkpoint_names.py's, so Qwen3-MoE's FSDP2
 # load cell is slow and its training cell default.
-DEFAULT = {("gemma3", "tp2"), ("qwen3_moe", "train_fsdp2"), ("gemma3", "train_tp2")}
+DEFAULT = {("gemma3", "tp2"), ("qwen3_moe", "train_fsdp2"), ("gemma3", "train_tp2"), ("qwen3_moe", "packing"),
+           *((family, feature) for family in FAMILIES for feature in ("decode", "lora"))}  # (in-process, < 1 s each)
 
 LAYOUTS = {"load": (1, []), "fsdp2": (2, []), "tp2": (2, ["--tp", "2"]),
            "train_fsdp2": (2, []), "train_tp2": (2, ["actor.tp_size=2"])}
@@ -103,6 +105,86 @@ def test_a_family_without_a_tensor_parallel_plan_is_refused_at_start(family_mode
     with pytest.raises(ConfigError, match=rf"actor.tp_size=2: tensor parallelism supports .*{why}.*; set "
                                           r"actor.tp_size=1"):
         validate(compose_config([f"actor.model_name={family_model(family)}", "actor.tp_size=2"]), world_size=2)
+
+
+@pytest.mark.parametrize("family,feature", cells(("packing",), works=True))
+def test_a_family_packs_rows_with_shared_prompts_like_each_sequence_alone(tmp_path, family_model, family, feature):
+    """The actor's packed passes (several packs, each group's prompt laid out once, FSDP2 on 1 process)
+    against the plain model on each sequence alone: log-probs on action tokens, the policy loss's gradient."""
+    out = tmp_path / "packing.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--standalone",
+           str(ROOT / "tests" / "dist_checks.py"), "packing", "--model", family_model(family), "--grouped", "--share",
+           "--out", str(out)]
+    proc = run_torchrun(cmd, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    result = torch.load(out)
+    assert result["packs"] >= 2 and result["logp_err"] < 1e-5, result["logp_err"]
+    for name, (got, ref) in result["grads"].items():  # (an expert no token went to has no gradient)
+        scale = float(ref.abs().max())
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-5 * scale if scale else 0.0, msg=name)
+
+
+def seeded_decode(engine, prompts: list[list[int]]) -> list:
+    from train.engines.base import SamplingParams
+
+    async def run():
+        return await asyncio.gather(*(engine.generate(p, SamplingParams(max_new_tokens=12, seed=i))
+                                      for i, p in enumerate(prompts)))
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("family,feature", cells(("decode",), works=True) + cells(("decode",), works=False))
+def test_a_family_decodes_the_same_over_the_static_cache(family_model, family, feature):
+    """The hf engine's static-cache path (on CPU without graphs) against its dynamic path: the same seeded
+    samples, token for token, and their log-probs; a family the static path cannot hold takes the dynamic one."""
+    from transformers import AutoModelForCausalLM
+
+    from train.engines.hf import HFEngine
+
+    model = AutoModelForCausalLM.from_pretrained(family_model(family), dtype=torch.float32)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)  # sharp logits: no near-ties between the two paths
+    static = HFEngine(model, eos_token_ids=[], static_cache=True, seed=0)
+    if MATRIX[family]["decode"] is not None:
+        assert not static.static_cache  # the engine chose the dynamic cache itself
+        return
+    dynamic = HFEngine(model, eos_token_ids=[], static_cache=False, seed=0)
+    prompts = [[3, 4, 5, 6, 7, 8]] * 3 + [[9, 10], [11, 12, 13, 14]]
+    a, b = seeded_decode(static, prompts), seeded_decode(dynamic, prompts)
+    assert static.stats["static_batches"] > 0 and dynamic.stats["static_batches"] == 0
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("family,feature", cells(("lora",), works=True) + cells(("lora",), works=False))
+def test_lora_adapts_a_familys_attention_and_mlp_projections(family_model, family, feature):
+    """LoRA as the actor builds it (train/models/lora.py): adapters on every targeted projection, the model
+    unchanged until they train, gradients on the adapters only. A mixture of experts has no linear expert
+    layers: the MLP targets are refused naming them, and the attention projections still take adapters."""
+    from transformers import AutoModelForCausalLM
+
+    from model_families import LORA_TARGETS
+    from train.models.lora import DEFAULT_TARGETS, LoraSettings, LoraTargetError, apply_lora, is_adapter, lora_modules
+
+    model = AutoModelForCausalLM.from_pretrained(family_model(family), dtype=torch.float32)
+    targets = LORA_TARGETS.get(family, DEFAULT_TARGETS)
+    if MATRIX[family]["lora"] is not None:
+        with pytest.raises(LoraTargetError, match=r"\['gate_proj', 'up_proj', 'down_proj'\] name no linear layer"):
+            apply_lora(model, LoraSettings(rank=4, target_modules=targets))
+        targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    ids = torch.randint(3, 500, (2, 9))
+    with torch.no_grad():
+        before = model(ids).logits
+    apply_lora(model, LoraSettings(rank=4, target_modules=targets))
+    adapted = {name.rsplit(".", 1)[-1] for name, _ in lora_modules(model)}
+    assert adapted == set(targets)
+    assert len(list(lora_modules(model))) == len(targets) * model.config.num_hidden_layers
+    logits = model(ids).logits
+    assert torch.equal(logits, before)  # B starts at zero
+    logits.square().mean().backward()
+    trained = {name for name, p in model.named_parameters() if p.grad is not None}
+    assert trained and all(is_adapter(name) for name in trained)
 
 
 def test_the_matrix_in_the_docs_is_the_generated_one():

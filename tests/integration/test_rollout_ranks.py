@@ -128,6 +128,7 @@ else:
     import torch
 
     bucket = torch.zeros(64 << 20, dtype=torch.uint8)  # more than the sockets' buffers hold
+    sys.stdin.readline()  # the test says when rank 1 is stopped: the wait starts after it (a loaded machine)
     for push in (lambda: bridge.broadcast(bucket, "step 3's weight push, bucket 1 of 1 (67108864 bytes)"),
                  lambda: bridge.send({"kind": "stop"}, 1, "the stop request")):
         try:
@@ -144,11 +145,12 @@ def test_a_stopped_rollout_rank_is_named_as_stopped_answering():
     env = {**trainer_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     ranks = [subprocess.Popen([sys.executable, "-c", STOPPED_RANK], cwd=ROOT, env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
     try:
         assert ranks[1].stdout.readline().strip() == "serving", ranks[1].stderr.read()[-3000:]
         os.kill(ranks[1].pid, signal.SIGSTOP)
-        out, err = ranks[0].communicate(timeout=120)
+        out, err = ranks[0].communicate("stopped\n", timeout=120)
     finally:
         for proc in ranks:
             proc.kill()
