@@ -32,10 +32,15 @@ FAMILIES: dict[str, tuple[str, dict, str]] = {
     "qwen3_moe": ("qwen3_moe", dict(head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
                   "Qwen3-MoE (Qwen3-30B-A3B's architecture)"),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), "Mixtral"),
+    "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, eos_token_id=2), "OLMoE"),
+    "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=16,
+                                layer_types=["sliding_attention", "full_attention"],
+                                rope_parameters=dict(rope_type="default", rope_theta=150000.0)),
+                "GPT-OSS (attention sinks, alternating sliding windows, biased router)"),
 }
 
 
-MIXTURES = ("qwen3_moe", "mixtral")  # their training cells run with router replay and the load-balancing loss
+MIXTURES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")  # their training cells run with router replay and the load-balancing loss
 
 
 def build(family: str, folder: str | os.PathLike, seed: int = 0) -> str:
@@ -69,11 +74,14 @@ NO_TP = {"phi3": "no TP plan: the fused qkv_proj and gate_up_proj would split ac
                  "boundaries (refused at start)",
          "olmo2": "no TP plan: its q/k norms span all heads (refused at start)",
          "qwen3_moe": "no TP plan for experts; FSDP2 shards them (refused at start)",
-         "mixtral": "no TP plan for experts; FSDP2 shards them (refused at start)"}
+         "mixtral": "no TP plan for experts; FSDP2 shards them (refused at start)",
+         "olmoe": "no TP plan for experts; FSDP2 shards them (refused at start)",
+         "gpt_oss": "no TP plan for experts; FSDP2 shards them (refused at start)"}
 for family, reason in NO_TP.items():
     for feature in ("tp2", "train_tp2"):
         MATRIX[family][feature] = reason
-MATRIX["gemma3"]["decode"] = "sliding-window layers keep the dynamic cache (the engine chooses it)"
+for family in ("gemma3", "gpt_oss"):
+    MATRIX[family]["decode"] = "sliding-window layers keep the dynamic cache (the engine chooses it)"
 for family in MIXTURES:
     MATRIX[family]["lora"] = ("the experts are fused 3-D tensors, not linear layers: LoRA adapts the attention "
                               "projections only (refused at start naming the missing targets)")

@@ -20,7 +20,7 @@ from train.trainer.config import ConfigError, validate
 # share their code with these: the fused-expert reader, Gemma's norms and buffers, the refusals). The
 # fused-expert reader's block reads are also tests/unit/test_checkpoint_names.py's, so Qwen3-MoE's FSDP2
 # load cell is slow and its training cell default.
-DEFAULT = {("gemma3", "tp2"), ("qwen3_moe", "train_fsdp2"), ("gemma3", "train_tp2"), ("qwen3_moe", "packing"),
+DEFAULT = {("gemma3", "tp2"), ("qwen3_moe", "train_fsdp2"), ("gemma3", "train_tp2"), ("gpt_oss", "packing"),
            *((family, feature) for family in FAMILIES for feature in ("decode", "lora"))}  # (in-process, < 1 s each)
 
 LAYOUTS = {"load": (1, []), "fsdp2": (2, []), "tp2": (2, ["--tp", "2"]),
@@ -100,8 +100,7 @@ def test_a_family_trains_two_steps_on_two_ranks(tmp_path, family_model, family, 
 
 @pytest.mark.parametrize("family,feature", cells(("tp2", "train_tp2"), works=False))
 def test_a_family_without_a_tensor_parallel_plan_is_refused_at_start(family_model, family, feature):
-    why = {"phi3": "fused qkv_proj", "olmo2": "q/k norms span all heads", "qwen3_moe": "mixture of experts",
-           "mixtral": "mixture of experts"}[family]
+    why = {"phi3": "fused qkv_proj", "olmo2": "q/k norms span all heads"}.get(family, "mixture of experts")
     with pytest.raises(ConfigError, match=rf"actor.tp_size=2: tensor parallelism supports .*{why}.*; set "
                                           r"actor.tp_size=1"):
         validate(compose_config([f"actor.model_name={family_model(family)}", "actor.tp_size=2"]), world_size=2)
@@ -185,6 +184,21 @@ def test_lora_adapts_a_familys_attention_and_mlp_projections(family_model, famil
     logits.square().mean().backward()
     trained = {name for name, p in model.named_parameters() if p.grad is not None}
     assert trained and all(is_adapter(name) for name in trained)
+
+
+def test_a_quantized_checkpoint_is_refused_naming_what_to_do(tmp_path):
+    """GPT-OSS's Hub checkpoints hold MXFP4 experts (`quantization_config` in config.json): refused at start."""
+    import json
+    import shutil
+
+    folder = tmp_path / "gpt_oss_mxfp4"
+    shutil.copytree(build("gpt_oss", tmp_path / "gpt_oss"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"'actor.model_name': .* is a quantized checkpoint \(mxfp4\).*Mxfp4Config"
+                                          r"\(dequantize=True\)"):
+        validate(compose_config([f"actor.model_name={folder}"]))
 
 
 def test_the_matrix_in_the_docs_is_the_generated_one():

@@ -95,26 +95,32 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     """query [1, H, C, d], key/value [1, Hkv, C, d] for this rank's chunk of a packed row;
     `packed_segments` = (slots, real): the whole row's segment slots, built once per micro-batch
     by `segment_slots` (train/parallel/packing.py). `sliding_window` (Mistral, Gemma's local layers): a
-    query sees the keys less than that many positions back, as transformers' own masks. Returns [1, C, H, d]."""
+    query sees the keys less than that many positions back, as transformers' own masks. `s_aux` (GPT-OSS's
+    attention sinks, one logit per head): a column in every query's softmax that takes probability and
+    adds no value. Returns [1, C, H, d]."""
     if packed_segments is None:
         raise ValueError("packed attention needs packed_segments= (train/parallel/packing.py PackedMicroBatch.model_inputs)")
     if softcap is not None:
         raise ValueError(f"packed attention does not cap attention logits (softcap={softcap}, Gemma 2's "
                          "attn_logit_softcapping): this model would train on other numbers than it samples with")
+    sinks = _.get("s_aux")
     sp = dist.get_world_size(sp_group) if sp_group is not None else 1
     if sp > 1:
         if key.shape[1] % sp:  # too few key/value heads to split: give every query head its own copy
             rep = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
         query, key, value = (_SwapSplit.apply(t, sp_group, True) for t in (query, key, value))
-    out = _segment_attention(query, key, value, packed_segments, scaling, dropout, sliding_window)
+        if sinks is not None:  # this rank's heads (_SwapSplit gives rank r the r-th block of heads)
+            sinks = sinks.view(sp, -1)[dist.get_rank(sp_group)]
+    out = _segment_attention(query, key, value, packed_segments, scaling, dropout, sliding_window, sinks)
     if sp > 1:
         out = _SwapSplit.apply(out, sp_group, False)
     return out.transpose(1, 2).contiguous(), None
 
 
 def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: tuple,
-                       scaling: float | None, dropout: float, window: int | None = None) -> torch.Tensor:
+                       scaling: float | None, dropout: float, window: int | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """[1, H, T, d] -> [1, H, T, d], causal within each segment: each segment's slots are gathered
     into a [segments, H, longest, d] batch, left-aligned (a real query never sees a slot past its
     segment's end), and the real slots are taken back in row order. index_select both ways: its
@@ -123,7 +129,10 @@ def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segmen
     `segments` = (slots, real) or, with shared prompts (train/parallel/packing.py `shared_slots`),
     (slots, real, suffix_queries, suffix_keys, prefix_lengths): each sample's own tokens then query
     only, over its prompt's keys followed by its own (query i sees the prompt and own keys up to i),
-    so a prompt's attention is computed once, in its own segment, not once per sample."""
+    so a prompt's attention is computed once, in its own segment, not once per sample. With `sinks`
+    (per head) every path takes explicit scores (SDPA has no sink column)."""
+    if sinks is not None and dropout:
+        raise ValueError("packed attention with attention sinks runs without dropout")
     slots, real = segments[0], segments[1]
     rep = q.shape[1] // k.shape[1]
     if rep > 1:  # grouped-query attention: query head h reads key/value head h // rep
@@ -136,9 +145,9 @@ def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segmen
 
     n, longest = slots.shape
     windowed = window is not None and window < longest
-    if q.device.type == "cpu" and longest <= MATH_ATTENTION_MAX_LEN and dropout == 0.0:
+    if sinks is not None or (q.device.type == "cpu" and longest <= MATH_ATTENTION_MAX_LEN and dropout == 0.0):
         out = _causal_math_attention(batch(q, slots), batch(k, slots), batch(v, slots), scaling,
-                                     window if windowed else None)
+                                     window if windowed else None, sinks)
     elif windowed:  # slots are left-aligned positions within the segment: the window is a band below the diagonal
         out = F.scaled_dot_product_attention(batch(q, slots), batch(k, slots), batch(v, slots),
                                              attn_mask=_visible(longest, window, q.device), dropout_p=dropout,
@@ -154,8 +163,11 @@ def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segmen
         visible = key_at <= query_at
         if window is not None:
             visible = visible & (query_at - key_at < window)
-        tail = F.scaled_dot_product_attention(batch(q, queries), batch(k, keys), batch(v, keys),
-                                              attn_mask=visible[:, None], dropout_p=dropout, scale=scaling)
+        if sinks is not None:
+            tail = _math_attention(batch(q, queries), batch(k, keys), batch(v, keys), visible[:, None], scaling, sinks)
+        else:
+            tail = F.scaled_dot_product_attention(batch(q, queries), batch(k, keys), batch(v, keys),
+                                                  attn_mask=visible[:, None], dropout_p=dropout, scale=scaling)
         flat = torch.cat([flat, tail.transpose(0, 1).reshape(h, -1, d)], dim=1)
     return flat.index_select(1, real)[None]  # [1, H, T, d] in row order
 
@@ -167,15 +179,24 @@ MATH_ATTENTION_MAX_LEN = 128
 
 
 def _causal_math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None,
-                           window: int | None = None) -> torch.Tensor:
+                           window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention [b, H, L, d] as softmax(q k^T * scale, masked) v (what SDPA computes); with `window`,
     each query sees only the keys less than `window` positions back."""
-    length = q.shape[2]
+    return _math_attention(q, k, v, _visible(q.shape[2], window, q.device), scaling, sinks)
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                    scaling: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale where `visible`) v for q [b, H, Lq, d], k/v [b, H, Lk, d]; with `sinks` [H], each
+    head's sink logit joins every query's softmax as one more column, whose probability is dropped."""
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    hidden = ~_visible(length, window, q.device)
-    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    scores = (torch.matmul(q, k.transpose(-1, -2)) * scale).masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def _visible(length: int, window: int | None, device: torch.device) -> torch.Tensor:

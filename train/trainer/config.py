@@ -426,8 +426,16 @@ def _validate_parallel(run: RunConfig, world_size: int, paths: ModelPaths) -> No
         path = {"actor": paths.actor, "ref_actor": paths.reference, "critic": paths.critic}[role]
         # the reference slot holds every distill.teachers model too, each laid out as ref_actor
         for path in [path, *(paths.teachers.values() if role == "ref_actor" else [])]:
+            config = AutoConfig.from_pretrained(path)
+            quantized = getattr(config, "quantization_config", None)
+            if quantized:  # e.g. GPT-OSS's MXFP4 experts: the loader reads plain tensors
+                method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
+                _fail(f"{role}.model_name", f"{path} is a quantized checkpoint ({method}); training reads bf16/fp32 "
+                      "weights: save a dequantized copy first (transformers: from_pretrained(path, quantization_config="
+                      "Mxfp4Config(dequantize=True)).save_pretrained(new_path), or that method's own dequantize)",
+                      f"{role}.model_name=<the dequantized folder>")
             try:
-                check_model_fits(sizes, AutoConfig.from_pretrained(path), prefix=role)
+                check_model_fits(sizes, config, prefix=role)
             except LayoutError as e:
                 raise ConfigError(f"config: {e} (model {path})") from None
 
