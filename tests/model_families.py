@@ -61,10 +61,12 @@ def build(family: str, folder: str | os.PathLike, seed: int = 0) -> str:
 
 
 # family -> feature -> None (works, a test checks it) or the reason it cannot (the start of the error users get)
-FEATURES = ("load", "fsdp2", "tp2", "train_fsdp2", "train_tp2", "packing", "decode", "lora")
+FEATURES = ("load", "fsdp2", "tp2", "train_fsdp2", "train_tp2", "train_sp2", "packing", "decode", "lora")
 FEATURE_NAMES = {"load": "meta-device load = from_pretrained", "fsdp2": "FSDP2 x2 load, logits bit for bit",
-                 "tp2": "TP x2 load, logits to 1e-4", "train_fsdp2": "2 steps, 2 ranks, FSDP2",
+                 "tp2": "TP x2 load, logits to 1e-4",
+                 "train_fsdp2": "2 steps, 2 ranks, FSDP2; the export in the Hub's layout reloads bit for bit",
                  "train_tp2": "2 steps, 2 ranks, TP x2",
+                 "train_sp2": "2 steps, 2 ranks, Ulysses SP x2, fused log-prob head",
                  "packing": "packed rows, shared prompts: log-probs and gradients = each sequence alone",
                  "decode": "static-cache decode = dynamic", "lora": "LoRA on attention and MLP projections"}
 # The projections LoRA adapts in each family (train/models/lora.py's defaults unless named here).

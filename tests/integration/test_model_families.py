@@ -21,10 +21,12 @@ from train.trainer.config import ConfigError, validate
 # fused-expert reader's block reads are also tests/unit/test_checkpoint_names.py's, so Qwen3-MoE's FSDP2
 # load cell is slow and its training cell default.
 DEFAULT = {("gemma3", "tp2"), ("qwen3_moe", "train_fsdp2"), ("gemma3", "train_tp2"), ("gpt_oss", "packing"),
+           ("gpt_oss", "train_sp2"),
            *((family, feature) for family in FAMILIES for feature in ("decode", "lora"))}  # (in-process, < 1 s each)
 
 LAYOUTS = {"load": (1, []), "fsdp2": (2, []), "tp2": (2, ["--tp", "2"]),
-           "train_fsdp2": (2, []), "train_tp2": (2, ["actor.tp_size=2"])}
+           "train_fsdp2": (2, []), "train_tp2": (2, ["actor.tp_size=2"]),
+           "train_sp2": (2, ["actor.sp_size=2", "actor.use_liger_kernel=true"])}
 
 # Rewards that differ within a group whatever a random model says (their parity), so advantages are not 0
 PARITY_ENV = """
@@ -75,7 +77,7 @@ def test_a_family_loads_shard_by_shard_like_from_pretrained(tmp_path, family_mod
         assert result["logits_equal"] and result["values_err"] == 0.0
 
 
-@pytest.mark.parametrize("family,feature", cells(("train_fsdp2", "train_tp2"), works=True))
+@pytest.mark.parametrize("family,feature", cells(("train_fsdp2", "train_tp2", "train_sp2"), works=True))
 def test_a_family_trains_two_steps_on_two_ranks(tmp_path, family_model, family, feature):
     env = tmp_path / "parity.py"
     env.write_text(textwrap.dedent(PARITY_ENV))
@@ -84,9 +86,11 @@ def test_a_family_trains_two_steps_on_two_ranks(tmp_path, family_model, family, 
     experts = family in MIXTURES  # with router replay, the load-balancing loss and activation checkpointing
     moe = ["actor.router_replay=response", "actor.router_aux_loss_coef=0.01",
            "actor.gradient_checkpointing=true"] if experts else []
-    run_trainer([f"trainer.save_dir={run}", f"actor.model_name={family_model(family)}", f"rollout.env_path={env}",
+    folder = family_model(family)
+    run_trainer([f"trainer.save_dir={run}", f"actor.model_name={folder}", f"rollout.env_path={env}",
                  "trainer.total_steps=2", "data.prompts_per_rollout=4", "data.responses_per_prompt=4",
-                 "rollout.dynamic_filtering=false", "trainer.test_freq=null", *flags, *moe], nproc=nproc)
+                 "rollout.dynamic_filtering=false", "trainer.test_freq=null", "trainer.save_freq=2", *flags, *moe],
+                nproc=nproc)
     metrics = read_jsonl(run / "metrics.jsonl")
     assert len(metrics) == 2
     for m in metrics:
@@ -96,6 +100,36 @@ def test_a_family_trains_two_steps_on_two_ranks(tmp_path, family_model, family, 
         # the engine's log-probs and the trainer's agree in fp32: the same model, the same routing
         assert m["actor/sampler_kl"] < 1e-4 and m["actor/sampler_abs_diff"] < 1e-4, m
     assert metrics[-1]["actor/weight_change"] > 0
+    if feature == "train_fsdp2":
+        assert_export_is_the_trained_model_in_the_hub_layout(run / "latest", run / "step2", folder)
+
+
+def file_keys(folder) -> set[str]:
+    from safetensors import safe_open
+
+    keys = set()
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            keys |= set(f.keys())
+    return keys
+
+
+def assert_export_is_the_trained_model_in_the_hub_layout(latest, step, original) -> None:
+    """`latest/` holds the tensors under the names the family's own files use (per-expert names for mixtures
+    of experts, as save_pretrained writes them), and from_pretrained gives the checkpoint's weights bit for bit."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from train.runtime.checkpoint import consolidate
+
+    tied = {"lm_head.weight"}  # a tied head is one tensor in the files
+    assert file_keys(latest) - tied == file_keys(Path(original)) - tied
+    trained = consolidate(str(step))["actor"]["model"]
+    exported = AutoModelForCausalLM.from_pretrained(latest, dtype=torch.float32).state_dict()
+    assert set(trained) <= set(exported)
+    for name, tensor in trained.items():
+        assert torch.equal(exported[name], tensor.float()), name
 
 
 @pytest.mark.parametrize("family,feature", cells(("tp2", "train_tp2"), works=False))

@@ -122,3 +122,22 @@ def pretrained_model(model: torch.nn.Module):
     from transformers import PreTrainedModel
 
     return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def hub_layout(model: torch.nn.Module):
+    """A function (name, full tensor) -> [(name, tensor), ...] in the Hub's key layout, the reverse of the reader
+    above: a fused expert tensor becomes its per-expert tensors under the files' names (transformers'
+    `revert_weight_conversion`, which `save_pretrained` applies), so an export loads wherever the Hub's
+    checkpoints do (vLLM, SGLang, `from_pretrained`). Each fused tensor is split on its own: the export streams
+    tensor by tensor. Models without a conversion keep their names (the function returns them as they are)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import revert_weight_conversion
+
+    pretrained = pretrained_model(model)
+    if pretrained is None or not get_model_conversion_mapping(pretrained, add_legacy=False):
+        return lambda name, tensor: [(name, tensor)]
+
+    def to_hub(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return list(revert_weight_conversion(pretrained, {name: tensor}).items())
+
+    return to_hub

@@ -229,14 +229,16 @@ class RouterBalance:
         """Before a forward (activation checkpointing's recompute adds calls after the last loss)."""
         self._calls = []
 
-    def loss(self, rows: int) -> torch.Tensor:
-        """The loss over the first `rows` positions of the last forward (the rest is padding)."""
+    def loss(self, rows: int, sp_group=None) -> torch.Tensor:
+        """The loss over the first `rows` positions of the last forward (the rest is padding). Under Ulysses
+        (`sp_group`), each rank holds a chunk of the row: the sums of every chunk are gathered (each rank's own
+        part keeps its gradient), so every rank computes the whole row's loss."""
+        from train.parallel.seq_parallel import gather_sequence
+
         calls, self._calls = self._calls[: self.spec.layers], []
         if len(calls) != self.spec.layers:
             raise RuntimeError(f"router balance: {len(calls)} router calls in the forward, expected {self.spec.layers}")
         device = calls[0][0].device
-        if rows == 0:
-            return torch.zeros((), device=device)
         experts = self.spec.num_experts
         counts = torch.zeros(experts, device=device)
         probs = torch.zeros(experts, device=device)
@@ -244,8 +246,12 @@ class RouterBalance:
             counts += torch.zeros(experts, device=device).scatter_add_(
                 0, chosen[:rows].reshape(-1).long(), torch.ones(chosen[:rows].numel(), device=device))
             probs = probs + torch.softmax(logits[:rows].float(), dim=-1).sum(0)
-        total = float(rows * len(calls))
-        return experts * torch.sum((counts / total) * (probs / total))
+        sums = torch.cat([counts, probs, torch.tensor([float(rows)], device=device)])
+        sums = gather_sequence(sums[None], sp_group).sum(0)
+        total = sums[-1] * len(calls)
+        if float(total) == 0.0:  # a padding pack: no real position
+            return probs.sum() * 0.0
+        return experts * torch.sum((sums[:experts] / total) * (sums[experts:2 * experts] / total))
 
 
 def dispatch_routes(samples: list, mode: str, spec: RoutingSpec) -> dict:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from train.models.checkpoint_names import hub_layout
 from train.models.lora import ADAPTER_NAME, adapter_state, has_lora, merged_state, peft_key
 from train.parallel.collectives import barrier
 from train.parallel.distributed import DistContext
@@ -37,9 +38,12 @@ def exported_state(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]
 
 
 def write_weights(named: Iterable[tuple[str, torch.Tensor]], folder: str, ctx: DistContext, shard_bytes: int,
-                  bucket_bytes: int, rename: Callable[[str], str] = lambda k: k) -> list[str]:
+                  bucket_bytes: int, rename: Callable[[str], str] = lambda k: k,
+                  to_files: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]] | None = None) -> list[str]:
     """Stream (name, tensor) pairs (local shards of one model) into `folder` as safetensors shards
-    (rank 0 writes; every rank gathers). Returns the file names."""
+    (rank 0 writes; every rank gathers). `to_files` maps a full tensor to the files' (name, tensor) pairs
+    (train/models/checkpoint_names.py's hub_layout: a mixture of experts' per-expert tensors). Returns the
+    file names."""
     from safetensors.torch import save_file
 
     shards: list[list[str]] = []
@@ -57,14 +61,15 @@ def write_weights(named: Iterable[tuple[str, torch.Tensor]], folder: str, ctx: D
                 index[key] = name
             current, size = {}, 0
 
-    for key, tensor in gather_full_tensors(named, bucket_bytes):
+    for gathered, full in gather_full_tensors(named, bucket_bytes):
         if not ctx.is_main:
             continue  # the gather is collective; only rank 0 keeps what it brings
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > shard_bytes:
-            flush()
-        current[rename(key)] = tensor.detach().to("cpu", copy=True).contiguous()
-        size += nbytes
+        for key, tensor in (to_files(gathered, full) if to_files is not None else [(gathered, full)]):
+            nbytes = tensor.numel() * tensor.element_size()
+            if current and size + nbytes > shard_bytes:
+                flush()
+            current[rename(key)] = tensor.detach().to("cpu", copy=True).contiguous()
+            size += nbytes
     if not ctx.is_main:
         return []
     flush()
@@ -118,7 +123,7 @@ def _export(model: torch.nn.Module, tokenizer, out_dir: str, ctx: DistContext, s
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier()
-    write_weights(exported_state(model), tmp, ctx, shard_bytes, bucket_bytes)
+    write_weights(exported_state(model), tmp, ctx, shard_bytes, bucket_bytes, to_files=hub_layout(model))
     if has_lora(model):
         write_adapter(model, tokenizer, os.path.join(tmp, "adapter"), ctx, bucket_bytes, base_model)
     if critic is not None:

@@ -442,7 +442,7 @@ def _validate_parallel(run: RunConfig, world_size: int, paths: ModelPaths) -> No
 
 def _validate_experts(run: RunConfig, paths: ModelPaths) -> None:
     """actor.router_replay and actor.router_aux_loss_coef need a mixture of experts (from its config.json),
-    replay an engine that records routing (hf), the balance loss one sequence shard per rank."""
+    replay an engine that records routing (hf)."""
     actor, engine = run.actor, run.rollout.engine
     if not actor.router_replay and not actor.router_aux_loss_coef:
         return
@@ -459,9 +459,6 @@ def _validate_experts(run: RunConfig, paths: ModelPaths) -> None:
     if actor.router_replay and engine != "hf":
         _fail("actor.router_replay", f"needs rollout.engine=hf, which records each token's experts; {engine} does "
               "not", "actor.router_replay=null")
-    if actor.router_aux_loss_coef and actor.sp_size > 1:
-        _fail("actor.router_aux_loss_coef", "the load-balancing loss is computed per packed row, not yet across "
-              f"actor.sp_size={actor.sp_size} sequence shards", "actor.sp_size=1")
 
 
 def _validate_lora(run: RunConfig) -> None:
