@@ -217,9 +217,15 @@ def test_checkpoints_that_do_not_fit_are_one_clear_line(fsdp2_run, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(other_model)).save_pretrained(other_model)
-    cases = [([f"trainer.load_ckpt_from={incomplete}"], f"'{incomplete}' is not a complete checkpoint"),
-             ([f"trainer.load_ckpt_from={foreign}"], f"'{foreign}' was not written by this trainer"),
-             ([f"trainer.load_ckpt_from={fsdp2_run / 'step2'}", f"actor.model_name={other_model}"],
+    # an incomplete or foreign folder is refused by the config check (in-process here; the launch path of a
+    # ConfigError is one line, tests/integration/test_config.py); a checkpoint of another model at its load
+    from conftest import compose_config
+    from train.trainer.config import ConfigError, validate
+
+    for folder, message in ((incomplete, "is not a complete checkpoint"), (foreign, "was not written by this trainer")):
+        with pytest.raises(ConfigError, match=f"'{folder}' {message}"):
+            validate(compose_config([f"trainer.load_ckpt_from={folder}", *SMALL], save_dir=str(tmp_path / "run")))
+    cases = [([f"trainer.load_ckpt_from={fsdp2_run / 'step2'}", f"actor.model_name={other_model}"],
               f"'{fsdp2_run / 'step2'}' does not fit this model: 'actor.model.model.layers.0.mlp.gate_proj.weight' is "
               "(352, 128) there and (256, 128) here")]
     for overrides, message in cases:

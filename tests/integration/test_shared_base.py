@@ -50,6 +50,7 @@ def test_the_engine_borrows_the_actors_base_and_samples_like_its_own_copy(tmp_pa
     assert "borrows" in out["refused"] and "rollout.share_actor_base" in out["refused"]
 
 
+@pytest.mark.slow  # the engine-level equality above (default) samples the same tokens from the borrowed base
 def test_a_lora_run_is_the_same_with_and_without_a_shared_base(tmp_path):
     """Two stub runs with LoRA, the engine over the actor's base and an engine with its own copy: the
     same samples, rewards and losses at both steps (the second after a push; metrics equal but for the

@@ -132,6 +132,7 @@ def test_cuda_graph_decoding_matches_the_dynamic_path(make, compile_decode) -> N
     assert engine.compile_error is None and (engine.stats["compiled_modules"] > 0) == compile_decode
 
 
+@pytest.mark.slow  # ~20 s of inductor C++ builds; on CUDA, where compile_decode is on by default, the gpu test above
 def test_compiled_decode_modules_match_the_dynamic_path_on_cpu() -> None:
     """rollout.compile_decode: the engine's norm and MLP instances run through inductor (C++ on CPU)
     and the static path samples the same tokens, with log-probs to rounding. Only the engine's own
