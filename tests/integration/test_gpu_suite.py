@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT
 
-SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step", "bigmodel")
+SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step", "bigmodel", "moe")
 
 
 @pytest.mark.slow
