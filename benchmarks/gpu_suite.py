@@ -453,10 +453,16 @@ def section_step(args, work: Path, shapes: Shapes, model_dir: Path) -> dict:
                  f"rollout.train_sampling_params.max_new_tokens={shapes.step_new_tokens}",
                  "rollout.dynamic_filtering=false", "trainer.save_freq=null"]
     run_logged(trainer_cmd(run, overrides), work / "step.log", args.timeout)
+    return step_means(run)
+
+
+def step_means(run: Path, keys: tuple[str, ...] = ()) -> dict:
+    """The run's step count, and the mean of its time/ and memory/ metrics (memory/: CUDA only) and of `keys`
+    over its steps after the first (which pays for warm-up)."""
     rows = [r for r in read_metrics(run) if "time/step_s" in r]
-    keep = rows[1:] or rows  # the first step pays for warm-up
-    keys = sorted({k for r in keep for k in r if k.startswith(("time/", "memory/"))})  # memory/: CUDA only
-    return {"steps": len(rows), **{k: statistics.mean(r[k] for r in keep if k in r) for k in keys}}
+    keep = rows[1:] or rows
+    names = sorted({k for r in keep for k in r if k.startswith(("time/", "memory/")) or k in keys})
+    return {"steps": len(rows), **{k: statistics.mean(r[k] for r in keep if k in r) for k in names}}
 
 
 # A mixture of experts on one GPU (issue 37): a Qwen3-MoE shape of 1.0B parameters (0.25B active per token:
@@ -496,11 +502,7 @@ def section_moe(args, work: Path, shapes: Shapes) -> dict:
                      f"rollout.train_sampling_params.max_new_tokens={shapes.step_new_tokens}",
                      "rollout.dynamic_filtering=false", "trainer.save_freq=null", *flags]
         run_logged(trainer_cmd(run, overrides), work / f"moe_{name}.log", args.timeout)
-        rows = [r for r in read_metrics(run) if "time/step_s" in r]
-        keep = rows[1:] or rows  # the first step pays for warm-up
-        keys = sorted({k for r in keep for k in r if k.startswith(("time/", "memory/")) or k in (
-            "actor/sampler_kl", "actor/sampler_abs_diff", "actor/router_aux_loss")})
-        out[name] = {"steps": len(rows), **{k: statistics.mean(r[k] for r in keep if k in r) for k in keys}}
+        out[name] = step_means(run, ("actor/sampler_kl", "actor/sampler_abs_diff", "actor/router_aux_loss"))
     shutil.rmtree(folder, ignore_errors=True)
     return out
 

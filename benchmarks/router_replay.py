@@ -58,7 +58,7 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, samples: int, new_tokens
         for prompt, gen in zip(prompts, gens):
             ids = torch.tensor([prompt + gen.token_ids])
             routing = gen.extra["routing"]
-            routes = torch.full((ids.shape[1], *routing.shape[1:]), replay.spec.none, dtype=routing.dtype)
+            routes = replay.spec.empty(ids.shape[1])  # the last position never ran in the engine: its own routing
             routes[: routing.shape[0]] = routing
             replay.set(routes if mode == "replayed" else None)
             recorder.clear()

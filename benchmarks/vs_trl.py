@@ -375,13 +375,14 @@ def active_body_params(c) -> float:
     """Parameters a token goes through in the decoder layers (the MFU's "6 x params"): attention projections and
     the MLP; for a mixture of experts only the router and its top-k experts (plus a shared expert), not all of
     them (Qwen3-30B-A3B: ~3B active of 30B)."""
+    from train.parallel.tensor_parallel import expert_count
+
     h, layers = c.hidden_size, c.num_hidden_layers
     heads = c.num_attention_heads
     kv = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or h // heads
     attention = h * heads * head_dim * 2 + h * kv * head_dim * 2
-    experts = next((getattr(c, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if getattr(c, k, None)), 0)
+    experts = expert_count(c)
     dense_mlp = 3 * h * c.intermediate_size
     if not experts:
         return layers * (attention + dense_mlp)

@@ -89,11 +89,12 @@ def grouped_batch(n: int = 10, vocab: int = 300, group: int = 4) -> FixedBatch:
 
 
 def step_batch(worker, batch: FixedBatch, own: list[int], ctx, share: bool = False,
-               group: int = 0) -> tuple[StepBatch, list[int]]:
+               group: int = 0, routes: dict | None = None) -> tuple[StepBatch, list[int]]:
     """The StepBatch this rank's dp group holds when this rank rolled out samples `own` of `batch`
     (the trainer's path: exchange the index, dispatch once), and the fixed-batch number of each of
     its samples. `group` > 0: samples i // group form the groups (numbered per rank, as the trainer
-    does); `share`: dispatched with actor.share_prompt."""
+    does); `share`: dispatched with actor.share_prompt; `routes`: dispatch's routing keywords
+    (train/models/router_replay.py's dispatch_routes of the `own` samples)."""
     ids = [batch.ids[i] for i in own]
     masks = [batch.action_mask[i] for i in own]
     if group:
@@ -102,7 +103,8 @@ def step_batch(worker, batch: FixedBatch, own: list[int], ctx, share: bool = Fal
     else:
         groups = list(range(len(ids)))
     index = exchange_index([len(x) for x in ids], groups, [0.0] * len(ids), ctx.device)
-    sb = dispatch(index, ids, masks, [[0.0] * len(x) for x in ids], worker.layout, 1, ctx.device, share_prompt=share)
+    sb = dispatch(index, ids, masks, [[0.0] * len(x) for x in ids], worker.layout, 1, ctx.device, share_prompt=share,
+                  **(routes or {}))
     owners = {}
     for r in range(ctx.world_size):
         for j, i in enumerate(OWN[r]):
@@ -525,17 +527,13 @@ def router_replay(args, ctx) -> None:
     gens = asyncio.run(gen())
     samples = [argparse.Namespace(ids=p + x.token_ids, action_mask=[0] * len(p) + [1] * len(x.token_ids),
                                   routing=x.extra["routing"]) for p, x in zip(prompts, gens)]
+    batch = FixedBatch([s.ids for s in samples], [s.action_mask for s in samples], [0.0] * len(samples))
     set_ownership(len(samples), args.split, ctx.world_size)
-    own = [samples[i] for i in OWN[ctx.rank]]
-    groups = [i // 4 for i in OWN[ctx.rank]]
-    index = exchange_index([len(s.ids) for s in own], [sorted(set(groups)).index(x) for x in groups],
-                           [0.0] * len(own), ctx.device)
+    own = OWN[ctx.rank]
     out = {}
-    for name, routes in (("replayed", dispatch_routes(own, "all", actor.replay.spec)), ("own", {})):
-        sb = dispatch(index, [s.ids for s in own], [s.action_mask for s in own], [[0.0] * len(s.ids) for s in own],
-                      actor.layout, 1, ctx.device, share_prompt=args.share, **routes)
-        owners = {(r, j): i for r in range(ctx.world_size) for j, i in enumerate(OWN[r])}
-        source = [owners[(index.owner[g], index.local[g])] for g in sb.members]
+    for name, routes in (("replayed", dispatch_routes([samples[i] for i in own], "all", actor.replay.spec)),
+                         ("own", None)):
+        sb, source = step_batch(actor, batch, own, ctx, share=args.share, group=4, routes=routes)
         trainer = actor.compute_logprobs(sb)
         diffs = [(t[len(prompts[i]) - 1:] - torch.tensor(gens[i].logprobs)).abs() for t, i in zip(trainer, source)]
         out[name] = max(float(d.max()) for d in diffs)

@@ -166,7 +166,7 @@ def test_the_balance_loss_is_transformers_and_a_float64_reference():
     ids = torch.randint(0, 64, (1, 23))
     out = model(ids, output_router_logits=True)
     rows = 19  # the last 4 positions are padding: left out
-    ours = balance.loss(rows)
+    ours = balance.loss(rows, rows)
     theirs = load_balancing_loss_func(tuple(l[:rows] for l in out.router_logits), 8, 2)
     assert torch.allclose(ours, theirs, atol=1e-6)
     # float64: E * sum_e (share of top-k choices on e) * (mean probability of e), over layers together
@@ -179,6 +179,6 @@ def test_the_balance_loss_is_transformers_and_a_float64_reference():
     assert all(r.weight.grad.abs().sum() > 0 for r in moe_routers(model))
     with torch.no_grad():
         model(ids)
-    assert float(balance.loss(0)) == 0.0  # a padding pack: no real position
+    assert float(balance.loss(0, 0)) == 0.0  # a padding pack: no real position
     with pytest.raises(RuntimeError, match="0 router calls in the forward, expected 2"):
-        balance.loss(rows)  # the calls were taken: a loss needs a forward of its own
+        balance.loss(rows, rows)  # the calls were taken: a loss needs a forward of its own

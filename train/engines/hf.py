@@ -86,12 +86,11 @@ class _Routes:
         self.width = width
         self.decoded = torch.full((rows, steps, self.spec.layers, self.spec.top_k), self.spec.none,
                                   dtype=self.spec.dtype, device=device)
-        self.all_rows = torch.arange(rows, device=device)
         self._cpu: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def step(self, step: int, live: torch.Tensor | None) -> None:
         """After the forward of the tokens sampled at `step` by the rows `live` (None: all)."""
-        self.decoded[self.all_rows if live is None else live, step] = self.recorder.take()
+        self.decoded[slice(None) if live is None else live, step] = self.recorder.take()
 
     def of(self, row: int, prefill_row: int, prompt: int, decoded: int) -> torch.Tensor:
         """[prompt + decoded, layers, top_k] on the CPU: the row's prompt positions, then its fed-back tokens."""

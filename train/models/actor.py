@@ -184,7 +184,7 @@ class Actor(Trainable):
             n_mask = mask.sum()
             if self.balance is not None:  # the pack's load-balancing loss, weighted by its share of the action tokens
                 chunk = mb.input_ids.shape[1]  # this sp rank's positions: the real ones are the row's first laid_out
-                aux = self.balance.loss(min(max(mb.laid_out - self.layout.sp_rank * chunk, 0), chunk),
+                aux = self.balance.loss(min(max(mb.laid_out - self.layout.sp_rank * chunk, 0), chunk), mb.laid_out,
                                         self.layout.sp_group)
                 value = value + cfg.router_aux_loss_coef * aux * (n_mask / norms.tokens)
                 stats.add("router_aux_loss", aux.detach() * n_mask)

@@ -229,10 +229,11 @@ class RouterBalance:
         """Before a forward (activation checkpointing's recompute adds calls after the last loss)."""
         self._calls = []
 
-    def loss(self, rows: int, sp_group=None) -> torch.Tensor:
-        """The loss over the first `rows` positions of the last forward (the rest is padding). Under Ulysses
-        (`sp_group`), each rank holds a chunk of the row: the sums of every chunk are gathered (each rank's own
-        part keeps its gradient), so every rank computes the whole row's loss."""
+    def loss(self, rows: int, row_total: int, sp_group=None) -> torch.Tensor:
+        """The loss over a row's `row_total` real positions, of which the last forward (this rank's chunk) holds
+        its first `rows` (the rest is padding). Under Ulysses (`sp_group`) the sums of every chunk are gathered
+        (each rank's own part keeps its gradient), so every rank computes the whole row's loss. The counts are
+        host integers: no device-to-host wait per micro-batch."""
         from train.parallel.seq_parallel import gather_sequence
 
         calls, self._calls = self._calls[: self.spec.layers], []
@@ -243,15 +244,14 @@ class RouterBalance:
         counts = torch.zeros(experts, device=device)
         probs = torch.zeros(experts, device=device)
         for logits, chosen in calls:
-            counts += torch.zeros(experts, device=device).scatter_add_(
-                0, chosen[:rows].reshape(-1).long(), torch.ones(chosen[:rows].numel(), device=device))
+            picked = chosen[:rows].reshape(-1).long()
+            counts.scatter_add_(0, picked, torch.ones(picked.numel(), device=device))
             probs = probs + torch.softmax(logits[:rows].float(), dim=-1).sum(0)
-        sums = torch.cat([counts, probs, torch.tensor([float(rows)], device=device)])
-        sums = gather_sequence(sums[None], sp_group).sum(0)
-        total = sums[-1] * len(calls)
-        if float(total) == 0.0:  # a padding pack: no real position
+        if row_total == 0:  # a padding pack (on every sp rank alike): no real position
             return probs.sum() * 0.0
-        return experts * torch.sum((sums[:experts] / total) * (sums[experts:2 * experts] / total))
+        sums = gather_sequence(torch.cat([counts, probs])[None], sp_group).sum(0)
+        total = float(row_total * len(calls))
+        return experts * torch.sum((sums[:experts] / total) * (sums[experts:] / total))
 
 
 def dispatch_routes(samples: list, mode: str, spec: RoutingSpec) -> dict:

@@ -91,7 +91,7 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      packed_segments: tuple[torch.Tensor, torch.Tensor] | None = None,
                      sp_group: dist.ProcessGroup | None = None, dropout: float = 0.0, scaling: float | None = None,
                      sliding_window: int | None = None, softcap: float | None = None,
-                     **_: Any) -> tuple[torch.Tensor, None]:
+                     s_aux: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, None]:
     """query [1, H, C, d], key/value [1, Hkv, C, d] for this rank's chunk of a packed row;
     `packed_segments` = (slots, real): the whole row's segment slots, built once per micro-batch
     by `segment_slots` (train/parallel/packing.py). `sliding_window` (Mistral, Gemma's local layers): a
@@ -103,16 +103,15 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if softcap is not None:
         raise ValueError(f"packed attention does not cap attention logits (softcap={softcap}, Gemma 2's "
                          "attn_logit_softcapping): this model would train on other numbers than it samples with")
-    sinks = _.get("s_aux")
     sp = dist.get_world_size(sp_group) if sp_group is not None else 1
     if sp > 1:
         if key.shape[1] % sp:  # too few key/value heads to split: give every query head its own copy
             rep = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
         query, key, value = (_SwapSplit.apply(t, sp_group, True) for t in (query, key, value))
-        if sinks is not None:  # this rank's heads (_SwapSplit gives rank r the r-th block of heads)
-            sinks = sinks.view(sp, -1)[dist.get_rank(sp_group)]
-    out = _segment_attention(query, key, value, packed_segments, scaling, dropout, sliding_window, sinks)
+        if s_aux is not None:  # this rank's heads (_SwapSplit gives rank r the r-th block of heads)
+            s_aux = s_aux.view(sp, -1)[dist.get_rank(sp_group)]
+    out = _segment_attention(query, key, value, packed_segments, scaling, dropout, sliding_window, s_aux)
     if sp > 1:
         out = _SwapSplit.apply(out, sp_group, False)
     return out.transpose(1, 2).contiguous(), None

@@ -116,12 +116,18 @@ _NO_TP_PLAN = {
 }
 
 
+def expert_count(model_config) -> int:
+    """Routed experts per MoE layer from a model's config (the names transformers' families use); 0: dense."""
+    return next((int(getattr(model_config, k)) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                 if getattr(model_config, k, None)), 0)
+
+
 def tp_refusal(model_config) -> str | None:
     """Why this model cannot run under tp_size > 1 (None: it can), from its config alone."""
     kind = getattr(model_config, "model_type", "")
     if kind in _NO_TP_PLAN:
         return f"{TP_SUPPORTED}; {kind}: {_NO_TP_PLAN[kind]}"
-    if any(getattr(model_config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+    if expert_count(model_config):
         return (f"{TP_SUPPORTED}; {kind}: a mixture of experts, whose experts have no tensor-parallel plan "
                 "(shard them with FSDP2 instead)")
     return None

@@ -38,12 +38,12 @@ def exported_state(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]
 
 
 def write_weights(named: Iterable[tuple[str, torch.Tensor]], folder: str, ctx: DistContext, shard_bytes: int,
-                  bucket_bytes: int, rename: Callable[[str], str] = lambda k: k,
+                  bucket_bytes: int,
                   to_files: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]] | None = None) -> list[str]:
     """Stream (name, tensor) pairs (local shards of one model) into `folder` as safetensors shards
     (rank 0 writes; every rank gathers). `to_files` maps a full tensor to the files' (name, tensor) pairs
-    (train/models/checkpoint_names.py's hub_layout: a mixture of experts' per-expert tensors). Returns the
-    file names."""
+    (a renaming; train/models/checkpoint_names.py's hub_layout: a mixture of experts' per-expert tensors).
+    Returns the file names."""
     from safetensors.torch import save_file
 
     shards: list[list[str]] = []
@@ -68,7 +68,7 @@ def write_weights(named: Iterable[tuple[str, torch.Tensor]], folder: str, ctx: D
             nbytes = tensor.numel() * tensor.element_size()
             if current and size + nbytes > shard_bytes:
                 flush()
-            current[rename(key)] = tensor.detach().to("cpu", copy=True).contiguous()
+            current[key] = tensor.detach().to("cpu", copy=True).contiguous()
             size += nbytes
     if not ctx.is_main:
         return []
@@ -130,7 +130,7 @@ def _export(model: torch.nn.Module, tokenizer, out_dir: str, ctx: DistContext, s
         if ctx.is_main:
             os.makedirs(os.path.join(tmp, "critic"))
         write_weights(exported_state(critic), os.path.join(tmp, "critic"), ctx, shard_bytes, bucket_bytes,
-                      rename=lambda k: k.replace("value_head.", "score."))
+                      to_files=lambda k, t: [(k.replace("value_head.", "score."), t)])
     if ctx.is_main:
         model.config.save_pretrained(tmp)  # its `architectures` name the causal LM class (FSDP renames the type)
         if getattr(model, "generation_config", None) is not None:

@@ -448,9 +448,10 @@ def _validate_experts(run: RunConfig, paths: ModelPaths) -> None:
         return
     from transformers import AutoConfig
 
+    from train.parallel.tensor_parallel import expert_count
+
     config = AutoConfig.from_pretrained(paths.actor)
-    experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if getattr(config, k, None)), None)
+    experts = expert_count(config)
     for key, value, off in (("router_replay", actor.router_replay, "null"), ("router_aux_loss_coef",
                                                                             actor.router_aux_loss_coef, "0")):
         if value and not experts:
