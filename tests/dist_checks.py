@@ -138,7 +138,7 @@ def set_ownership(n: int, split: str, world: int) -> None:
 
 
 def layout_overrides(args) -> dict:
-    return {"ddp_size": args.ddp, "tp_size": args.tp, "sp_size": args.sp,
+    return {"ddp_size": args.ddp, "tp_size": args.tp, "sp_size": args.sp, "ep_size": args.ep,
             "offload_model": args.offload, "offload_optimizer": args.offload, "gradient_checkpointing": args.ac}
 
 
@@ -614,6 +614,7 @@ def main() -> None:
     parser.add_argument("--ddp", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--sp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel size (a mixture of experts' --model)")
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--ac", action="store_true", help="activation checkpointing")
     parser.add_argument("--model", default=MODEL)

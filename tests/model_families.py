@@ -40,7 +40,6 @@ FAMILIES: dict[str, tuple[str, dict, str]] = {
 }
 
 
-MIXTURES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")  # their training cells run with router replay and the load-balancing loss
 
 
 def build(family: str, folder: str | os.PathLike, seed: int = 0) -> str:
@@ -60,13 +59,16 @@ def build(family: str, folder: str | os.PathLike, seed: int = 0) -> str:
     return str(folder)
 
 
+MIXTURES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")  # their training cells run with router replay and the load-balancing loss
+
 # family -> feature -> None (works, a test checks it) or the reason it cannot (the start of the error users get)
-FEATURES = ("load", "fsdp2", "tp2", "train_fsdp2", "train_tp2", "train_sp2", "packing", "decode", "lora")
+FEATURES = ("load", "fsdp2", "tp2", "train_fsdp2", "train_tp2", "train_sp2", "train_ep2", "packing", "decode", "lora")
 FEATURE_NAMES = {"load": "meta-device load = from_pretrained", "fsdp2": "FSDP2 x2 load, logits bit for bit",
                  "tp2": "TP x2 load, logits to 1e-4",
                  "train_fsdp2": "2 steps, 2 ranks, FSDP2; the export in the Hub's layout reloads bit for bit",
                  "train_tp2": "2 steps, 2 ranks, TP x2",
                  "train_sp2": "2 steps, 2 ranks, Ulysses SP x2, fused log-prob head",
+                 "train_ep2": "2 steps, 2 ranks, experts split over EP x2; the export reloads bit for bit",
                  "packing": "packed rows, shared prompts: log-probs and gradients = each sequence alone",
                  "decode": "static-cache decode = dynamic", "lora": "LoRA on attention and MLP projections"}
 # The projections LoRA adapts in each family (train/models/lora.py's defaults unless named here).
@@ -82,6 +84,9 @@ NO_TP = {"phi3": "no TP plan: the fused qkv_proj and gate_up_proj would split ac
 for family, reason in NO_TP.items():
     for feature in ("tp2", "train_tp2"):
         MATRIX[family][feature] = reason
+for family in FAMILIES:
+    if family not in MIXTURES:
+        MATRIX[family]["train_ep2"] = "not a mixture of experts: no experts to split (refused at start)"
 for family in ("gemma3", "gpt_oss"):
     MATRIX[family]["decode"] = "sliding-window layers keep the dynamic cache (the engine chooses it)"
 for family in MIXTURES:

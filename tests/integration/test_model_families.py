@@ -20,13 +20,13 @@ from train.trainer.config import ConfigError, validate
 # share their code with these: the fused-expert reader, Gemma's norms and buffers, the refusals). The
 # fused-expert reader's block reads are also tests/unit/test_checkpoint_names.py's, so Qwen3-MoE's FSDP2
 # load cell is slow and its training cell default.
-DEFAULT = {("gemma3", "tp2"), ("qwen3_moe", "train_fsdp2"), ("gemma3", "train_tp2"), ("gpt_oss", "packing"),
+DEFAULT = {("gemma3", "tp2"), ("qwen3_moe", "train_ep2"), ("gemma3", "train_tp2"), ("gpt_oss", "packing"),
            ("gpt_oss", "train_sp2"),
            *((family, feature) for family in FAMILIES for feature in ("decode", "lora"))}  # (in-process, < 1 s each)
 
 LAYOUTS = {"load": (1, []), "fsdp2": (2, []), "tp2": (2, ["--tp", "2"]),
            "train_fsdp2": (2, []), "train_tp2": (2, ["actor.tp_size=2"]),
-           "train_sp2": (2, ["actor.sp_size=2", "actor.use_liger_kernel=true"])}
+           "train_sp2": (2, ["actor.sp_size=2", "actor.use_liger_kernel=true"]), "train_ep2": (2, ["actor.ep_size=2"])}
 
 # Rewards that differ within a group whatever a random model says (their parity), so advantages are not 0
 PARITY_ENV = """
@@ -77,7 +77,7 @@ def test_a_family_loads_shard_by_shard_like_from_pretrained(tmp_path, family_mod
         assert result["logits_equal"] and result["values_err"] == 0.0
 
 
-@pytest.mark.parametrize("family,feature", cells(("train_fsdp2", "train_tp2", "train_sp2"), works=True))
+@pytest.mark.parametrize("family,feature", cells(("train_fsdp2", "train_tp2", "train_sp2", "train_ep2"), works=True))
 def test_a_family_trains_two_steps_on_two_ranks(tmp_path, family_model, family, feature):
     env = tmp_path / "parity.py"
     env.write_text(textwrap.dedent(PARITY_ENV))
@@ -100,7 +100,7 @@ def test_a_family_trains_two_steps_on_two_ranks(tmp_path, family_model, family, 
         # the engine's log-probs and the trainer's agree in fp32: the same model, the same routing
         assert m["actor/sampler_kl"] < 1e-4 and m["actor/sampler_abs_diff"] < 1e-4, m
     assert metrics[-1]["actor/weight_change"] > 0
-    if feature == "train_fsdp2":
+    if feature in ("train_fsdp2", "train_ep2"):
         assert_export_is_the_trained_model_in_the_hub_layout(run / "latest", run / "step2", folder)
 
 
@@ -138,6 +138,12 @@ def test_a_family_without_a_tensor_parallel_plan_is_refused_at_start(family_mode
     with pytest.raises(ConfigError, match=rf"actor.tp_size=2: tensor parallelism supports .*{why}.*; set "
                                           r"actor.tp_size=1"):
         validate(compose_config([f"actor.model_name={family_model(family)}", "actor.tp_size=2"]), world_size=2)
+
+
+@pytest.mark.parametrize("family,feature", cells(("train_ep2",), works=False))
+def test_expert_parallelism_on_a_dense_family_is_refused_at_start(family_model, family, feature):
+    with pytest.raises(ConfigError, match=r"actor.ep_size=2: \w+ is not a mixture of experts; set actor.ep_size=1"):
+        validate(compose_config([f"actor.model_name={family_model(family)}", "actor.ep_size=2"]), world_size=2)
 
 
 @pytest.mark.parametrize("family,feature", cells(("packing",), works=True))

@@ -13,6 +13,7 @@ def test_sizes_are_derived_from_the_world():
     assert layout_sizes(4, tp=2) == Sizes(ddp=1, fsdp=2, tp=2, sp=1, dp=2)
     assert layout_sizes(1) == Sizes(ddp=1, fsdp=1, tp=1, sp=1, dp=1)
     assert layout_sizes(16, ddp=4, sp=4) == Sizes(ddp=4, fsdp=4, tp=1, sp=4, dp=4)
+    assert layout_sizes(8, ddp=2, ep=2) == Sizes(ddp=2, fsdp=4, tp=1, sp=1, dp=8, ep=2)  # experts: efsdp = 2
 
 
 @pytest.mark.parametrize("world,kwargs,pattern", [
@@ -20,10 +21,24 @@ def test_sizes_are_derived_from_the_world():
     (4, {"tp": 2, "sp": 4}, r"critic.sp_size=4 x critic.tp_size=2 does not divide the 4 ranks"),
     (8, {"tp": 2, "ddp": 3}, r"critic.ddp_size=3 does not divide the 4 data-parallel ranks"),
     (2, {"tp": 0}, r"critic.tp_size: must be a positive integer"),
+    (8, {"ddp": 2, "ep": 8}, r"critic.ep_size=8 does not divide the 4 FSDP ranks \(world 8 / ddp_size 2 / tp_size 1\)"),
+    (4, {"tp": 2, "ep": 2}, r"critic.ep_size=2 with critic.tp_size=2: .*set critic.tp_size=1"),
 ])
 def test_sizes_that_do_not_fit_the_world_name_the_key(world, kwargs, pattern):
     with pytest.raises(LayoutError, match=pattern):
         layout_sizes(world, prefix="critic", **kwargs)
+
+
+def test_experts_must_split_over_ep():
+    from transformers import Qwen3MoeConfig
+
+    moe = Qwen3MoeConfig(num_experts=6, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=16,
+                         num_hidden_layers=1, vocab_size=512)
+    check_model_fits(layout_sizes(4, ep=2), moe)
+    with pytest.raises(LayoutError, match=r"actor.ep_size=4: 6 experts per layer do not split evenly"):
+        check_model_fits(layout_sizes(4, ep=4), moe)
+    with pytest.raises(LayoutError, match=r"actor.ep_size=2: LlamaConfig is not a mixture of experts; set actor.ep_size=1"):
+        check_model_fits(layout_sizes(2, ep=2), llama(heads=8, kv=2))
 
 
 def llama(heads=9, kv=3, vocab=49152):

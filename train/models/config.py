@@ -134,6 +134,8 @@ class ActorConfig:
     ddp_size: int = setting("replicas: FSDP2 hybrid sharding replicates over ddp, shards over fsdp", ge=1)
     tp_size: int = setting("tensor parallel size (heads, MLP, vocab-parallel lm_head)", ge=1)
     sp_size: int = setting("Ulysses sequence parallel: each packed row split over sp ranks", ge=1)
+    ep_size: int = setting("expert parallel (mixtures of experts): each layer's routed experts split over ep of the "
+                           "fsdp ranks, tokens sent to them by all-to-all", ge=1)
     offload_model: bool = setting("FSDP2 CPU offload of parameters and gradients (optimizer step on CPU)")
     offload_optimizer: bool = setting("Adam moments on the CPU between steps")
 
@@ -145,6 +147,7 @@ class RefActorConfig:
     ddp_size: int | None = setting("null: the actor's", ge=1)
     tp_size: int | None = setting("null: the actor's", ge=1)
     sp_size: int | None = setting("null: the actor's", ge=1)
+    ep_size: int | None = setting("null: the actor's", ge=1)
     offload_model: bool | None = setting("null: the actor's")
 
 

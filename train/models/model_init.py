@@ -4,8 +4,9 @@ Every rank builds the architecture on the `meta` device (no memory), applies the
 (train/parallel/parallelize.py: TP, packed attention, activation checkpointing, FSDP2), allocates
 only its local shards (`to_empty`), and fills them from the checkpoint: for each tensor it reads
 just the slice it holds from the safetensors files (memory-mapped), so memory per rank falls with
-the number of ranks from start-up on. Layouts whose local piece is not one block of the full tensor
-(FSDP over TP-sharded rows) read that one tensor whole and keep their piece. Non-persistent buffers
+the number of ranks from start-up on. FSDP over rows already split by TP or EP (a `_StridedShard`) still
+holds one block: FSDP splits the TP/EP piece again. A placement whose piece is not one block would
+read that one tensor whole and keep its piece. Non-persistent buffers
 (rotary frequencies) are recomputed the way the model's own constructor computes them, tied
 embeddings stay tied, and the critic's value head starts at zero: the result is what
 `from_pretrained` gives, bit for bit
@@ -79,10 +80,11 @@ class WeightReader:
 def _local_block(tensor: torch.Tensor) -> tuple[slice, ...] | None:
     """The block of the full tensor this rank holds, or None when its piece is not one block."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from torch.distributed.tensor.placement_types import Shard
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
-    if any(type(p) is not Shard and not p.is_replicate() and not p.is_partial() for p in tensor.placements):
-        return None  # e.g. _StridedShard: FSDP over a TP-sharded dim
+    if any(not isinstance(p, (Shard, _StridedShard)) and not p.is_replicate() and not p.is_partial()
+           for p in tensor.placements):
+        return None
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 

@@ -41,13 +41,36 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device 
                 state[key] = value.to(device, non_blocking=True)
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip the gradients to a global L2 norm `max_norm`; returns the pre-clip norm (a plain tensor).
+    Gradients on one device mesh (or none): torch's clip_grad_norm_, whose DTensor reductions span every
+    shard. On several meshes (expert parallelism: dense weights over fsdp, experts over efsdp x ep) each
+    mesh's norm is reduced on its own and the squares added; every gradient is scaled by the same factor."""
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    if len(by_mesh) <= 1:
+        return _whole(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    squares = [_whole(torch.nn.utils.get_total_norm(grads)).double() ** 2 for grads in by_mesh.values()]
+    norm = torch.stack(squares).sum().sqrt().float()
+    coef = float(max_norm / (norm + 1e-6))  # torch's clip_coef
+    if coef < 1.0 and torch.isfinite(norm):
+        for grads in by_mesh.values():
+            torch._foreach_mul_(grads, coef)
+    return norm
+
+
 def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                   scheduler: torch.optim.lr_scheduler.LRScheduler, max_norm: float,
                   offload_optimizer: bool = False) -> float:
     """Global gradient clipping, then the optimizer step unless the norm is not finite; returns the
-    pre-clip norm. clip_grad_norm_ over DTensor grads reduces across all shards: a global norm."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    pre-clip norm."""
+    norm = clip_grad_norm(list(model.parameters()), max_norm)
     if torch.isfinite(norm):
         if offload_optimizer:
             move_optimizer_state(optimizer, norm.device)

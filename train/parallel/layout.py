@@ -8,6 +8,11 @@
     world = ddp * fsdp * tp = dp * sp * tp. Ranks are laid out tp-innermost in both meshes, so a
     tp group is the same set of ranks in each; sp ranks sit inside the FSDP dimensions (they hold
     the same parameters and their gradients are reduced with the data-parallel ones).
+
+    With expert parallelism (ep > 1, mixtures of experts) the model mesh is (ddp, efsdp, ep, tp):
+    fsdp = efsdp * ep, flattened, still shards the dense parameters; routed experts are split over
+    `ep` and FSDP-sharded over (ddp, efsdp) (train/parallel/expert_parallel.py). ep ranks are
+    consecutive, so an ep group sits inside a node where it can.
 """
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from train.parallel.distributed import mesh_overrides
-from train.parallel.tensor_parallel import tp_refusal
+from train.parallel.expert_parallel import ep_refusal
+from train.parallel.tensor_parallel import expert_count, tp_refusal
 
 
 class LayoutError(ValueError):
@@ -31,11 +37,12 @@ class Sizes:
     tp: int
     sp: int
     dp: int
+    ep: int = 1
 
 
-def layout_sizes(world: int, ddp: int = 1, tp: int = 1, sp: int = 1, prefix: str = "actor") -> Sizes:
-    """Derive fsdp and dp from the world size and the user's ddp/tp/sp, or say which key is wrong."""
-    for key, value in (("ddp_size", ddp), ("tp_size", tp), ("sp_size", sp)):
+def layout_sizes(world: int, ddp: int = 1, tp: int = 1, sp: int = 1, prefix: str = "actor", ep: int = 1) -> Sizes:
+    """Derive fsdp and dp from the world size and the user's ddp/tp/sp/ep, or say which key is wrong."""
+    for key, value in (("ddp_size", ddp), ("tp_size", tp), ("sp_size", sp), ("ep_size", ep)):
         if not isinstance(value, int) or value < 1:
             raise LayoutError(f"{prefix}.{key}: must be a positive integer, got {value!r}")
     if world % tp:
@@ -46,7 +53,14 @@ def layout_sizes(world: int, ddp: int = 1, tp: int = 1, sp: int = 1, prefix: str
     if (world // tp) % ddp:
         raise LayoutError(f"{prefix}.ddp_size={ddp} does not divide the {world // tp} data-parallel ranks "
                           f"(world {world} / tp_size {tp}); use a divisor of {world // tp}")
-    return Sizes(ddp=ddp, fsdp=world // (tp * ddp), tp=tp, sp=sp, dp=world // (tp * sp))
+    fsdp = world // (tp * ddp)
+    if ep > 1 and tp > 1:
+        raise LayoutError(f"{prefix}.ep_size={ep} with {prefix}.tp_size={tp}: experts are split over ep "
+                          f"and the rest sharded with FSDP; set {prefix}.tp_size=1")
+    if fsdp % ep:
+        raise LayoutError(f"{prefix}.ep_size={ep} does not divide the {fsdp} FSDP ranks (world {world} / "
+                          f"ddp_size {ddp} / tp_size {tp}); use a divisor of {fsdp}")
+    return Sizes(ddp=ddp, fsdp=fsdp, tp=tp, sp=sp, dp=world // (tp * sp), ep=ep)
 
 
 def check_model_fits(sizes: Sizes, model_config, prefix: str = "actor") -> None:
@@ -67,19 +81,38 @@ def check_model_fits(sizes: Sizes, model_config, prefix: str = "actor") -> None:
     if model_config.vocab_size % sizes.tp:
         raise LayoutError(f"{prefix}.tp_size={sizes.tp}: the vocabulary ({model_config.vocab_size}) does not "
                           f"split evenly for the vocab-parallel lm_head")
+    if sizes.ep > 1:
+        experts = expert_count(model_config)
+        reason = ep_refusal(model_config) if experts else (f"{type(model_config).__name__} is not a mixture of "
+                                                          "experts")
+        if reason is not None:
+            raise LayoutError(f"{prefix}.ep_size={sizes.ep}: {reason}; set {prefix}.ep_size=1")
+        if experts % sizes.ep:
+            raise LayoutError(f"{prefix}.ep_size={sizes.ep}: {experts} experts per layer do not split evenly; "
+                              f"use a divisor of {experts}")
 
 
 @dataclass
 class Layout:
     """One model's meshes and this rank's place in them."""
     sizes: Sizes
-    model_mesh: DeviceMesh  # ("ddp", "fsdp", "tp")
+    model_mesh: DeviceMesh  # ("ddp", "fsdp", "tp"); with ep > 1 ("ddp", "efsdp", "ep", "tp"), fsdp flattened
     data_mesh: DeviceMesh  # ("dp", "sp", "tp")
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
         """What fully_shard runs over: (ddp, fsdp) for hybrid sharding, else fsdp alone."""
         return self.model_mesh["ddp", "fsdp"] if self.sizes.ddp > 1 else self.model_mesh["fsdp"]
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        """What routed experts are split over (ep > 1 only)."""
+        return self.model_mesh["ep"]
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """What FSDP shards each rank's block of experts over (ep > 1 only): (ddp, efsdp), or efsdp alone."""
+        return self.model_mesh["ddp", "efsdp"] if self.sizes.ddp > 1 else self.model_mesh["efsdp"]
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -119,20 +152,28 @@ class Layout:
 
 
 def build_layout(world: int, device_type: str, ddp: int = 1, tp: int = 1, sp: int = 1,
-                 prefix: str = "actor", timeout_s: float | None = None) -> Layout:
+                 prefix: str = "actor", timeout_s: float | None = None, ep: int = 1) -> Layout:
     """Both meshes for one model; a collective (every rank calls it, in the same order). Their
     groups time out after `timeout_s` (None: torch's default)."""
-    sizes = layout_sizes(world, ddp, tp, sp, prefix)
-    model_dims, data_dims = ("ddp", "fsdp", "tp"), ("dp", "sp", "tp")
-    model_mesh = init_device_mesh(device_type, (sizes.ddp, sizes.fsdp, sizes.tp), mesh_dim_names=model_dims,
+    sizes = layout_sizes(world, ddp, tp, sp, prefix, ep)
+    data_dims = ("dp", "sp", "tp")
+    if sizes.ep > 1:
+        model_dims, shape = ("ddp", "efsdp", "ep", "tp"), (sizes.ddp, sizes.fsdp // sizes.ep, sizes.ep, sizes.tp)
+    else:
+        model_dims, shape = ("ddp", "fsdp", "tp"), (sizes.ddp, sizes.fsdp, sizes.tp)
+    model_mesh = init_device_mesh(device_type, shape, mesh_dim_names=model_dims,
                                   backend_override=mesh_overrides(device_type, model_dims, timeout_s))
+    if sizes.ep > 1:  # the dense parameters' fsdp dimension: efsdp x ep as one
+        override = mesh_overrides(device_type, ("fsdp",), timeout_s)
+        model_mesh["efsdp", "ep"]._flatten("fsdp", backend_override=override and override["fsdp"])
     data_mesh = init_device_mesh(device_type, (sizes.dp, sizes.sp, sizes.tp), mesh_dim_names=data_dims,
                                  backend_override=mesh_overrides(device_type, data_dims, timeout_s))
     return Layout(sizes, model_mesh, data_mesh)
 
 
 def layout_for(section, world: int, device_type: str, prefix: str, timeout_s: float | None = None) -> Layout:
-    """A model's layout from its config section (`ddp_size`, `tp_size`, `sp_size`; absent or null = 1)."""
+    """A model's layout from its config section (`ddp_size`, `tp_size`, `sp_size`, `ep_size`; absent or
+    null = 1)."""
     size = lambda key: getattr(section, key, None) or 1  # noqa: E731
     return build_layout(world, device_type, ddp=size("ddp_size"), tp=size("tp_size"), sp=size("sp_size"),
-                        prefix=prefix, timeout_s=timeout_s)
+                        prefix=prefix, timeout_s=timeout_s, ep=size("ep_size"))

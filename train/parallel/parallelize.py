@@ -1,5 +1,6 @@
 """Wrapping a model for its layout, torchtitan style: small composable functions over a device mesh,
-applied in order by `parallelize`: `apply_tp` (train/parallel/tensor_parallel.py),
+applied in order by `parallelize`: `apply_tp` (train/parallel/tensor_parallel.py), `apply_ep`
+(routed experts split over ep ranks: train/parallel/expert_parallel.py),
 `install_packed_attention` (segment attention over packed rows, Ulysses when sp > 1:
 train/parallel/seq_parallel.py), `apply_ac`, `apply_fsdp`."""
 from __future__ import annotations
@@ -8,6 +9,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from train.parallel.expert_parallel import apply_ep, expert_modules
 from train.parallel.layout import Layout
 from train.parallel.seq_parallel import install_packed_attention
 from train.parallel.tensor_parallel import apply_tp
@@ -30,13 +32,20 @@ def apply_ac(model: torch.nn.Module) -> None:
 
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: str = "float32",
-               reshard_after_forward: bool = True, offload: bool = False) -> torch.nn.Module:
+               reshard_after_forward: bool = True, offload: bool = False,
+               expert_mesh: DeviceMesh | None = None) -> torch.nn.Module:
     """FSDP2: shard each decoder layer, then the root (embeddings, norm, lm_head). A 2-D
     (ddp, fsdp) mesh gives hybrid sharding: replicate over ddp, shard over fsdp. `offload` keeps
-    parameters, gradients and the optimizer step on the CPU (CPUOffloadPolicy)."""
+    parameters, gradients and the optimizer step on the CPU (CPUOffloadPolicy). With expert
+    parallelism, each layer's experts (already split over ep) are their own FSDP unit over
+    `expert_mesh`, inside their layer's."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     for layer in transformer_layers(model):
+        if expert_mesh is not None:
+            for experts in expert_modules(layer):
+                fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                            offload_policy=policy)
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                     offload_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=policy)
@@ -51,9 +60,12 @@ def parallelize(model: torch.nn.Module, layout: Layout, *, param_dtype: str = "f
     shard over one rank and only add its hooks and DTensor dispatch to every call."""
     if layout.sizes.tp > 1:
         apply_tp(model, layout.tp_mesh)
+    if layout.sizes.ep > 1:
+        apply_ep(model, layout.ep_mesh)
     install_packed_attention(model)
     if gradient_checkpointing:
         apply_ac(model)
     if layout.fsdp_mesh.size() == 1 and layout.sizes.tp == 1 and param_dtype == "float32" and not offload:
         return model
-    return apply_fsdp(model, layout.fsdp_mesh, param_dtype=param_dtype, offload=offload)
+    return apply_fsdp(model, layout.fsdp_mesh, param_dtype=param_dtype, offload=offload,
+                      expert_mesh=layout.expert_fsdp_mesh if layout.sizes.ep > 1 else None)

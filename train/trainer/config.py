@@ -393,7 +393,7 @@ def has_reference_slot(run: RunConfig) -> bool:
     return run.actor.kl.coef > 0 or run.distill.enabled
 
 
-PARALLEL_KEYS = ("ddp_size", "tp_size", "sp_size", "offload_model", "offload_optimizer")
+PARALLEL_KEYS = ("ddp_size", "tp_size", "sp_size", "ep_size", "offload_model", "offload_optimizer")
 
 
 def role_config(run: RunConfig, role: str) -> ActorConfig | CriticConfig:
@@ -420,7 +420,8 @@ def _validate_parallel(run: RunConfig, world_size: int, paths: ModelPaths) -> No
     for role in roles:
         section = role_config(run, role)
         try:
-            sizes = layout_sizes(world_size, section.ddp_size, section.tp_size, section.sp_size, prefix=role)
+            sizes = layout_sizes(world_size, section.ddp_size, section.tp_size, section.sp_size, prefix=role,
+                                 ep=getattr(section, "ep_size", None) or 1)
         except LayoutError as e:
             raise ConfigError(f"config: {e}") from None
         path = {"actor": paths.actor, "ref_actor": paths.reference, "critic": paths.critic}[role]

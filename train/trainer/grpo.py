@@ -219,11 +219,11 @@ class Trainer:
 
     def _build_models(self, pad_id: int, temperature: float) -> Models:
         cfg, ctx, paths = self.cfg, self.ctx, self.paths
-        layouts: dict[tuple[int, int, int], Layout] = {}
+        layouts: dict[tuple[int, ...], Layout] = {}
 
         def layout(role: str) -> Layout:  # models with the same sizes share their meshes (one set of groups)
             section = role_config(cfg, role)
-            key = tuple(getattr(section, k) or 1 for k in ("ddp_size", "tp_size", "sp_size"))
+            key = tuple(getattr(section, k, None) or 1 for k in ("ddp_size", "tp_size", "sp_size", "ep_size"))
             if key not in layouts:
                 layouts[key] = layout_for(section, ctx.world_size, ctx.device.type, role,
                                           timeout_s=ctx.collective_timeout_s)
