@@ -138,7 +138,7 @@ def set_ownership(n: int, split: str, world: int) -> None:
 
 
 def layout_overrides(args) -> dict:
-    return {"ddp_size": args.ddp, "tp_size": args.tp, "sp_size": args.sp, "ep_size": args.ep,
+    return {"ddp_size": args.ddp, "tp_size": args.tp, "sp_size": args.sp, "ep_size": args.ep, "cp_size": args.cp,
             "offload_model": args.offload, "offload_optimizer": args.offload, "gradient_checkpointing": args.ac}
 
 
@@ -542,6 +542,82 @@ def router_replay(args, ctx) -> None:
         torch.save(out, args.out)
 
 
+def ring(args, ctx) -> None:
+    """Ring attention on the ranks' zigzag chunks of packed rows (lone samples, shared prompts, end padding;
+    grouped-query heads; with and without a sliding window) in float64 against a float64 softmax over the whole
+    row under a dense mask read from the one-process path's own segment layout (`dense_visible`): outputs and
+    the gradients of q, k and v of this rank's positions; and against that one-process segment attention
+    itself (float32 softmax) to its rounding."""
+    from train.parallel.packing import build_packed, prompt_units
+    from train.parallel.seq_parallel import _segment_attention, packed_attention
+
+    batch = grouped_batch()
+    ids = [torch.tensor(x) for x in batch.ids]
+    masks = [torch.tensor(m[1:], dtype=torch.float32) for m in batch.action_mask]
+    members = list(range(len(ids)))
+    units = prompt_units(members, ids, [i // 4 for i in members], 10_000) if args.share else None
+    n, r = ctx.world_size, ctx.rank
+    whole = build_packed(members, ids, masks, 0, ctx.device, multiple=2 * n, units=units)
+    mine = build_packed(members, ids, masks, 0, ctx.device, sp_rank=r, sp_size=n, multiple=2 * n, units=units,
+                        ring=True)
+    total = whole.total_len
+    assert torch.equal(whole.input_ids[0][mine_rows := zigzag(r, n, total)], mine.input_ids[0])
+    out = {}
+    for window in (None, 7):
+        g = torch.Generator().manual_seed(5)
+        q, k, v = (torch.randn(1, heads, total, 8, generator=g, dtype=torch.float64) for heads in (4, 2, 2))
+        weight = torch.randn(1, total, 4, 8, generator=g, dtype=torch.float64)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        kk, vv = (t.repeat_interleave(2, 1) for t in leaves[1:])
+        scores = (leaves[0] @ kk.transpose(-1, -2)) * 8 ** -0.5
+        visible = dense_visible(whole.segment_slots, total, window)
+        ref = (torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ vv).transpose(1, 2)  # [1, T, H, d]
+        (ref * weight).sum().backward()
+        segment = _segment_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), whole.segment_slots,
+                                     None, 0.0, window).transpose(1, 2)
+        out[f"segment_{window}"] = float((segment - ref).abs().max())
+        local = [t[:, :, mine_rows].clone().requires_grad_() for t in (q, k, v)]
+        got, _ = packed_attention(None, *local, None, packed_segments=mine.segment_slots,
+                                  sp_group=torch.distributed.group.WORLD, sliding_window=window)
+        (got * weight[:, mine_rows]).sum().backward()
+        out[f"out_{window}"] = float((got - ref[:, mine_rows]).abs().max())
+        for name, a, b in zip("qkv", local, leaves):
+            out[f"d{name}_{window}"] = float((a.grad - b.grad[:, :, mine_rows]).abs().max())
+        out[f"scale_{window}"] = float(leaves[1].grad.abs().max())
+    out["shared"] = bool(args.share and any(u.shared for u in units))
+    torch.save(out, args.out.replace(".pt", f".rank{r}.pt"))
+
+
+def dense_visible(segments: tuple, total: int, window: int | None) -> torch.Tensor:
+    """[T, T] bool from the segment attention's layout (train/parallel/packing.py segment_slots / shared_slots):
+    a whole segment's slot offsets are causal positions; a shared-prompt tail's query i (at prefix + i) sees its
+    key list up to prefix + i; the window bounds the position difference."""
+    slots, owner = segments[0], segments[1]
+    longest, base = slots.shape[1], slots.numel()
+    at = torch.empty(total, dtype=torch.long)  # each row position's place in its attention: (group, offset)
+    group = torch.empty(total, dtype=torch.long)
+    whole = owner < base
+    group[whole], at[whole] = owner[whole] // longest, owner[whole] % longest
+    visible = (group[:, None] == group[None, :]) & (at[None, :] <= at[:, None]) & whole[:, None] & whole[None, :]
+    if window is not None:
+        visible &= at[:, None] - at[None, :] < window
+    if len(segments) == 5:
+        queries, keys, prefix = segments[2], segments[3], segments[4]
+        width = queries.shape[1]
+        for row in (~whole).nonzero().squeeze(1).tolist():
+            tail, i = divmod(int(owner[row]) - base, width)
+            for j in range(int(prefix[tail]) + i + 1):
+                if window is None or int(prefix[tail]) + i - j < window:
+                    visible[row, keys[tail, j]] = True
+    return visible
+
+
+def zigzag(rank: int, n: int, total: int) -> torch.Tensor:
+    from train.parallel.seq_parallel import zigzag_rows
+
+    return zigzag_rows(rank, n, total // (2 * n))
+
+
 def sync(args, ctx) -> None:
     """Verified weight sync through PolicySync (what the trainer calls): an honest push verifies and
     the probe agrees; an engine that silently drops one tensor on the last rank, or whose weights
@@ -602,7 +678,7 @@ def sync(args, ctx) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["grads", "match", "critic_grads", "reference", "teachers", "lora_reference",
-                                         "shared_base", "packing", "router_replay",
+                                         "shared_base", "packing", "router_replay", "ring",
                                          "collectives", "advantages", "push", "load", "reshard", "sync"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--agg", default="all_token_mean")
@@ -615,6 +691,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--sp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size (a mixture of experts' --model)")
+    parser.add_argument("--cp", type=int, default=1, help="context parallel size (ring attention)")
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--ac", action="store_true", help="activation checkpointing")
     parser.add_argument("--model", default=MODEL)
@@ -629,7 +706,7 @@ def main() -> None:
     ctx = init_distributed()
     try:
         {"grads": grads, "match": match, "critic_grads": critic_grads, "reference": reference, "teachers": teachers,
-         "lora_reference": lora_reference, "shared_base": shared_base, "router_replay": router_replay,
+         "lora_reference": lora_reference, "shared_base": shared_base, "router_replay": router_replay, "ring": ring,
          "packing": packing, "collectives": collectives, "advantages": advantages,
          "push": push, "load": load, "reshard": reshard, "sync": sync}[args.mode](args, ctx)
     finally:

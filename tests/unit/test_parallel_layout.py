@@ -14,6 +14,8 @@ def test_sizes_are_derived_from_the_world():
     assert layout_sizes(1) == Sizes(ddp=1, fsdp=1, tp=1, sp=1, dp=1)
     assert layout_sizes(16, ddp=4, sp=4) == Sizes(ddp=4, fsdp=4, tp=1, sp=4, dp=4)
     assert layout_sizes(8, ddp=2, ep=2) == Sizes(ddp=2, fsdp=4, tp=1, sp=1, dp=8, ep=2)  # experts: efsdp = 2
+    ring = layout_sizes(8, cp=4)  # a row split over 4 ranks: 2 data-parallel groups
+    assert ring == Sizes(ddp=1, fsdp=8, tp=1, sp=1, dp=2, cp=4) and ring.seq == 4
 
 
 @pytest.mark.parametrize("world,kwargs,pattern", [
@@ -23,6 +25,9 @@ def test_sizes_are_derived_from_the_world():
     (2, {"tp": 0}, r"critic.tp_size: must be a positive integer"),
     (8, {"ddp": 2, "ep": 8}, r"critic.ep_size=8 does not divide the 4 FSDP ranks \(world 8 / ddp_size 2 / tp_size 1\)"),
     (4, {"tp": 2, "ep": 2}, r"critic.ep_size=2 with critic.tp_size=2: .*set critic.tp_size=1"),
+    (6, {"cp": 4}, r"critic.cp_size=4 does not divide the 6 ranks"),
+    (4, {"cp": 2, "sp": 2}, r"critic.cp_size=2 with critic.sp_size=2: ring attention runs alone .*set critic.sp_size=1"),
+    (4, {"cp": 2, "tp": 2}, r"critic.cp_size=2 with critic.tp_size=2: .*set critic.tp_size=1"),
 ])
 def test_sizes_that_do_not_fit_the_world_name_the_key(world, kwargs, pattern):
     with pytest.raises(LayoutError, match=pattern):
@@ -78,3 +83,17 @@ def test_valid_layouts_pass_and_the_reference_mirrors_the_actor():
     validate(cfg, world_size=4)
     ref = role_config(load(cfg), "ref_actor")
     assert (ref.tp_size, ref.sp_size) == (2, 1)  # tp from the actor, sp overridden
+
+
+def test_ring_attention_refuses_attention_sinks_and_the_balance_loss_by_key(tmp_path):
+    from transformers import AutoConfig
+
+    from model_families import COMMON, FAMILIES, build
+
+    model_type, overrides, _ = FAMILIES["gpt_oss"]
+    with pytest.raises(LayoutError, match=r"actor.cp_size=2: ring attention has no attention-sink column"):
+        check_model_fits(layout_sizes(2, cp=2), AutoConfig.for_model(model_type, **{**COMMON, **overrides}))
+    moe = build("qwen3_moe", tmp_path / "moe")
+    with pytest.raises(ConfigError, match=r"'actor.router_aux_loss_coef': .*ring attention.*actor.router_aux_loss_coef=0"):
+        validate(compose_config([f"actor.model_name={moe}", "actor.cp_size=2", "actor.router_aux_loss_coef=0.01"]),
+                 world_size=2)

@@ -27,7 +27,6 @@ from train.parallel.distributed import DistContext
 from train.parallel.fused_logprobs import FusedLogprobHead
 from train.parallel.layout import Layout, layout_for
 from train.parallel.packing import PackedMicroBatch
-from train.parallel.seq_parallel import gather_sequence
 from train.parallel.step_batch import StepBatch
 from train.parallel.tensor_parallel import vocab_parallel_logprobs
 
@@ -121,7 +120,7 @@ class Actor(Trainable):
 
         def to_rows(values: torch.Tensor) -> torch.Tensor:
             flat = values.new_zeros(length).scatter(0, keep, values * valid)
-            return mb.rows(gather_sequence(flat, lay.sp_group))
+            return mb.rows(mb.whole_row(flat, lay.sp_group))
 
         return to_rows(logp), (to_rows(entropy) if entropy is not None else None)
 

@@ -136,6 +136,8 @@ class ActorConfig:
     sp_size: int = setting("Ulysses sequence parallel: each packed row split over sp ranks", ge=1)
     ep_size: int = setting("expert parallel (mixtures of experts): each layer's routed experts split over ep of the "
                            "fsdp ranks, tokens sent to them by all-to-all", ge=1)
+    cp_size: int = setting("context parallel: each packed row split zigzag over cp ranks, ring attention (long "
+                           "sequences; no head-count limit)", ge=1)
     offload_model: bool = setting("FSDP2 CPU offload of parameters and gradients (optimizer step on CPU)")
     offload_optimizer: bool = setting("Adam moments on the CPU between steps")
 
@@ -148,6 +150,7 @@ class RefActorConfig:
     tp_size: int | None = setting("null: the actor's", ge=1)
     sp_size: int | None = setting("null: the actor's", ge=1)
     ep_size: int | None = setting("null: the actor's", ge=1)
+    cp_size: int | None = setting("null: the actor's", ge=1)
     offload_model: bool | None = setting("null: the actor's")
 
 
@@ -158,6 +161,7 @@ class CriticConfig:
     ddp_size: int = setting("the critic's own layout (see actor.ddp_size)", ge=1)
     tp_size: int = setting("the critic's tensor parallel size", ge=1)
     sp_size: int = setting("the critic's sequence parallel size", ge=1)
+    cp_size: int = setting("the critic's context parallel size (ring attention)", ge=1)
     offload_model: bool = setting("FSDP2 CPU offload of parameters and gradients")
     offload_optimizer: bool = setting("Adam moments on the CPU between steps")
     dtype: str = setting("float32 | bfloat16 (as actor.dtype)", choices=DTYPES)

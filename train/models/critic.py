@@ -19,7 +19,6 @@ from train.models.trainable import Norms, Trainable, UpdateStats
 from train.parallel.distributed import DistContext
 from train.parallel.layout import Layout, layout_for
 from train.parallel.packing import PackedMicroBatch
-from train.parallel.seq_parallel import gather_sequence
 from train.parallel.step_batch import StepBatch
 
 
@@ -47,7 +46,7 @@ class Critic(Trainable):
         token t+1 (aligned with labels)."""
         sp_group = self.layout.sp_group  # of size 1 without sequence parallelism: nothing to gather
         values = self.model(**mb.model_inputs(), sp_group=sp_group)[0].float()
-        return mb.rows(gather_sequence(values, sp_group))
+        return mb.rows(mb.whole_row(values, sp_group))
 
     def compute_values(self, batch: StepBatch) -> list[torch.Tensor]:
         """V for every position of every sample of the batch, as [len-1] CPU tensors (see _forward)."""

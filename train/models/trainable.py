@@ -72,24 +72,26 @@ class Trainable:
     # -- packing ---------------------------------------------------------------------------------
     def packs(self, batch: StepBatch, positions: list[int], max_tokens: int) -> list[PackedMicroBatch]:
         """This dp group's samples `positions` in packs of at most max_tokens per device (x sp)."""
-        sp, tp = self.layout.sizes.sp, self.layout.sizes.tp
+        sp, tp, ring = self.layout.sizes.seq, self.layout.sizes.tp, self.layout.ring
         budget = max_tokens * sp
+        multiple = sp * tp * (2 if ring else 1)  # ring: two half chunks per rank
         if batch.share_prompt and positions:  # each group's common prefix laid out once per pack
             groups = batch.groups.tolist()
             units = prompt_units(positions, batch.ids, groups, budget)
             sizes = [unit_length([int(batch.ids[i].numel()) for i in u.members], u.shared) for u in units]
             return [build_packed([i for k in p for i in units[k].members], batch.ids, batch.mask, self.pad_id,
-                                 self.device, sp_rank=self.layout.sp_rank, sp_size=sp, multiple=sp * tp,
-                                 units=[units[k] for k in p], routing=batch.routing) for p in plan_packs(sizes, budget)]
+                                 self.device, sp_rank=self.layout.sp_rank, sp_size=sp, multiple=multiple,
+                                 units=[units[k] for k in p], routing=batch.routing, ring=ring)
+                    for p in plan_packs(sizes, budget)]
         lengths = [batch.ids[i].numel() for i in positions]
         plan = [[positions[j] for j in p] for p in plan_packs(lengths, budget)] if positions else []
         return [build_packed(p, batch.ids, batch.mask, self.pad_id, self.device, sp_rank=self.layout.sp_rank,
-                             sp_size=sp, multiple=sp * tp, routing=batch.routing) for p in plan]
+                             sp_size=sp, multiple=multiple, routing=batch.routing, ring=ring) for p in plan]
 
     def _padding(self) -> PackedMicroBatch:
-        sp, tp = self.layout.sizes.sp, self.layout.sizes.tp
+        sp, tp, ring = self.layout.sizes.seq, self.layout.sizes.tp, self.layout.ring
         return build_packed([], [], [], self.pad_id, self.device, sp_rank=self.layout.sp_rank, sp_size=sp,
-                            multiple=sp * tp)
+                            multiple=sp * tp * (2 if ring else 1), ring=ring)
 
     def _even_out(self, packs_per_part: list[list[PackedMicroBatch]]) -> list[list[PackedMicroBatch]]:
         """Every rank runs as many forwards per part as the busiest (one all-reduce for all parts)."""

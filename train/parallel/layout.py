@@ -3,9 +3,10 @@
     model mesh (ddp, fsdp, tp): how parameters are held. FSDP2 replicates over `ddp` and shards
         over `fsdp` (hybrid sharding when both are > 1); tensor parallelism splits over `tp`.
     data mesh (dp, sp, tp): how work is spread. Ranks that share a `dp` index hold the same
-        samples; `sp` ranks split each packed sequence (Ulysses), `tp` ranks see the same tokens.
+        samples; `sp` ranks split each packed sequence (Ulysses, or with cp > 1 ring attention: the
+        dimension then has cp ranks), `tp` ranks see the same tokens.
 
-    world = ddp * fsdp * tp = dp * sp * tp. Ranks are laid out tp-innermost in both meshes, so a
+    world = ddp * fsdp * tp = dp * sp * cp * tp. Ranks are laid out tp-innermost in both meshes, so a
     tp group is the same set of ranks in each; sp ranks sit inside the FSDP dimensions (they hold
     the same parameters and their gradients are reduced with the data-parallel ones).
 
@@ -26,6 +27,10 @@ from train.parallel.expert_parallel import ep_refusal
 from train.parallel.tensor_parallel import expert_count, tp_refusal
 
 
+# model types ring attention cannot run, and why (checked at start-up from config.json)
+RING_REFUSED = {"gpt_oss": "ring attention has no attention-sink column (GPT-OSS's sinks)"}
+
+
 class LayoutError(ValueError):
     """Sizes that cannot be laid out on this world or this model; the message names the key."""
 
@@ -38,15 +43,28 @@ class Sizes:
     sp: int
     dp: int
     ep: int = 1
+    cp: int = 1
+
+    @property
+    def seq(self) -> int:
+        """The ranks a packed row is split over: Ulysses' sp or the ring's cp (one of them is 1)."""
+        return self.sp * self.cp
 
 
-def layout_sizes(world: int, ddp: int = 1, tp: int = 1, sp: int = 1, prefix: str = "actor", ep: int = 1) -> Sizes:
-    """Derive fsdp and dp from the world size and the user's ddp/tp/sp/ep, or say which key is wrong."""
-    for key, value in (("ddp_size", ddp), ("tp_size", tp), ("sp_size", sp), ("ep_size", ep)):
+def layout_sizes(world: int, ddp: int = 1, tp: int = 1, sp: int = 1, prefix: str = "actor", ep: int = 1,
+                 cp: int = 1) -> Sizes:
+    """Derive fsdp and dp from the world size and the user's ddp/tp/sp/ep/cp, or say which key is wrong."""
+    for key, value in (("ddp_size", ddp), ("tp_size", tp), ("sp_size", sp), ("ep_size", ep), ("cp_size", cp)):
         if not isinstance(value, int) or value < 1:
             raise LayoutError(f"{prefix}.{key}: must be a positive integer, got {value!r}")
     if world % tp:
         raise LayoutError(f"{prefix}.tp_size={tp} does not divide the {world} ranks; pick a divisor of {world}")
+    if cp > 1 and (sp > 1 or tp > 1):
+        other = "sp_size" if sp > 1 else "tp_size"
+        raise LayoutError(f"{prefix}.cp_size={cp} with {prefix}.{other}={sp if sp > 1 else tp}: ring attention "
+                          f"runs alone for now (no Ulysses or tensor parallelism inside it); set {prefix}.{other}=1")
+    if cp > 1 and world % cp:
+        raise LayoutError(f"{prefix}.cp_size={cp} does not divide the {world} ranks; pick a divisor of {world}")
     if world % (tp * sp):
         raise LayoutError(f"{prefix}.sp_size={sp} x {prefix}.tp_size={tp} does not divide the {world} ranks; "
                           f"their product must divide the world size")
@@ -60,7 +78,7 @@ def layout_sizes(world: int, ddp: int = 1, tp: int = 1, sp: int = 1, prefix: str
     if fsdp % ep:
         raise LayoutError(f"{prefix}.ep_size={ep} does not divide the {fsdp} FSDP ranks (world {world} / "
                           f"ddp_size {ddp} / tp_size {tp}); use a divisor of {fsdp}")
-    return Sizes(ddp=ddp, fsdp=fsdp, tp=tp, sp=sp, dp=world // (tp * sp), ep=ep)
+    return Sizes(ddp=ddp, fsdp=fsdp, tp=tp, sp=sp, dp=world // (tp * sp * cp), ep=ep, cp=cp)
 
 
 def check_model_fits(sizes: Sizes, model_config, prefix: str = "actor") -> None:
@@ -81,6 +99,9 @@ def check_model_fits(sizes: Sizes, model_config, prefix: str = "actor") -> None:
     if model_config.vocab_size % sizes.tp:
         raise LayoutError(f"{prefix}.tp_size={sizes.tp}: the vocabulary ({model_config.vocab_size}) does not "
                           f"split evenly for the vocab-parallel lm_head")
+    if sizes.cp > 1 and getattr(model_config, "model_type", "") in RING_REFUSED:
+        raise LayoutError(f"{prefix}.cp_size={sizes.cp}: {RING_REFUSED[model_config.model_type]}; set "
+                          f"{prefix}.cp_size=1 (or sp_size for Ulysses)")
     if sizes.ep > 1:
         experts = expert_count(model_config)
         reason = ep_refusal(model_config) if experts else (f"{type(model_config).__name__} is not a mixture of "
@@ -123,6 +144,11 @@ class Layout:
         return self.model_mesh["tp"].get_group()
 
     @property
+    def ring(self) -> bool:
+        """Packed rows are split zigzag over the sp dimension's ranks for ring attention (cp > 1)."""
+        return self.sizes.cp > 1
+
+    @property
     def sp_group(self) -> dist.ProcessGroup:
         return self.data_mesh["sp"].get_group()
 
@@ -152,10 +178,10 @@ class Layout:
 
 
 def build_layout(world: int, device_type: str, ddp: int = 1, tp: int = 1, sp: int = 1,
-                 prefix: str = "actor", timeout_s: float | None = None, ep: int = 1) -> Layout:
+                 prefix: str = "actor", timeout_s: float | None = None, ep: int = 1, cp: int = 1) -> Layout:
     """Both meshes for one model; a collective (every rank calls it, in the same order). Their
     groups time out after `timeout_s` (None: torch's default)."""
-    sizes = layout_sizes(world, ddp, tp, sp, prefix, ep)
+    sizes = layout_sizes(world, ddp, tp, sp, prefix, ep, cp)
     data_dims = ("dp", "sp", "tp")
     if sizes.ep > 1:
         model_dims, shape = ("ddp", "efsdp", "ep", "tp"), (sizes.ddp, sizes.fsdp // sizes.ep, sizes.ep, sizes.tp)
@@ -166,14 +192,14 @@ def build_layout(world: int, device_type: str, ddp: int = 1, tp: int = 1, sp: in
     if sizes.ep > 1:  # the dense parameters' fsdp dimension: efsdp x ep as one
         override = mesh_overrides(device_type, ("fsdp",), timeout_s)
         model_mesh["efsdp", "ep"]._flatten("fsdp", backend_override=override and override["fsdp"])
-    data_mesh = init_device_mesh(device_type, (sizes.dp, sizes.sp, sizes.tp), mesh_dim_names=data_dims,
+    data_mesh = init_device_mesh(device_type, (sizes.dp, sizes.seq, sizes.tp), mesh_dim_names=data_dims,
                                  backend_override=mesh_overrides(device_type, data_dims, timeout_s))
     return Layout(sizes, model_mesh, data_mesh)
 
 
 def layout_for(section, world: int, device_type: str, prefix: str, timeout_s: float | None = None) -> Layout:
-    """A model's layout from its config section (`ddp_size`, `tp_size`, `sp_size`, `ep_size`; absent or
-    null = 1)."""
+    """A model's layout from its config section (`ddp_size`, `tp_size`, `sp_size`, `ep_size`, `cp_size`;
+    absent or null = 1)."""
     size = lambda key: getattr(section, key, None) or 1  # noqa: E731
     return build_layout(world, device_type, ddp=size("ddp_size"), tp=size("tp_size"), sp=size("sp_size"),
-                        prefix=prefix, timeout_s=timeout_s, ep=size("ep_size"))
+                        prefix=prefix, timeout_s=timeout_s, ep=size("ep_size"), cp=size("cp_size"))

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from train.parallel.seq_parallel import RingRow, gather_sequence, zigzag_rows
+
 
 def plan_packs(lengths: list[int], max_tokens: int) -> list[list[int]]:
     """First-fit decreasing: indices grouped so each group's total length is <= max_tokens (a
@@ -64,6 +66,7 @@ class PackedMicroBatch:
     laid_out: int = 0  # tokens the row holds (no end padding): what a pass computes
     represented: int = 0  # tokens of its samples: what an unshared row would hold
     routes: torch.Tensor | None = None  # [C, layers, top_k] the sampler's experts per position (router replay)
+    zigzag: bool = False  # ring attention: this rank's chunk is two zigzag half chunks (seq_parallel.zigzag_rows)
 
     @property
     def total_len(self) -> int:
@@ -74,6 +77,10 @@ class PackedMicroBatch:
         """Keyword arguments for a forward of this rank's chunk (with the packed attention installed)."""
         return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": None,
                 "packed_segments": self.segment_slots}
+
+    def whole_row(self, chunk: torch.Tensor, group) -> torch.Tensor:
+        """This rank's per-position values [C, ...] -> the whole row's [T, ...] in row order (differentiable)."""
+        return gather_sequence(chunk, group, zigzag=self.zigzag)
 
     def rows(self, flat: torch.Tensor) -> torch.Tensor:
         """[T] per-position values -> [n, longest - 1] per-sample rows (zeros past each sample).
@@ -205,16 +212,39 @@ def shared_slots(whole: list[tuple[int, int]], tails: list[tuple[int, int, int]]
     return tuple(t.to(device) for t in (slots, owner, queries, keys, prefix))
 
 
+def _ring_row(segments: list[int], positions: torch.Tensor, tails: list[tuple[int, int, int]],
+              device: torch.device) -> RingRow:
+    """The row's segment, position and prompt segment of every position, for ring attention (see RingRow)."""
+    seg = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor(segments))
+    prefix = torch.full_like(seg, -1)
+    for prompt_start, _, own_start in tails:  # a sample's own part continues its shared prompt's segment
+        own = int(seg[own_start])
+        prefix[own_start:own_start + segments[own]] = seg[prompt_start]
+    return RingRow(seg.to(device), positions.to(device), prefix.to(device))
+
+
+def _local_rows(total: int, sp_rank: int, sp_size: int, ring: bool) -> torch.Tensor | slice:
+    """This rank's positions of a row of `total`: its contiguous chunk (Ulysses), or its two zigzag half
+    chunks (ring attention, `total` a multiple of 2 x sp_size)."""
+    if ring:
+        return zigzag_rows(sp_rank, sp_size, total // (2 * sp_size))
+    chunk = total // sp_size
+    return slice(sp_rank * chunk, (sp_rank + 1) * chunk)
+
+
 def build_packed(index: list[int], ids: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int,
                  device: torch.device, sp_rank: int = 0, sp_size: int = 1, multiple: int = 1,
-                 units: list[Unit] | None = None, routing: list[torch.Tensor] | None = None) -> PackedMicroBatch:
+                 units: list[Unit] | None = None, routing: list[torch.Tensor] | None = None,
+                 ring: bool = False) -> PackedMicroBatch:
     """Pack samples `index` (int64 token ids [len]; float action masks [len - 1], entry t for token
     t + 1) into one row of length T (a multiple of `multiple`, itself a multiple of sp_size) and keep
     this sp rank's chunk of it. With `units` (covering `index`, in its order), a unit's shared prefix
     is laid out once: see `prompt_units` and `shared_slots`. With `routing` (per sample [len - 1,
-    layers, top_k]), the pack's `routes` hold them at their row positions (`lay_routes`)."""
+    layers, top_k]), the pack's `routes` hold them at their row positions (`lay_routes`). With `ring`
+    (context parallelism over sp_size ranks; `multiple` a multiple of 2 x sp_size) the rank keeps its two
+    zigzag half chunks and the row's segments are a RingRow."""
     if units is not None and any(u.shared for u in units):
-        return _build_shared(units, ids, masks, pad_id, device, sp_rank, sp_size, multiple, routing)
+        return _build_shared(units, ids, masks, pad_id, device, sp_rank, sp_size, multiple, routing, ring)
     if index:
         seqs = [ids[i] for i in index]
         acts = [masks[i].float() for i in index]
@@ -237,20 +267,21 @@ def build_packed(index: list[int], ids: list[torch.Tensor], masks: list[torch.Te
     row_valid = (steps[None, :] < torch.tensor(lengths)[:, None] - 1).float()
     row_index = torch.where(row_valid > 0, offsets[:, None] + steps[None, :], 0)
     action = torch.nn.utils.rnn.pad_sequence(acts, batch_first=True) if longest else torch.zeros(len(acts), 0)
-    chunk = total // sp_size
-    lo, hi = sp_rank * chunk, (sp_rank + 1) * chunk
+    mine = _local_rows(total, sp_rank, sp_size, ring)
     return PackedMicroBatch(
-        index=list(index), input_ids=input_ids[lo:hi].to(device)[None], position_ids=positions[lo:hi].to(device)[None],
-        segments=segments, segment_slots=segment_slots(segments, device), labels=labels[lo:hi].to(device),
-        loss_positions=label_mask[lo:hi].to(device) > 0, row_index=row_index.to(device),
+        index=list(index), input_ids=input_ids[mine].to(device)[None], position_ids=positions[mine].to(device)[None],
+        segments=segments, segment_slots=_ring_row(segments, positions, [], device) if ring else segment_slots(
+            segments, device), labels=labels[mine].to(device),
+        loss_positions=label_mask[mine].to(device) > 0, row_index=row_index.to(device),
         row_valid=row_valid.to(device), action_mask=action[:, :longest].to(device),
         laid_out=real if index else 0, represented=real if index else 0,
-        routes=lay_routes(routing, index, row_index, total)[lo:hi].to(device) if routing and index else None)
+        routes=lay_routes(routing, index, row_index, total)[mine].to(device) if routing and index else None,
+        zigzag=ring)
 
 
 def _build_shared(units: list[Unit], ids: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int,
                   device: torch.device, sp_rank: int, sp_size: int, multiple: int,
-                  routing: list[torch.Tensor] | None = None) -> PackedMicroBatch:
+                  routing: list[torch.Tensor] | None = None, ring: bool = False) -> PackedMicroBatch:
     """`build_packed` with shared prefixes. A unit sharing s tokens is laid out as its prefix (positions
     0..s-1, labels the next prefix token), then each member's tokens from s on (positions continuing
     from s). Sample i's entry t sits at the prefix's row position t for t < s, else in its own part.
@@ -308,12 +339,12 @@ def _build_shared(units: list[Unit], ids: list[torch.Tensor], masks: list[torch.
     row_valid = torch.tensor([[1.0] * len(e) + [0.0] * (longest - len(e)) for e in entries])
     row_index = torch.tensor([e + [0] * (longest - len(e)) for e in entries], dtype=torch.int64)
     action = torch.nn.utils.rnn.pad_sequence([masks[i].float() for i in index], batch_first=True)
-    chunk = total // sp_size
-    lo, hi = sp_rank * chunk, (sp_rank + 1) * chunk
+    mine = _local_rows(total, sp_rank, sp_size, ring)
     return PackedMicroBatch(
-        index=index, input_ids=input_ids[lo:hi].to(device)[None], position_ids=position_ids[lo:hi].to(device)[None],
-        segments=segments, segment_slots=shared_slots(whole, tails, total, device),
-        labels=label_ids[lo:hi].to(device), loss_positions=loss[lo:hi].to(device) > 0, row_index=row_index.to(device),
+        index=index, input_ids=input_ids[mine].to(device)[None], position_ids=position_ids[mine].to(device)[None],
+        segments=segments, segment_slots=_ring_row(segments, position_ids, tails, device) if ring else shared_slots(
+            whole, tails, total, device),
+        labels=label_ids[mine].to(device), loss_positions=loss[mine].to(device) > 0, row_index=row_index.to(device),
         row_valid=row_valid.to(device), action_mask=action[:, :longest].to(device),
         laid_out=at - pad, represented=sum(int(ids[i].numel()) for i in index),
-        routes=lay_routes(routing, index, row_index, total)[lo:hi].to(device) if routing else None)
+        routes=lay_routes(routing, index, row_index, total)[mine].to(device) if routing else None, zigzag=ring)

@@ -177,7 +177,7 @@ def dispatch(index: BatchIndex, ids: list[list[int]], masks: list[list[int]], sa
     passing it), a third carries the sampler's expert choices."""
     rank, world = _world()
     dp, dp_rank = layout.sizes.dp, layout.dp_rank
-    group_size, is_leader = layout.sizes.sp * layout.sizes.tp, layout.is_data_leader
+    group_size, is_leader = layout.sizes.seq * layout.sizes.tp, layout.is_data_leader
     target, minibatch = assign(index, dp, mini_batches, by_group=share_prompt)
     mine = sorted((g for g in range(index.size) if target[g] == dp_rank), key=lambda g: (minibatch[g], g))
     own = [g for g in range(index.size) if index.owner[g] == rank]  # in local order

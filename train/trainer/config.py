@@ -393,7 +393,7 @@ def has_reference_slot(run: RunConfig) -> bool:
     return run.actor.kl.coef > 0 or run.distill.enabled
 
 
-PARALLEL_KEYS = ("ddp_size", "tp_size", "sp_size", "ep_size", "offload_model", "offload_optimizer")
+PARALLEL_KEYS = ("ddp_size", "tp_size", "sp_size", "ep_size", "cp_size", "offload_model", "offload_optimizer")
 
 
 def role_config(run: RunConfig, role: str) -> ActorConfig | CriticConfig:
@@ -421,7 +421,7 @@ def _validate_parallel(run: RunConfig, world_size: int, paths: ModelPaths) -> No
         section = role_config(run, role)
         try:
             sizes = layout_sizes(world_size, section.ddp_size, section.tp_size, section.sp_size, prefix=role,
-                                 ep=getattr(section, "ep_size", None) or 1)
+                                 ep=getattr(section, "ep_size", None) or 1, cp=getattr(section, "cp_size", None) or 1)
         except LayoutError as e:
             raise ConfigError(f"config: {e}") from None
         path = {"actor": paths.actor, "ref_actor": paths.reference, "critic": paths.critic}[role]
@@ -447,6 +447,9 @@ def _validate_experts(run: RunConfig, paths: ModelPaths) -> None:
     actor, engine = run.actor, run.rollout.engine
     if not actor.router_replay and not actor.router_aux_loss_coef:
         return
+    if actor.router_aux_loss_coef and actor.cp_size > 1:
+        _fail("actor.router_aux_loss_coef", f"the load-balancing loss is not computed under ring attention "
+              f"(actor.cp_size={actor.cp_size}): its per-row counts assume contiguous chunks", "actor.router_aux_loss_coef=0")
     from transformers import AutoConfig
 
     from train.parallel.tensor_parallel import expert_count

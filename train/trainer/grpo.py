@@ -223,7 +223,7 @@ class Trainer:
 
         def layout(role: str) -> Layout:  # models with the same sizes share their meshes (one set of groups)
             section = role_config(cfg, role)
-            key = tuple(getattr(section, k, None) or 1 for k in ("ddp_size", "tp_size", "sp_size", "ep_size"))
+            key = tuple(getattr(section, k, None) or 1 for k in ("ddp_size", "tp_size", "sp_size", "ep_size", "cp_size"))
             if key not in layouts:
                 layouts[key] = layout_for(section, ctx.world_size, ctx.device.type, role,
                                           timeout_s=ctx.collective_timeout_s)
@@ -401,7 +401,7 @@ class Trainer:
 
         def batch_for(model) -> StepBatch:  # models with the same data layout share one batch
             sizes = model.layout.sizes
-            key = (sizes.dp, sizes.sp * sizes.tp)
+            key = (sizes.dp, sizes.seq * sizes.tp)
             if key not in batches:
                 replay = m.actor.replay if model is m.actor else None  # the sampler's experts (actor.router_replay)
                 routes = {} if replay is None else dispatch_routes(kept, cfg.actor.router_replay, replay.spec)

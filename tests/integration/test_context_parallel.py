@@ -1,0 +1,78 @@
+"""Context parallelism (actor.cp_size / critic.cp_size: zigzag chunks, ring attention; train/parallel/seq_parallel.py)
+against one process: the ring's attention and its gradients against a float64 softmax over the whole packed row,
+and the trainer's gradients, clip norm and updated weights on packed, multi-turn, shared-prompt batches."""
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, run_torchrun, slow
+
+
+def launch(nproc: int, out, *args: str) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+           str(ROOT / "tests" / "dist_checks.py"), *args, "--out", str(out)]
+    proc = run_torchrun(cmd, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return torch.load(out) if out.exists() else {}
+
+
+@pytest.mark.parametrize("nproc,flags", [pytest.param(2, ["--share"], id="cp2-shared-prompts"),
+                                         slow(2, [], id="cp2"), slow(4, ["--share"], id="cp4-shared-prompts")])
+def test_ring_attention_is_a_float64_softmax_over_the_whole_row(tmp_path, nproc, flags):
+    """Grouped-query heads, with and without a sliding window; each rank's outputs and q/k/v gradients."""
+    launch(nproc, tmp_path / "ring.pt", "ring", *flags)
+    for rank in range(nproc):
+        result = torch.load(tmp_path / f"ring.rank{rank}.pt")
+        assert result["shared"] == ("--share" in flags)
+        for window in (None, 7):
+            for name in ("out", "dq", "dk", "dv"):
+                assert result[f"{name}_{window}"] < 1e-12 * max(result[f"scale_{window}"], 1.0), (rank, name, window)
+            assert result[f"segment_{window}"] < 1e-5  # the one-process path (float32 softmax) agrees to its rounding
+
+
+def assert_same_step(one: dict, other: dict) -> None:
+    assert one["grads"].keys() == other["grads"].keys()
+    for name, g in one["grads"].items():
+        scale = float(g.abs().max())
+        torch.testing.assert_close(other["grads"][name], g, rtol=0, atol=1e-5 * scale, msg=name)
+    assert one["norm"] > 0.05 and abs(one["norm"] - other["norm"]) < 1e-5 * one["norm"]
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(other["weights"][name], w, rtol=1e-5, atol=1e-5, msg=name)
+
+
+# (mode, processes, flags): cp inside FSDP (cp2 on 2 ranks), with data parallelism beside it (4 ranks: dp 2), cp4
+LAYOUTS = [pytest.param("grads", 2, ["--cp", "2", "--share", "--ac"], id="actor-cp2-shared-checkpointing"),
+           slow("grads", 2, ["--cp", "2"], id="actor-cp2"), slow("grads", 4, ["--cp", "4"], id="actor-cp4"),
+           slow("grads", 4, ["--cp", "2", "--share"], id="actor-cp2-dp2-shared"),
+           slow("critic_grads", 2, ["--cp", "2", "--share"], id="critic-cp2-shared")]
+
+
+@pytest.mark.parametrize("mode,nproc,flags", LAYOUTS)
+def test_context_parallel_gradients_and_step_equal_one_process(tmp_path, mode, nproc, flags):
+    """Grouped samples (GRPO groups sharing prompts, a tool reply inside a response, uneven lengths), the
+    uneven split of samples over ranks."""
+    one = launch(1, tmp_path / "one.pt", mode, "--grouped", "--max_tokens", "200", "--clip", "0.05")
+    cp = launch(nproc, tmp_path / "cp.pt", mode, "--grouped", "--max_tokens", "64", "--clip", "0.05", *flags)
+    assert_same_step(one, cp)
+
+
+@pytest.mark.parametrize("resume", [False, slow(True, id="resumed")])
+def test_a_cp_run_trains_with_the_samplers_logprobs_and_resumes_exactly(tmp_path, resume):
+    """2 ranks, cp 2, the stub model: the trainer's log-probs under ring attention are the engine's (fp32); the
+    step-2 checkpoint resumed gives step 3's loss bit for bit."""
+    from conftest import read_jsonl, run_trainer
+
+    steps = 3 if resume else 2
+    common = ["actor.cp_size=2", "actor.share_prompt=true", "trainer.test_freq=null", f"trainer.total_steps={steps}",
+              "data.prompts_per_rollout=4", "data.responses_per_prompt=4"]
+    straight = tmp_path / "straight"
+    run_trainer([f"trainer.save_dir={straight}", "trainer.save_freq=2", *common], nproc=2)
+    rows = read_jsonl(straight / "metrics.jsonl")
+    assert len(rows) == steps and all(r["actor/sampler_kl"] < 1e-4 and r["actor/grad_norm"] > 0 for r in rows), rows
+    if not resume:
+        return
+    resumed = tmp_path / "resumed"
+    run_trainer([f"trainer.save_dir={resumed}", f"trainer.load_ckpt_from={straight / 'step2'}", *common], nproc=2)
+    [again] = read_jsonl(resumed / "metrics.jsonl")
+    assert again["step"] == 3 and again["actor/loss"] == rows[2]["actor/loss"]
