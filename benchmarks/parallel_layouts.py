@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/parallel_layouts.py                                  # stub + SmolLM2-135M, all layouts
     .venv/bin/python benchmarks/parallel_layouts.py --models stub --layouts 1,tp2,fsdp2xtp2 --steps 1 --warmup 0
     .venv/bin/python benchmarks/parallel_layouts.py --models smollm2 --prompts 2 --responses 2 --markdown out.md
+    .venv/bin/python benchmarks/parallel_layouts.py --models long --layouts 1,cp2,cp4 --prompts 1 --responses 1 \\
+        --prompt-len 64 --response-len 8192 --max-tokens 12000 --steps 1 --warmup 0     # ring attention, 8K tokens
 
 Driver mode (the default) runs, for every model and layout, one
 `python -m torch.distributed.run --standalone --nproc_per_node=W benchmarks/parallel_layouts.py --worker ...`
@@ -51,20 +53,39 @@ sys.path.insert(0, ROOT)
 MODELS = {
     "stub": os.path.join(ROOT, "stub", "model"),
     "smollm2": os.path.join(ROOT, ".cache", "smollm2-135m-instruct"),
+    "long": None,  # built in code in the run folder: a small Llama with a 64K context (build_long_model)
 }
 
-# name -> (world size, ddp_size, tp_size, sp_size). fsdp = world / (ddp * tp); dp = world / (sp * tp).
+
+def build_long_model(folder: str) -> str:
+    """A random 2-layer Llama (hidden 256, 4 heads, 2 key/value heads, vocabulary 512, 64K positions) and the
+    stub's tokenizer: long sequences whose memory is activations, not weights or logits."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    for name in os.listdir(MODELS["stub"]):
+        if "token" in name or name.endswith(".jinja"):
+            shutil.copy(os.path.join(MODELS["stub"], name), os.path.join(folder, name))
+    return folder
+
+# name -> (world size, ddp_size, tp_size, sp_size, cp_size). fsdp = world / (ddp * tp); dp = world / (sp * cp * tp).
 LAYOUTS = {
-    "1": (1, 1, 1, 1),
-    "dp2": (2, 2, 1, 1),  # full replica per rank (ddp_size=2: FSDP2 replicates over ddp, fsdp=1)
-    "fsdp2": (2, 1, 1, 1),  # parameters, gradients and optimizer state sharded over 2 ranks
-    "tp2": (2, 1, 2, 1),
-    "sp2": (2, 1, 1, 2),  # Ulysses: each packed sequence split over 2 ranks (sharded over fsdp=2 as well)
-    "fsdp2xtp2": (4, 1, 2, 1),
-    "sp2xtp2": (4, 1, 2, 2),
+    "1": (1, 1, 1, 1, 1),
+    "dp2": (2, 2, 1, 1, 1),  # full replica per rank (ddp_size=2: FSDP2 replicates over ddp, fsdp=1)
+    "fsdp2": (2, 1, 1, 1, 1),  # parameters, gradients and optimizer state sharded over 2 ranks
+    "tp2": (2, 1, 2, 1, 1),
+    "sp2": (2, 1, 1, 2, 1),  # Ulysses: each packed sequence split over 2 ranks (sharded over fsdp=2 as well)
+    "cp2": (2, 1, 1, 1, 2),  # ring attention: each packed sequence split zigzag over 2 ranks
+    "cp4": (4, 1, 1, 1, 4),
+    "fsdp2xtp2": (4, 1, 2, 1, 1),
+    "sp2xtp2": (4, 1, 2, 2, 1),
     # 3-way splits for the 135M model (9 heads, 3 key/value heads: 2-way tp/sp does not divide them)
-    "tp3": (3, 1, 3, 1),
-    "sp3": (3, 1, 1, 3),
+    "tp3": (3, 1, 3, 1, 1),
+    "sp3": (3, 1, 1, 3, 1),
 }
 TITLES = {
     "1": "1 process",
@@ -76,6 +97,8 @@ TITLES = {
     "sp3": "sp=3",
     "fsdp2xtp2": "fsdp=2 x tp=2",
     "sp2xtp2": "sp=2 x tp=2",
+    "cp2": "cp=2 (ring)",
+    "cp4": "cp=4 (ring)",
 }
 
 
@@ -215,6 +238,7 @@ def worker(args) -> None:
         OmegaConf.update(cfg, "ddp_size", args.ddp)
         OmegaConf.update(cfg, "tp_size", args.tp)
         OmegaConf.update(cfg, "sp_size", args.sp)
+        OmegaConf.update(cfg, "cp_size", args.cp)
         OmegaConf.update(cfg, "dtype", args.dtype)
         for item in args.set or []:
             key, _, value = item.partition("=")
@@ -266,9 +290,9 @@ def worker(args) -> None:
             "world": ctx.world_size,
             "device": str(ctx.device),
             "threads": torch.get_num_threads(),
-            "layout": dict(zip(("ddp", "fsdp", "tp", "sp", "dp"),
+            "layout": dict(zip(("ddp", "fsdp", "tp", "sp", "cp", "dp"),
                                (actor.layout.sizes.ddp, actor.layout.sizes.fsdp, actor.layout.sizes.tp,
-                                actor.layout.sizes.sp, actor.layout.sizes.dp))),
+                                actor.layout.sizes.sp, actor.layout.sizes.cp, actor.layout.sizes.dp))),
             "own_samples": len(own),
             "own_tokens": sum(len(ids[i]) for i in own),
             "build_s": build_s,
@@ -329,13 +353,13 @@ def checkpoint_timings(actor, ctx, out_dir: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------------------------
-def skip_reason(model_path: str, world: int, ddp: int, tp: int, sp: int, cuda_devices: int) -> str | None:
+def skip_reason(model_path: str, world: int, ddp: int, tp: int, sp: int, cuda_devices: int, cp: int = 1) -> str | None:
     from transformers import AutoConfig
 
     from train.parallel.layout import LayoutError, check_model_fits, layout_sizes
 
     try:
-        sizes = layout_sizes(world, ddp, tp, sp)
+        sizes = layout_sizes(world, ddp, tp, sp, cp=cp)
         check_model_fits(sizes, AutoConfig.from_pretrained(model_path))
     except LayoutError as e:
         return str(e)
@@ -371,13 +395,13 @@ def _stop_group(proc: subprocess.Popen) -> None:
 
 
 def run_layout(args, model: str, model_path: str, name: str, run_dir: str) -> dict:
-    world, ddp, tp, sp = LAYOUTS[name]
+    world, ddp, tp, sp, cp = LAYOUTS[name]
     out_dir = os.path.join(run_dir, f"{model}_{name}")
     os.makedirs(out_dir, exist_ok=True)
     threads = args.threads or max(1, args.cores // world)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            os.path.abspath(__file__), "--worker", "--model-path", model_path, "--out-dir", out_dir,
-           "--ddp", str(ddp), "--tp", str(tp), "--sp", str(sp), "--threads", str(threads),
+           "--ddp", str(ddp), "--tp", str(tp), "--sp", str(sp), "--cp", str(cp), "--threads", str(threads),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--prompts", str(args.prompts),
            "--responses", str(args.responses), "--prompt-len", str(args.prompt_len),
            "--response-len", str(args.response_len), "--max-tokens", str(args.max_tokens),
@@ -530,9 +554,11 @@ def driver(args) -> None:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     for model in models:
         if model not in MODELS and not os.path.isdir(model):
-            raise SystemExit(f"unknown model {model!r}: use stub, smollm2 or a local HF folder")
+            raise SystemExit(f"unknown model {model!r}: use stub, smollm2, long or a local HF folder")
     for model in models:
-        path = MODELS.get(model, os.path.abspath(model))
+        path = MODELS.get(model) or os.path.abspath(model)
+        if model == "long":
+            path = build_long_model(os.path.join(run_dir, "long_model"))
         if not os.path.isfile(os.path.join(path, "config.json")):
             emit(f"## {model}: skipped, {os.path.relpath(path, ROOT)} is missing "
                  f"(make it with `.venv/bin/python scripts/prepare_smollm2.py`)")
@@ -545,8 +571,8 @@ def driver(args) -> None:
         emit()
         rows = []
         for name in layouts:
-            world, ddp, tp, sp = LAYOUTS[name]
-            reason = skip_reason(path, world, ddp, tp, sp, cuda_devices)
+            world, ddp, tp, sp, cp = LAYOUTS[name]
+            reason = skip_reason(path, world, ddp, tp, sp, cuda_devices, cp)
             if reason:
                 print(f"[{model} {name}] skipped: {reason}", file=sys.stderr, flush=True)
                 rows.append({"layout": name, "world": world, "skipped": reason})
@@ -582,7 +608,7 @@ def driver(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="stub,smollm2", help="comma list: stub, smollm2, or local HF folders")
+    p.add_argument("--models", default="stub,smollm2", help="comma list: stub, smollm2, long, or local HF folders")
     p.add_argument("--layouts", default=None, help=f"comma list of {', '.join(LAYOUTS)} (default: all)")
     p.add_argument("--steps", type=int, default=3, help="timed update steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed update steps first")
@@ -615,6 +641,7 @@ def main() -> None:
     p.add_argument("--ddp", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--sp", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--cp", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.steps < 1 or args.warmup < 0 or args.prompts < 1 or args.responses < 1:
         p.error("--steps must be >= 1, --warmup >= 0, --prompts and --responses >= 1")

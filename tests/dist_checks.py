@@ -548,6 +548,7 @@ def ring(args, ctx) -> None:
     row under a dense mask read from the one-process path's own segment layout (`dense_visible`): outputs and
     the gradients of q, k and v of this rank's positions; and against that one-process segment attention
     itself (float32 softmax) to its rounding."""
+    from train.parallel import seq_parallel
     from train.parallel.packing import build_packed, prompt_units
     from train.parallel.seq_parallel import _segment_attention, packed_attention
 
@@ -559,11 +560,12 @@ def ring(args, ctx) -> None:
     n, r = ctx.world_size, ctx.rank
     whole = build_packed(members, ids, masks, 0, ctx.device, multiple=2 * n, units=units)
     mine = build_packed(members, ids, masks, 0, ctx.device, sp_rank=r, sp_size=n, multiple=2 * n, units=units,
-                        ring=True)
+                        ring=n)
     total = whole.total_len
     assert torch.equal(whole.input_ids[0][mine_rows := zigzag(r, n, total)], mine.input_ids[0])
     out = {}
-    for window in (None, 7):
+    for window, tile in ((None, seq_parallel.RING_TILE), (7, seq_parallel.RING_TILE), (None, 8), (7, 8)):
+        seq_parallel.RING_TILE = tile  # 8: blocks in several tiles each, some of them wholly masked
         g = torch.Generator().manual_seed(5)
         q, k, v = (torch.randn(1, heads, total, 8, generator=g, dtype=torch.float64) for heads in (4, 2, 2))
         weight = torch.randn(1, total, 4, 8, generator=g, dtype=torch.float64)
@@ -578,12 +580,13 @@ def ring(args, ctx) -> None:
         out[f"segment_{window}"] = float((segment - ref).abs().max())
         local = [t[:, :, mine_rows].clone().requires_grad_() for t in (q, k, v)]
         got, _ = packed_attention(None, *local, None, packed_segments=mine.segment_slots,
-                                  sp_group=torch.distributed.group.WORLD, sliding_window=window)
+                                  cp_group=torch.distributed.group.WORLD, sliding_window=window)
         (got * weight[:, mine_rows]).sum().backward()
-        out[f"out_{window}"] = float((got - ref[:, mine_rows]).abs().max())
+        case = f"{window}_{tile}"
+        out[f"out_{case}"] = float((got - ref[:, mine_rows]).abs().max())
         for name, a, b in zip("qkv", local, leaves):
-            out[f"d{name}_{window}"] = float((a.grad - b.grad[:, :, mine_rows]).abs().max())
-        out[f"scale_{window}"] = float(leaves[1].grad.abs().max())
+            out[f"d{name}_{case}"] = float((a.grad - b.grad[:, :, mine_rows]).abs().max())
+        out[f"scale_{case}"] = float(leaves[1].grad.abs().max())
     out["shared"] = bool(args.share and any(u.shared for u in units))
     torch.save(out, args.out.replace(".pt", f".rank{r}.pt"))
 

@@ -18,7 +18,9 @@ def launch(nproc: int, out, *args: str) -> dict:
 
 
 # all_token_mean with the uneven split is test_actor_layouts_match_one_process[fsdp2]
-@pytest.mark.parametrize("agg,split", [("seq_mean_token_mean", "uneven"), slow("seq_mean_token_sum_norm", "all_on_rank0")])
+# slow: the layout tests below run all_token_mean on the same path; the aggregations' own normalisers are
+# tests/unit/test_algorithms.py's, and the sequence-level losses across shards test_sequence_level_loss_...
+@pytest.mark.parametrize("agg,split", [slow("seq_mean_token_mean", "uneven"), slow("seq_mean_token_sum_norm", "all_on_rank0")])
 def test_one_and_two_ranks_give_the_same_gradients(tmp_path, single_process, agg, split):
     # A small clip norm makes clipping active, so the *global* norm is checked too.
     one = single_process("grads", "--agg", agg)

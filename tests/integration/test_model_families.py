@@ -16,12 +16,12 @@ from conftest import ROOT, compose_config, read_jsonl, run_torchrun, run_trainer
 from model_families import FAMILIES, MATRIX, MIXTURES, build, markdown
 from train.trainer.config import ConfigError, validate
 
-# The cells the default suite runs; the others are in the slow set (each family's FSDP2 and TP load paths
-# share their code with these: the fused-expert reader, Gemma's norms and buffers, the refusals). The
-# fused-expert reader's block reads are also tests/unit/test_checkpoint_names.py's, so Qwen3-MoE's FSDP2
-# load cell is slow and its training cell default.
-DEFAULT = {("gemma3", "tp2"), ("qwen3_moe", "train_ep2"), ("gemma3", "train_tp2"), ("gpt_oss", "packing"),
-           ("gpt_oss", "train_sp2"),
+# The cells the default suite runs; the others are in the slow set. A training cell loads its family under its
+# layout and checks the trainer's log-probs against the engine's from_pretrained copy, so it also catches a
+# wrong load: Gemma 3 under TP (its extra norms, its buffers), GPT-OSS under SP (its sinks in packed rows),
+# Qwen3-MoE under EP (the fused-expert reader, experts split over ranks; its block reads are also
+# tests/unit/test_checkpoint_names.py's).
+DEFAULT = {("qwen3_moe", "train_ep2"), ("gemma3", "train_tp2"), ("gpt_oss", "train_sp2"),
            *((family, feature) for family in FAMILIES for feature in ("decode", "lora"))}  # (in-process, < 1 s each)
 
 LAYOUTS = {"load": (1, []), "fsdp2": (2, []), "tp2": (2, ["--tp", "2"]),

@@ -450,3 +450,21 @@ def test_a_groups_shared_prompt_is_prefilled_once_with_the_same_samples() -> Non
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
     assert len({tuple(g.token_ids) for g in got[:3] + got[4:7]}) > 1  # the group's samples differ
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_long_prompt_is_prefilled_in_chunks_with_the_same_samples(static) -> None:
+    """prefill_chunk=16: ragged left-padded prompts of 70, 33 and 9 tokens prefilled in 5 chunks of columns
+    through the cache (the short rows' first chunks are all padding), then decoded on the dynamic or the
+    static cache: the same seeded tokens and log-probs as one prefill pass."""
+    requests = [(p, SamplingParams(max_new_tokens=10, temperature=1.0, seed=20 + k))
+                for k, p in enumerate(prompts((70, 33, 9), seed=5))]
+    chunked = HFEngine(tiny_model(), eos_token_ids=[], prefill_chunk=16, static_cache=static)
+    whole = HFEngine(tiny_model(), eos_token_ids=[], prefill_chunk=None, static_cache=static)
+    got, want = run_all(chunked, requests), run_all(whole, requests)
+    assert chunked.stats["prefill_chunks"] == 5 and whole.stats["prefill_chunks"] == 0
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 1"):
+        HFEngine(tiny_model(), eos_token_ids=[], prefill_chunk=0)

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from conftest import ROOT, run_config
+from train.parallel.layout import layout_sizes
 from train.parallel.step_batch import dispatch, exchange_index
 from train.trainer import step as st
 from train.trainer.advantages import compute_advantages
 from train.workers.rollout import Sample
 
 CTX = SimpleNamespace(device=torch.device("cpu"), rank=0, world_size=1)  # no process group: sums are local
-ONE_RANK = SimpleNamespace(sizes=SimpleNamespace(dp=1, sp=1, tp=1), dp_rank=0, is_data_leader=True)
+ONE_RANK = SimpleNamespace(sizes=layout_sizes(1), dp_rank=0, is_data_leader=True)
 
 
 def advantages(samples, G, c, ref=None, values=None, rewards=None, reward_scale=1.0, routes=None):

@@ -125,6 +125,7 @@ class HFEngine:
         compile_decode: bool | None = None,
         borrowed: Iterable[str] = (),
         record_routing: bool = False,
+        prefill_chunk: int | None = 8192,
     ) -> None:
         """`model` is copied (unless `copy_model=False`) so training the caller's model never
         changes the engine's weights behind its back; only `update_weights` does. `tokenizer` is
@@ -143,7 +144,14 @@ class HFEngine:
         train/models/shared_base.py): a push may not write them, and `sleep()` leaves them in place.
         `record_routing` (a mixture of experts; actor.router_replay): every Generation's `extra["routing"]`
         holds the experts each position was routed to, [prompt + sampled - 1, layers, top_k]
-        (train/models/router_replay.py). Recording takes the dynamic path: CUDA graphs would skip the hooks."""
+        (train/models/router_replay.py). Recording takes the dynamic path: CUDA graphs would skip the hooks.
+        `prefill_chunk`: prompts longer than this many tokens are prefilled in chunks of it through the KV
+        cache, so a long prompt's attention holds [rows, heads, chunk, prompt] scores, not [prompt, prompt]
+        (the logits are the last position's only, either way); None: one pass. A recorded routing's prefill
+        stays one pass."""
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 or None, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = copy.deepcopy(model) if copy_model else model
@@ -196,6 +204,7 @@ class HFEngine:
             "forward_rows": 0,
             "max_batch_rows": 0,
             "prefill_rows_shared": 0,  # requests whose prompt was prefilled once for several of them
+            "prefill_chunks": 0,  # forwards of prompts prefilled in chunks (prefill_chunk)
             "static_batches": 0,  # batches decoded over the preallocated cache (static_decode.py)
             "cuda_graphs": 0,  # decode graphs captured
             "static_parts": 0,  # parts of batches split to fit the static buffers' memory
@@ -447,6 +456,21 @@ class HFEngine:
             self.stats["max_batch_rows"] = max(self.stats["max_batch_rows"], len(requests))
             return results
 
+    def _prefill(self, input_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor,
+                 cache: DynamicCache) -> torch.Tensor:
+        """The prompts' last logits, their keys and values left in `cache`: one forward, or with prompts
+        longer than `prefill_chunk` one per chunk of columns, each attending to the cache and itself."""
+        width, chunk = input_ids.shape[1], self.prefill_chunk
+        if chunk is None or width <= chunk or self._routing is not None:
+            return self._forward(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                                 **{self._cache_arg: cache})
+        for start in range(0, width, chunk):
+            end = min(start + chunk, width)
+            logits = self._forward(input_ids=input_ids[:, start:end], attention_mask=attention[:, :end],
+                                   position_ids=positions[:, start:end], **{self._cache_arg: cache})
+        self.stats["prefill_chunks"] += -(-width // chunk)
+        return logits
+
     def _forward(self, **inputs: Any) -> torch.Tensor:
         if self._logits_to_keep:
             inputs["logits_to_keep"] = 1
@@ -540,9 +564,7 @@ class HFEngine:
         cache = DynamicCache(config=getattr(self.model, "config", None))
         if self._routing is not None:
             self._routing.clear()  # (a scoring pass may have left calls behind)
-        logits = self._forward(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions, **{self._cache_arg: cache}
-        )
+        logits = self._prefill(input_ids, attention, positions, cache)
         routes = None if self._routing is None else _Routes(self._routing, len(prefill), width, n,
                                                            max(budgets[i] for i in rows), dev)
         if shared:

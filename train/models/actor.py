@@ -94,7 +94,7 @@ class Actor(Trainable):
             keep = picked if picked.numel() else torch.zeros(1, dtype=torch.long, device=picked.device)
             mb.cache["keep"] = (keep, mb.loss_positions[keep].float(), mb.labels[keep])
         keep, valid, labels = mb.cache["keep"]
-        kwargs = dict(mb.model_inputs(), use_cache=False, logits_to_keep=keep, sp_group=lay.sp_group)
+        kwargs = dict(mb.model_inputs(), use_cache=False, logits_to_keep=keep, **lay.attention_groups())
         if self.replay is not None:
             self.replay.set(mb.routes)  # kept until the next forward: a checkpointed backward recomputes with it
         if self.balance is not None:

@@ -44,9 +44,8 @@ class Critic(Trainable):
     def _forward(self, mb: PackedMicroBatch) -> torch.Tensor:
         """[samples, longest - 1]: entry t holds V(state after token t), the value before action
         token t+1 (aligned with labels)."""
-        sp_group = self.layout.sp_group  # of size 1 without sequence parallelism: nothing to gather
-        values = self.model(**mb.model_inputs(), sp_group=sp_group)[0].float()
-        return mb.rows(mb.whole_row(values, sp_group))
+        values = self.model(**mb.model_inputs(), **self.layout.attention_groups())[0].float()
+        return mb.rows(mb.whole_row(values, self.layout.sp_group))  # (a group of 1 without a split: no gather)
 
     def compute_values(self, batch: StepBatch) -> list[torch.Tensor]:
         """V for every position of every sample of the batch, as [len-1] CPU tensors (see _forward)."""

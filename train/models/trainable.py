@@ -74,7 +74,7 @@ class Trainable:
         """This dp group's samples `positions` in packs of at most max_tokens per device (x sp)."""
         sp, tp, ring = self.layout.sizes.seq, self.layout.sizes.tp, self.layout.ring
         budget = max_tokens * sp
-        multiple = sp * tp * (2 if ring else 1)  # ring: two half chunks per rank
+        multiple = sp * tp * (2 if ring else 1)  # ring: two half chunks per ring rank
         if batch.share_prompt and positions:  # each group's common prefix laid out once per pack
             groups = batch.groups.tolist()
             units = prompt_units(positions, batch.ids, groups, budget)

@@ -3,8 +3,9 @@
     model mesh (ddp, fsdp, tp): how parameters are held. FSDP2 replicates over `ddp` and shards
         over `fsdp` (hybrid sharding when both are > 1); tensor parallelism splits over `tp`.
     data mesh (dp, sp, tp): how work is spread. Ranks that share a `dp` index hold the same
-        samples; `sp` ranks split each packed sequence (Ulysses, or with cp > 1 ring attention: the
-        dimension then has cp ranks), `tp` ranks see the same tokens.
+        samples; `sp` ranks split each packed sequence (Ulysses), `tp` ranks see the same tokens.
+        With ring attention (cp > 1) it is (dp, cp, sp, tp): a row is split over the cp x sp ranks
+        (flattened as "seq"), Ulysses inside each ring rank's chunk, the ring over cp.
 
     world = ddp * fsdp * tp = dp * sp * cp * tp. Ranks are laid out tp-innermost in both meshes, so a
     tp group is the same set of ranks in each; sp ranks sit inside the FSDP dimensions (they hold
@@ -59,12 +60,12 @@ def layout_sizes(world: int, ddp: int = 1, tp: int = 1, sp: int = 1, prefix: str
             raise LayoutError(f"{prefix}.{key}: must be a positive integer, got {value!r}")
     if world % tp:
         raise LayoutError(f"{prefix}.tp_size={tp} does not divide the {world} ranks; pick a divisor of {world}")
-    if cp > 1 and (sp > 1 or tp > 1):
-        other = "sp_size" if sp > 1 else "tp_size"
-        raise LayoutError(f"{prefix}.cp_size={cp} with {prefix}.{other}={sp if sp > 1 else tp}: ring attention "
-                          f"runs alone for now (no Ulysses or tensor parallelism inside it); set {prefix}.{other}=1")
-    if cp > 1 and world % cp:
-        raise LayoutError(f"{prefix}.cp_size={cp} does not divide the {world} ranks; pick a divisor of {world}")
+    if cp > 1 and tp > 1:
+        raise LayoutError(f"{prefix}.cp_size={cp} with {prefix}.tp_size={tp}: ring attention does not run inside "
+                          f"tensor parallelism yet; set {prefix}.tp_size=1 (Ulysses, {prefix}.sp_size, composes)")
+    if cp > 1 and world % (cp * sp):
+        raise LayoutError(f"{prefix}.cp_size={cp} x {prefix}.sp_size={sp} does not divide the {world} ranks; "
+                          f"their product must divide the world size")
     if world % (tp * sp):
         raise LayoutError(f"{prefix}.sp_size={sp} x {prefix}.tp_size={tp} does not divide the {world} ranks; "
                           f"their product must divide the world size")
@@ -118,7 +119,7 @@ class Layout:
     """One model's meshes and this rank's place in them."""
     sizes: Sizes
     model_mesh: DeviceMesh  # ("ddp", "fsdp", "tp"); with ep > 1 ("ddp", "efsdp", "ep", "tp"), fsdp flattened
-    data_mesh: DeviceMesh  # ("dp", "sp", "tp")
+    data_mesh: DeviceMesh  # ("dp", "sp", "tp"); with cp > 1 ("dp", "cp", "sp", "tp"), (cp, sp) flattened as "seq"
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
@@ -144,13 +145,25 @@ class Layout:
         return self.model_mesh["tp"].get_group()
 
     @property
-    def ring(self) -> bool:
-        """Packed rows are split zigzag over the sp dimension's ranks for ring attention (cp > 1)."""
-        return self.sizes.cp > 1
+    def ring(self) -> int:
+        """The ring attention's size (cp; 0 without): packed rows are split zigzag over its ranks."""
+        return self.sizes.cp if self.sizes.cp > 1 else 0
+
+    @property
+    def _seq_mesh(self) -> DeviceMesh:
+        return self.data_mesh["seq"] if self.ring else self.data_mesh["sp"]
 
     @property
     def sp_group(self) -> dist.ProcessGroup:
-        return self.data_mesh["sp"].get_group()
+        """Every rank a packed row is split over (sp, or cp x sp): per-token outputs are gathered over it."""
+        return self._seq_mesh.get_group()
+
+    def attention_groups(self) -> dict:
+        """The model's attention keywords: `sp_group` for Ulysses' all-to-alls, `cp_group` for the ring."""
+        if not self.ring:
+            return {"sp_group": self.sp_group}
+        return {"sp_group": self.data_mesh["sp"].get_group() if self.sizes.sp > 1 else None,
+                "cp_group": self.data_mesh["cp"].get_group()}
 
     @property
     def dp_rank(self) -> int:
@@ -158,7 +171,7 @@ class Layout:
 
     @property
     def sp_rank(self) -> int:
-        return self.data_mesh.get_local_rank("sp")
+        return self._seq_mesh.get_local_rank()
 
     @property
     def tp_rank(self) -> int:
@@ -182,7 +195,6 @@ def build_layout(world: int, device_type: str, ddp: int = 1, tp: int = 1, sp: in
     """Both meshes for one model; a collective (every rank calls it, in the same order). Their
     groups time out after `timeout_s` (None: torch's default)."""
     sizes = layout_sizes(world, ddp, tp, sp, prefix, ep, cp)
-    data_dims = ("dp", "sp", "tp")
     if sizes.ep > 1:
         model_dims, shape = ("ddp", "efsdp", "ep", "tp"), (sizes.ddp, sizes.fsdp // sizes.ep, sizes.ep, sizes.tp)
     else:
@@ -192,8 +204,15 @@ def build_layout(world: int, device_type: str, ddp: int = 1, tp: int = 1, sp: in
     if sizes.ep > 1:  # the dense parameters' fsdp dimension: efsdp x ep as one
         override = mesh_overrides(device_type, ("fsdp",), timeout_s)
         model_mesh["efsdp", "ep"]._flatten("fsdp", backend_override=override and override["fsdp"])
-    data_mesh = init_device_mesh(device_type, (sizes.dp, sizes.seq, sizes.tp), mesh_dim_names=data_dims,
+    if sizes.cp > 1:
+        data_dims, shape = ("dp", "cp", "sp", "tp"), (sizes.dp, sizes.cp, sizes.sp, sizes.tp)
+    else:
+        data_dims, shape = ("dp", "sp", "tp"), (sizes.dp, sizes.sp, sizes.tp)
+    data_mesh = init_device_mesh(device_type, shape, mesh_dim_names=data_dims,
                                  backend_override=mesh_overrides(device_type, data_dims, timeout_s))
+    if sizes.cp > 1:  # the ranks a row is split over, ring-major
+        override = mesh_overrides(device_type, ("seq",), timeout_s)
+        data_mesh["cp", "sp"]._flatten("seq", backend_override=override and override["seq"])
     return Layout(sizes, model_mesh, data_mesh)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from train.parallel.seq_parallel import RingRow, gather_sequence, zigzag_rows
+from train.parallel.seq_parallel import RingRow, gather_sequence, sequence_rows
 
 
 def plan_packs(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -66,7 +66,7 @@ class PackedMicroBatch:
     laid_out: int = 0  # tokens the row holds (no end padding): what a pass computes
     represented: int = 0  # tokens of its samples: what an unshared row would hold
     routes: torch.Tensor | None = None  # [C, layers, top_k] the sampler's experts per position (router replay)
-    zigzag: bool = False  # ring attention: this rank's chunk is two zigzag half chunks (seq_parallel.zigzag_rows)
+    ring: int = 0  # ring attention over this many ranks: this rank's chunk is a zigzag piece (seq_parallel.sequence_rows)
 
     @property
     def total_len(self) -> int:
@@ -80,7 +80,7 @@ class PackedMicroBatch:
 
     def whole_row(self, chunk: torch.Tensor, group) -> torch.Tensor:
         """This rank's per-position values [C, ...] -> the whole row's [T, ...] in row order (differentiable)."""
-        return gather_sequence(chunk, group, zigzag=self.zigzag)
+        return gather_sequence(chunk, group, ring=self.ring)
 
     def rows(self, flat: torch.Tensor) -> torch.Tensor:
         """[T] per-position values -> [n, longest - 1] per-sample rows (zeros past each sample).
@@ -223,11 +223,11 @@ def _ring_row(segments: list[int], positions: torch.Tensor, tails: list[tuple[in
     return RingRow(seg.to(device), positions.to(device), prefix.to(device))
 
 
-def _local_rows(total: int, sp_rank: int, sp_size: int, ring: bool) -> torch.Tensor | slice:
-    """This rank's positions of a row of `total`: its contiguous chunk (Ulysses), or its two zigzag half
-    chunks (ring attention, `total` a multiple of 2 x sp_size)."""
+def _local_rows(total: int, sp_rank: int, sp_size: int, ring: int) -> torch.Tensor | slice:
+    """This rank's positions of a row of `total`: its contiguous chunk (Ulysses), or with a ring its piece of
+    its ring rank's zigzag half chunks (seq_parallel.sequence_rows; `total` a multiple of 2 x sp_size)."""
     if ring:
-        return zigzag_rows(sp_rank, sp_size, total // (2 * sp_size))
+        return sequence_rows(sp_rank, sp_size, ring, total)
     chunk = total // sp_size
     return slice(sp_rank * chunk, (sp_rank + 1) * chunk)
 
@@ -235,14 +235,14 @@ def _local_rows(total: int, sp_rank: int, sp_size: int, ring: bool) -> torch.Ten
 def build_packed(index: list[int], ids: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int,
                  device: torch.device, sp_rank: int = 0, sp_size: int = 1, multiple: int = 1,
                  units: list[Unit] | None = None, routing: list[torch.Tensor] | None = None,
-                 ring: bool = False) -> PackedMicroBatch:
+                 ring: int = 0) -> PackedMicroBatch:
     """Pack samples `index` (int64 token ids [len]; float action masks [len - 1], entry t for token
     t + 1) into one row of length T (a multiple of `multiple`, itself a multiple of sp_size) and keep
     this sp rank's chunk of it. With `units` (covering `index`, in its order), a unit's shared prefix
     is laid out once: see `prompt_units` and `shared_slots`. With `routing` (per sample [len - 1,
-    layers, top_k]), the pack's `routes` hold them at their row positions (`lay_routes`). With `ring`
-    (context parallelism over sp_size ranks; `multiple` a multiple of 2 x sp_size) the rank keeps its two
-    zigzag half chunks and the row's segments are a RingRow."""
+    layers, top_k]), the pack's `routes` hold them at their row positions (`lay_routes`). With a `ring` of
+    cp ranks (context parallelism; sp_size = cp x Ulysses' sp, `multiple` a multiple of 2 x sp_size) the rank
+    keeps its piece of its ring rank's zigzag chunks and the row's segments are a RingRow."""
     if units is not None and any(u.shared for u in units):
         return _build_shared(units, ids, masks, pad_id, device, sp_rank, sp_size, multiple, routing, ring)
     if index:
@@ -276,12 +276,12 @@ def build_packed(index: list[int], ids: list[torch.Tensor], masks: list[torch.Te
         row_valid=row_valid.to(device), action_mask=action[:, :longest].to(device),
         laid_out=real if index else 0, represented=real if index else 0,
         routes=lay_routes(routing, index, row_index, total)[mine].to(device) if routing and index else None,
-        zigzag=ring)
+        ring=ring)
 
 
 def _build_shared(units: list[Unit], ids: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int,
                   device: torch.device, sp_rank: int, sp_size: int, multiple: int,
-                  routing: list[torch.Tensor] | None = None, ring: bool = False) -> PackedMicroBatch:
+                  routing: list[torch.Tensor] | None = None, ring: int = 0) -> PackedMicroBatch:
     """`build_packed` with shared prefixes. A unit sharing s tokens is laid out as its prefix (positions
     0..s-1, labels the next prefix token), then each member's tokens from s on (positions continuing
     from s). Sample i's entry t sits at the prefix's row position t for t < s, else in its own part.
@@ -347,4 +347,4 @@ def _build_shared(units: list[Unit], ids: list[torch.Tensor], masks: list[torch.
         labels=label_ids[mine].to(device), loss_positions=loss[mine].to(device) > 0, row_index=row_index.to(device),
         row_valid=row_valid.to(device), action_mask=action[:, :longest].to(device),
         laid_out=at - pad, represented=sum(int(ids[i].numel()) for i in index),
-        routes=lay_routes(routing, index, row_index, total)[mine].to(device) if routing else None, zigzag=ring)
+        routes=lay_routes(routing, index, row_index, total)[mine].to(device) if routing else None, ring=ring)

@@ -10,9 +10,10 @@ With `sp_group` (Ulysses), each of the `sp` ranks of a group runs the model on o
 row. Everything but attention works token by token; attention swaps the split with two
 all-to-alls: [heads, my chunk] -> [my heads, the whole row], segment attention, then back.
 
-With a `RingRow` as the row's segments (context parallelism, `cp_size`), each of the `cp` ranks holds two
-of the row's 2·cp chunks, zigzag (chunks r and 2·cp−1−r, so every rank has as much causal work), and all
-heads; key/value blocks go round the ring, each rank merging its queries' attention over every block
+With a `RingRow` as the row's segments (context parallelism, `cp_size`), each of the `cp` ring ranks holds
+two of the row's 2·cp chunks, zigzag (chunks r and 2·cp−1−r, so every rank has as much causal work), cut in
+sp pieces when Ulysses runs inside (the all-to-alls give each sp rank the ring rank's whole chunk for its
+heads); key/value blocks go round the ring, each rank merging its queries' attention over every block
 with an online softmax (`_RingAttention`), and the backward sends the blocks' key/value gradients round
 after them, back to their owners.
 
@@ -87,18 +88,31 @@ class _GatherChunks(torch.autograd.Function):
         return grad[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None
 
 
-def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None, zigzag: bool = False) -> torch.Tensor:
-    """This rank's [C, ...] chunk -> the whole [sp*C, ...] row, differentiably (see _GatherChunks). With
-    `zigzag` each rank's chunk holds two half chunks (rank r: r and 2n−1−r, see zigzag_rows), put back in
-    row order."""
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None, ring: int = 0) -> torch.Tensor:
+    """This rank's [C, ...] chunk -> the whole [n*C, ...] row, differentiably (see _GatherChunks). With a
+    `ring` the ranks' chunks are zigzag pieces (sequence_rows), put back in row order."""
     if group is None or dist.get_world_size(group) == 1:
         return x
     whole = _GatherChunks.apply(x, group)
-    if not zigzag:
+    if not ring:
         return whole
-    n, half = dist.get_world_size(group), x.shape[0] // 2
-    order = torch.cat([zigzag_rows(r, n, half, x.device) for r in range(n)]).argsort()
+    n = dist.get_world_size(group)
+    order = torch.cat([sequence_rows(r, n, ring, n * x.shape[0]) for r in range(n)]).argsort().to(x.device)
     return whole.index_select(0, order)
+
+
+def sequence_rows(rank: int, n: int, ring: int, total: int) -> torch.Tensor:
+    """The positions of a row of `total` that rank `rank` of the `n` ranks it is split over holds: with a
+    `ring` of cp ranks (n = cp x sp, ring-major), ring rank c's two zigzag half chunks (zigzag_rows), cut in
+    sp contiguous pieces, one per Ulysses rank; without, the rank's contiguous chunk."""
+    if not ring:
+        chunk = total // n
+        return torch.arange(rank * chunk, (rank + 1) * chunk)
+    sp = n // ring
+    ring_rank, sp_rank = divmod(rank, sp)
+    rows = zigzag_rows(ring_rank, ring, total // (2 * ring))
+    piece = rows.numel() // sp
+    return rows[sp_rank * piece:(sp_rank + 1) * piece]
 
 
 def zigzag_rows(rank: int, n: int, half: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -142,17 +156,27 @@ def _wait(requests: list) -> None:
         request.wait()
 
 
+# Query and key tiles of a ring block: the scores held at once are [heads, tile, tile] (float32), whatever the
+# block's length, so attention memory does not grow with the sequence per rank.
+RING_TILE = 1024
+
+
+def _tiles(length: int, tile: int) -> list[slice]:
+    return [slice(i, min(i + tile, length)) for i in range(0, length, tile)]
+
+
 class _RingAttention(torch.autograd.Function):
     """Attention of this rank's queries q [H, C, d] over the whole row, whose keys and values k, v [Hkv, C, d]
     are spread over the ring (rank j holds rows zigzag_rows(j)). Forward: n steps; at step s the block of
-    rank (r − s) mod n is here, the next one in flight; scores in float32 merged by an online softmax (running
-    max and sum). The backward recomputes each block's probabilities from the saved log-sum-exp, and the
-    block's key/value gradients travel with it, arriving home after the n-th pass. Memory: [H, C, C] scores
-    of one block at a time; nothing of size T² is kept."""
+    rank (r − s) mod n is here, the next one in flight; scores in float32 (float64 for float64) merged tile by
+    tile by an online softmax (running max and sum), tiles no query of which sees a key skipped. The backward
+    recomputes each tile's probabilities from the saved log-sum-exp, and the block's key/value gradients
+    travel with it, arriving home after the n-th pass. Nothing of size T² is kept: one tile's scores at a
+    time."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: RingRow,
-                group: dist.ProcessGroup, scale: float, window: int | None) -> torch.Tensor:
+                group: dist.ProcessGroup, scale: float, window: int | None, tile: int) -> torch.Tensor:
         n, r = dist.get_world_size(group), dist.get_rank(group)
         heads, length, _ = q.shape
         rep = heads // k.shape[0]
@@ -163,31 +187,35 @@ class _RingAttention(torch.autograd.Function):
         total = torch.zeros((heads, length), dtype=wide, device=q.device)
         block = [k, v]
         for step in range(n):
-            src = (r - step) % n
+            keys = zigzag_rows((r - step) % n, n, length // 2, q.device)
             pending = _ring_exchange(block, group) if step < n - 1 else None
-            seen = row.visible(mine, zigzag_rows(src, n, length // 2, q.device), window)
-            if seen.any():
-                kb, vb = (t.repeat_interleave(rep, dim=0) if rep > 1 else t for t in block)
-                scores = (torch.matmul(q, kb.transpose(-1, -2)).to(wide) * scale).masked_fill(~seen, float("-inf"))
-                new_top = torch.maximum(top, scores.amax(-1))
-                base = torch.where(torch.isinf(new_top), 0.0, new_top)  # rows that have seen nothing yet
-                probs = torch.exp(scores - base[..., None])
-                fade = torch.exp(top - base)
-                total = total * fade + probs.sum(-1)
-                acc = acc * fade[..., None] + torch.matmul(probs.to(vb.dtype), vb).to(wide)
-                top = new_top
+            kb, vb = (t.repeat_interleave(rep, dim=0) if rep > 1 else t for t in block)
+            for qs in _tiles(length, tile):
+                for ks in _tiles(length, tile):
+                    seen = row.visible(mine[qs], keys[ks], window)
+                    if not seen.any():
+                        continue
+                    scores = (torch.matmul(q[:, qs], kb[:, ks].transpose(-1, -2)).to(wide) * scale
+                              ).masked_fill(~seen, float("-inf"))
+                    new_top = torch.maximum(top[:, qs], scores.amax(-1))
+                    base = torch.where(torch.isinf(new_top), 0.0, new_top)  # rows that have seen nothing yet
+                    probs = torch.exp(scores - base[..., None])
+                    fade = torch.exp(top[:, qs] - base)
+                    total[:, qs] = total[:, qs] * fade + probs.sum(-1)
+                    acc[:, qs] = acc[:, qs] * fade[..., None] + torch.matmul(probs.to(vb.dtype), vb[:, ks]).to(wide)
+                    top[:, qs] = new_top
             if pending is not None:
                 _wait(pending[1])
                 block = pending[0]
         out = (acc / total[..., None]).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, top + torch.log(total))
-        ctx.row, ctx.group, ctx.scale, ctx.window = row, group, scale, window
+        ctx.row, ctx.group, ctx.scale, ctx.window, ctx.tile = row, group, scale, window, tile
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        row, group, scale, window = ctx.row, ctx.group, ctx.scale, ctx.window
+        row, group, scale, window, tile = ctx.row, ctx.group, ctx.scale, ctx.window, ctx.tile
         n, r = dist.get_world_size(group), dist.get_rank(group)
         heads, length, dim = q.shape
         rep = heads // k.shape[0]
@@ -199,38 +227,43 @@ class _RingAttention(torch.autograd.Function):
         block = [k, v, torch.zeros(k.shape, dtype=wide, device=q.device),
                  torch.zeros(v.shape, dtype=wide, device=q.device)]
         for step in range(n):
-            src = (r - step) % n
-            seen = row.visible(mine, zigzag_rows(src, n, length // 2, q.device), window)
-            if seen.any():
-                kb, vb = (t.repeat_interleave(rep, dim=0).to(wide) if rep > 1 else t.to(wide) for t in block[:2])
-                scores = (torch.matmul(qw, kb.transpose(-1, -2)) * scale).masked_fill(~seen, float("-inf"))
-                probs = torch.exp(scores - lse[..., None])
-                dv = torch.matmul(probs.transpose(-1, -2), grad)
-                dscores = probs * (torch.matmul(grad, vb.transpose(-1, -2)) - delta[..., None]) * scale
-                dq += torch.matmul(dscores, kb)
-                dk = torch.matmul(dscores.transpose(-1, -2), qw)
-                if rep > 1:  # a key/value head serves `rep` query heads: their gradients add
-                    dk, dv = (t.view(-1, rep, length, dim).sum(1) for t in (dk, dv))
-                block[2] = block[2] + dk
-                block[3] = block[3] + dv
+            keys = zigzag_rows((r - step) % n, n, length // 2, q.device)
+            kb, vb = (t.repeat_interleave(rep, dim=0).to(wide) if rep > 1 else t.to(wide) for t in block[:2])
+            for qs in _tiles(length, tile):
+                for ks in _tiles(length, tile):
+                    seen = row.visible(mine[qs], keys[ks], window)
+                    if not seen.any():
+                        continue
+                    scores = (torch.matmul(qw[:, qs], kb[:, ks].transpose(-1, -2)) * scale
+                              ).masked_fill(~seen, float("-inf"))
+                    probs = torch.exp(scores - lse[:, qs, None])
+                    dv = torch.matmul(probs.transpose(-1, -2), grad[:, qs])
+                    dscores = probs * (torch.matmul(grad[:, qs], vb[:, ks].transpose(-1, -2)) - delta[:, qs, None]) * scale
+                    dq[:, qs] += torch.matmul(dscores, kb[:, ks])
+                    dk = torch.matmul(dscores.transpose(-1, -2), qw[:, qs])
+                    if rep > 1:  # a key/value head serves `rep` query heads: their gradients add
+                        dk, dv = (t.view(-1, rep, *t.shape[1:]).sum(1) for t in (dk, dv))
+                    block[2][:, ks] += dk
+                    block[3][:, ks] += dv
             # pass the block on with its gradients; after the n-th pass each block's gradients are home
             got, requests = _ring_exchange(block if step < n - 1 else block[2:], group)
             _wait(requests)
             block = got if step < n - 1 else [k, v, *got]
-        return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, row: RingRow,
                    group: dist.ProcessGroup, scaling: float | None, window: int | None) -> torch.Tensor:
     """[1, H, C, d] queries of this rank's zigzag chunk, [1, Hkv, C, d] keys and values -> [1, H, C, d]."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return _RingAttention.apply(query[0], key[0], value[0], row, group, scale, window)[None]
+    return _RingAttention.apply(query[0], key[0], value[0], row, group, scale, window, RING_TILE)[None]
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, *,
                      packed_segments: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     sp_group: dist.ProcessGroup | None = None, dropout: float = 0.0, scaling: float | None = None,
+                     sp_group: dist.ProcessGroup | None = None, cp_group: dist.ProcessGroup | None = None,
+                     dropout: float = 0.0, scaling: float | None = None,
                      sliding_window: int | None = None, softcap: float | None = None,
                      s_aux: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, None]:
     """query [1, H, C, d], key/value [1, Hkv, C, d] for this rank's chunk of a packed row;
@@ -244,12 +277,10 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if softcap is not None:
         raise ValueError(f"packed attention does not cap attention logits (softcap={softcap}, Gemma 2's "
                          "attn_logit_softcapping): this model would train on other numbers than it samples with")
-    if isinstance(packed_segments, RingRow):
-        if s_aux is not None or dropout:
-            raise ValueError("ring attention (cp_size > 1) runs without attention sinks (GPT-OSS) and dropout")
-        return ring_attention(query, key, value, packed_segments, sp_group, scaling, sliding_window).transpose(
-            1, 2).contiguous(), None
     sp = dist.get_world_size(sp_group) if sp_group is not None else 1
+    ring = isinstance(packed_segments, RingRow)
+    if ring and (s_aux is not None or dropout):
+        raise ValueError("ring attention (cp_size > 1) runs without attention sinks (GPT-OSS) and dropout")
     if sp > 1:
         if key.shape[1] % sp:  # too few key/value heads to split: give every query head its own copy
             rep = query.shape[1] // key.shape[1]
@@ -257,7 +288,10 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         query, key, value = (_SwapSplit.apply(t, sp_group, True) for t in (query, key, value))
         if s_aux is not None:  # this rank's heads (_SwapSplit gives rank r the r-th block of heads)
             s_aux = s_aux.view(sp, -1)[dist.get_rank(sp_group)]
-    out = _segment_attention(query, key, value, packed_segments, scaling, dropout, sliding_window, s_aux)
+    if ring:  # after Ulysses' all-to-alls this rank holds its ring rank's whole chunk, for its heads
+        out = ring_attention(query, key, value, packed_segments, cp_group, scaling, sliding_window)
+    else:
+        out = _segment_attention(query, key, value, packed_segments, scaling, dropout, sliding_window, s_aux)
     if sp > 1:
         out = _SwapSplit.apply(out, sp_group, False)
     return out.transpose(1, 2).contiguous(), None

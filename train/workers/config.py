@@ -37,6 +37,9 @@ class RolloutConfig:
     dtype: str | None = setting("engine weights: float32 | bfloat16 | float16 (null: bfloat16 on GPU, float32 on "
                                 "CPU)", choices=("bfloat16", "float32", "float16"))
     static_cache: bool | None = setting("hf: decode over a preallocated KV cache with CUDA graphs (null: on GPU)")
+    prefill_chunk: int | None = setting("hf: prompts longer than this many tokens are prefilled in chunks of it "
+                                        "through the KV cache (attention memory chunk x prompt, not prompt^2; null: "
+                                        "one pass)", ge=1)
     compile_decode: bool | None = setting("hf: torch.compile the engine's norm and MLP module instances (fused "
                                           "element-wise kernels in the decode graphs; null: on GPU)")
     share_actor_base: bool | None = setting("hf + LoRA: the engine's base weights are the actor's own tensors (no "
