@@ -69,6 +69,34 @@ def run_trainer(overrides: list[str], nproc: int = 1, config: str = "stub", time
     return proc
 
 
+def launch_check(nproc: int, out: Path, *args: str, timeout: int = 300) -> dict:
+    """Run tests/dist_checks.py `args` on `nproc` ranks (torchrun, gloo); what rank 0 saved to `out` ({} when the
+    check saves per-rank files)."""
+    import torch
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+           str(ROOT / "tests" / "dist_checks.py"), *args, "--out", str(out)]
+    proc = run_torchrun(cmd, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return torch.load(out) if Path(out).exists() else {}
+
+
+def assert_same_update(one: dict, other: dict, weight_atol: float = 1e-5, all_learn: bool = True) -> None:
+    """Two `dist_checks.py grads`-style results agree: each gradient to 1e-5 of its tensor's scale (float32 sums
+    in another order), the clipped global norm (clipping active: > 0.05), the updated weights (Adam: ~1% of a
+    step). `all_learn`: every parameter has a gradient from the batch."""
+    import torch
+
+    assert one["grads"].keys() == other["grads"].keys()
+    for name, g in one["grads"].items():
+        scale = float(g.abs().max())
+        assert scale > 0 or not all_learn, name
+        torch.testing.assert_close(other["grads"][name], g, rtol=0, atol=1e-5 * scale, msg=name)
+    assert one["norm"] > 0.05 and abs(one["norm"] - other["norm"]) < 1e-5 * one["norm"]
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(other["weights"][name], w, rtol=1e-5, atol=weight_atol, msg=name)
+
+
 def stub_train_slice(path: Path, n: int) -> Path:
     """The first `n` rows of the stub math training set written to `path` (short epochs, revisits)."""
     path.write_text("".join((STUB_MATH / "train.jsonl").read_text().splitlines(keepends=True)[:n]))

@@ -1,20 +1,10 @@
 """Context parallelism (actor.cp_size / critic.cp_size: zigzag chunks, ring attention; train/parallel/seq_parallel.py)
 against one process: the ring's attention and its gradients against a float64 softmax over the whole packed row,
 and the trainer's gradients, clip norm and updated weights on packed, multi-turn, shared-prompt batches."""
-import sys
-
 import pytest
 import torch
 
-from conftest import ROOT, run_torchrun, slow
-
-
-def launch(nproc: int, out, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(ROOT / "tests" / "dist_checks.py"), *args, "--out", str(out)]
-    proc = run_torchrun(cmd, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return torch.load(out) if out.exists() else {}
+from conftest import assert_same_update, launch_check as launch, slow
 
 
 @pytest.mark.parametrize("nproc,flags", [pytest.param(2, ["--share"], id="cp2-shared-prompts"),
@@ -33,16 +23,6 @@ def test_ring_attention_is_a_float64_softmax_over_the_whole_row(tmp_path, nproc,
             assert result[f"segment_{window}"] < 1e-5  # the one-process path (float32 softmax) agrees to its rounding
 
 
-def assert_same_step(one: dict, other: dict) -> None:
-    assert one["grads"].keys() == other["grads"].keys()
-    for name, g in one["grads"].items():
-        scale = float(g.abs().max())
-        torch.testing.assert_close(other["grads"][name], g, rtol=0, atol=1e-5 * scale, msg=name)
-    assert one["norm"] > 0.05 and abs(one["norm"] - other["norm"]) < 1e-5 * one["norm"]
-    for name, w in one["weights"].items():
-        torch.testing.assert_close(other["weights"][name], w, rtol=1e-5, atol=1e-5, msg=name)
-
-
 # (mode, processes, flags): Ulysses inside the ring (cp2 x sp2), the ring alone (cp2 on 2 ranks), with data
 # parallelism beside it (4 ranks: dp 2), cp4
 LAYOUTS = [pytest.param("grads", 4, ["--cp", "2", "--sp", "2", "--share", "--ac"], id="actor-cp2xsp2-shared-checkpointing"),
@@ -58,7 +38,7 @@ def test_context_parallel_gradients_and_step_equal_one_process(tmp_path, mode, n
     uneven split of samples over ranks."""
     one = launch(1, tmp_path / "one.pt", mode, "--grouped", "--max_tokens", "200", "--clip", "0.05")
     cp = launch(nproc, tmp_path / "cp.pt", mode, "--grouped", "--max_tokens", "64", "--clip", "0.05", *flags)
-    assert_same_step(one, cp)
+    assert_same_update(one, cp)
 
 
 @pytest.mark.parametrize("resume", [False, slow(True, id="resumed")])

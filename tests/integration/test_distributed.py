@@ -1,20 +1,11 @@
 """1 rank vs 2 and 4 ranks in every parallel layout (torchrun, gloo): the same gradients, global clip
 norm and updated weights for the same rollout data, whatever the split, packing (prompts shared or
 not) and layout."""
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, run_torchrun, slow, tiny_model
-
-
-def launch(nproc: int, out, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(ROOT / "tests" / "dist_checks.py"), *args, "--out", str(out)]
-    proc = run_torchrun(cmd, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return torch.load(out)
+from conftest import assert_same_update, launch_check as launch, slow, tiny_model
 
 
 # all_token_mean with the uneven split is test_actor_layouts_match_one_process[fsdp2]
@@ -95,17 +86,6 @@ LAYOUTS = {
     # the data does not move, but the code path (and its numbers) are the same as on GPU
     "fsdp2_offload": (2, ["--offload"]),
 }
-
-
-def assert_same_update(one: dict, other: dict, weight_atol: float = 1e-5) -> None:
-    assert one["grads"].keys() == other["grads"].keys()
-    for name, g in one["grads"].items():
-        scale = float(g.abs().max())
-        assert scale > 0, name  # every parameter learns from this batch
-        torch.testing.assert_close(other["grads"][name], g, rtol=0, atol=1e-5 * scale, msg=name)
-    assert one["norm"] > 0.05 and abs(one["norm"] - other["norm"]) < 1e-5 * one["norm"]
-    for name, w in one["weights"].items():
-        torch.testing.assert_close(other["weights"][name], w, rtol=1e-5, atol=weight_atol, msg=name)
 
 
 @pytest.fixture(scope="module")
