@@ -48,7 +48,7 @@ class Sizes:
 
     @property
     def seq(self) -> int:
-        """The ranks a packed row is split over: Ulysses' sp or the ring's cp (one of them is 1)."""
+        """The ranks a packed row is split over: Ulysses' sp times the ring's cp."""
         return self.sp * self.cp
 
 

@@ -223,15 +223,6 @@ def _ring_row(segments: list[int], positions: torch.Tensor, tails: list[tuple[in
     return RingRow(seg.to(device), positions.to(device), prefix.to(device))
 
 
-def _local_rows(total: int, sp_rank: int, sp_size: int, ring: int) -> torch.Tensor | slice:
-    """This rank's positions of a row of `total`: its contiguous chunk (Ulysses), or with a ring its piece of
-    its ring rank's zigzag half chunks (seq_parallel.sequence_rows; `total` a multiple of 2 x sp_size)."""
-    if ring:
-        return sequence_rows(sp_rank, sp_size, ring, total)
-    chunk = total // sp_size
-    return slice(sp_rank * chunk, (sp_rank + 1) * chunk)
-
-
 def build_packed(index: list[int], ids: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int,
                  device: torch.device, sp_rank: int = 0, sp_size: int = 1, multiple: int = 1,
                  units: list[Unit] | None = None, routing: list[torch.Tensor] | None = None,
@@ -267,7 +258,7 @@ def build_packed(index: list[int], ids: list[torch.Tensor], masks: list[torch.Te
     row_valid = (steps[None, :] < torch.tensor(lengths)[:, None] - 1).float()
     row_index = torch.where(row_valid > 0, offsets[:, None] + steps[None, :], 0)
     action = torch.nn.utils.rnn.pad_sequence(acts, batch_first=True) if longest else torch.zeros(len(acts), 0)
-    mine = _local_rows(total, sp_rank, sp_size, ring)
+    mine = sequence_rows(sp_rank, sp_size, ring, total)  # this rank's positions
     return PackedMicroBatch(
         index=list(index), input_ids=input_ids[mine].to(device)[None], position_ids=positions[mine].to(device)[None],
         segments=segments, segment_slots=_ring_row(segments, positions, [], device) if ring else segment_slots(
@@ -339,7 +330,7 @@ def _build_shared(units: list[Unit], ids: list[torch.Tensor], masks: list[torch.
     row_valid = torch.tensor([[1.0] * len(e) + [0.0] * (longest - len(e)) for e in entries])
     row_index = torch.tensor([e + [0] * (longest - len(e)) for e in entries], dtype=torch.int64)
     action = torch.nn.utils.rnn.pad_sequence([masks[i].float() for i in index], batch_first=True)
-    mine = _local_rows(total, sp_rank, sp_size, ring)
+    mine = sequence_rows(sp_rank, sp_size, ring, total)  # this rank's positions
     return PackedMicroBatch(
         index=index, input_ids=input_ids[mine].to(device)[None], position_ids=position_ids[mine].to(device)[None],
         segments=segments, segment_slots=_ring_row(segments, position_ids, tails, device) if ring else shared_slots(
