@@ -680,7 +680,7 @@ def sync(args, ctx) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["grads", "match", "critic_grads", "reference", "teachers", "lora_reference",
+    parser.add_argument("mode", choices=["vision", "grads", "match", "critic_grads", "reference", "teachers", "lora_reference",
                                          "shared_base", "packing", "router_replay", "ring",
                                          "collectives", "advantages", "push", "load", "reshard", "sync"])
     parser.add_argument("--out", required=True)
@@ -704,6 +704,8 @@ def main() -> None:
     parser.add_argument("--share", action="store_true", help="dispatch with share_prompt (lay each prompt out once)")
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank of the actor / critic (0: full model)")
     parser.add_argument("--dtype", default="float32", help="the actor's compute dtype (shared_base)")
+    parser.add_argument("--freeze", action="store_true", help="vision: actor.freeze_vision")
+    parser.add_argument("--samples", default=None, help="vision: roll out and save the samples here, or load them")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = init_distributed()
@@ -711,10 +713,89 @@ def main() -> None:
         {"grads": grads, "match": match, "critic_grads": critic_grads, "reference": reference, "teachers": teachers,
          "lora_reference": lora_reference, "shared_base": shared_base, "router_replay": router_replay, "ring": ring,
          "packing": packing, "collectives": collectives, "advantages": advantages,
-         "push": push, "load": load, "reshard": reshard, "sync": sync}[args.mode](args, ctx)
+         "push": push, "load": load, "reshard": reshard, "sync": sync, "vision": vision}[args.mode](args, ctx)
     finally:
         cleanup()
 
+
+
+def vision_rows() -> list[dict]:
+    """Rows whose prompts hold pictures (two rows share one picture: their groups' prompts differ in text only)."""
+    from PIL import Image
+
+    colours = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 30, 30)]
+    rows = []
+    for i, colour in enumerate(colours):
+        parts = [{"type": "image", "image": Image.new("RGB", (56 + 14 * i, 56), colour)},
+                 {"type": "text", "text": f"What is in picture {i}?" + (" broken" if i == 3 else "")}]
+        rows.append({"messages": [{"role": "user", "content": parts}], "answer": None})
+    return rows
+
+
+def vision(args, ctx) -> None:
+    """A vision-language actor end to end on this layout: rollouts with pictures in prompts and in tool replies
+    (tests/envs/picture_tool.py) through the trainer's RolloutWorker and hf engine, the same on every rank;
+    each rank keeps its own samples (the split), dispatches them with their images, and the actor computes
+    log-probs (against the sampler's) and one update from fixed advantages. Rank 0 saves what the test compares."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from train.datasets.vision import VisionProcessor
+    from train.workers.environment import Environment
+    from train.workers.rollout import RolloutWorker
+
+    torch.manual_seed(0)
+    cfg = actor_cfg(max_length_per_device=args.max_tokens, max_grad_norm=args.clip, share_prompt=args.share,
+                    freeze_vision=args.freeze, **layout_overrides(args))
+    actor = Actor(cfg, ctx, args.model, pad_token_id=0, train=True, temperature=1.0, total_updates=1)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    processor = VisionProcessor.from_pretrained(args.model, tok, AutoConfig.from_pretrained(args.model))
+    if args.samples and os.path.exists(args.samples):  # another launch's rollouts: the same samples, whatever batching
+        samples = torch.load(args.samples, weights_only=False)
+    else:
+        engine = HFEngine.from_pretrained(args.model, tok)
+        env = Environment(os.path.join(ROOT, "tests", "envs", "picture_tool.py"), timeout_s=30, max_workers=2,
+                          max_turns=3)
+        worker = RolloutWorker(engine, env, tok, max_turns=3, env_error_reward=-1.0, max_total_length=400,
+                               vision=processor)
+        try:
+            sampling = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=tuple(range(10, 200)))
+            samples, _ = worker.rollout(vision_rows(), 3, sampling, base_seed=5)
+        finally:
+            worker.close()
+        if args.samples and ctx.is_main:
+            torch.save(samples, args.samples)
+    n = len(samples)
+    set_ownership(n, args.split, ctx.world_size)
+    own = OWN[ctx.rank]
+    index = exchange_index([len(samples[i].ids) for i in own], [samples[i].group for i in own],
+                           [samples[i].reward for i in own], ctx.device)
+    sb = dispatch(index, [samples[i].ids for i in own], [samples[i].action_mask for i in own],
+                  [samples[i].sampler_logprobs for i in own], actor.layout, 1, ctx.device, share_prompt=args.share,
+                  images=[samples[i].images for i in own])
+    owners = {(r, j): i for r in range(ctx.world_size) for j, i in enumerate(OWN[r])}
+    source = [owners[(index.owner[g], index.local[g])] for g in sb.members]
+    logp = actor.compute_logprobs(sb)
+    diffs = [((lp - sl) * m).abs().max().item() for lp, sl, m in zip(logp, sb.sampler_logp, sb.mask) if m.any()]
+    kl = sum(float(((sl - lp) * m).sum()) for lp, sl, m in zip(logp, sb.sampler_logp, sb.mask)) / max(
+        sum(float(m.sum()) for m in sb.mask), 1.0)
+    g = torch.Generator().manual_seed(3)
+    advantages = torch.randn(n, generator=g).tolist()
+    sb.fields["advantages"] = per_token(advantages, sb, source)
+    norms, [packs] = actor.prepare(sb, 1)
+    shared_packs(packs, args)
+    actor.model.train()
+    actor.accumulate(packs, norms[0], actor.policy_loss(sb, 32), UpdateStats())
+    step_and_save(actor, ctx, args.out)
+    if ctx.is_main:
+        result = torch.load(args.out)
+        pad = processor.spec.image_token_id
+        result.update(max_diff=max(diffs), kl=kl, images=[len(s.images) for s in samples],
+                      placeholder_actions=sum(sum(m for t, m in zip(s.ids, s.action_mask) if t == pad) for s in samples),
+                      placeholders=[sum(t == pad for t in s.ids) for s in samples],
+                      image_tokens=[sum(im.tokens for im in s.images) for s in samples],
+                      finish=[s.finish_reason for s in samples], errors=[s.env_error for s in samples],
+                      turns=[s.n_turns for s in samples])
+        torch.save(result, args.out)
 
 
 def collectives(args, ctx) -> None:

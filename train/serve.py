@@ -91,20 +91,39 @@ class ApiError(Exception):
                                        "code": self.code}}, status_code=self.status)
 
 
-def message_text(content: Any) -> str:
-    """OpenAI content: a string or a list of parts; only text parts are supported."""
+def message_text(content: Any, images: bool = False) -> str | list[dict]:
+    """OpenAI content: a string or a list of parts; text parts, and with `images` (a vision-language model)
+    image_url parts holding data: URLs (a server never reads its own files for a client), kept as parts."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
+        if images and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+            for part in content:
+                url = part.get("image_url") if isinstance(part, dict) else None
+                url = url.get("url") if isinstance(url, dict) else url
+                if isinstance(part, dict) and part.get("type") == "image_url" and not str(url).startswith("data:"):
+                    raise ApiError(400, "image_url parts must hold data: URLs (base64); this server does not fetch "
+                                        "URLs or read files", "messages")
+                if not isinstance(part, dict) or part.get("type") not in ("text", "image_url"):
+                    raise ApiError(400, "content parts must be text or image_url", "messages")
+            return content
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise ApiError(400, "only text content parts are supported", "messages")
+                raise ApiError(400, "only text content parts are supported" + (
+                    "" if images else " (this model has no vision tower)"), "messages")
             texts.append(str(part.get("text", "")))
         return "".join(texts)
     raise ApiError(400, "message content must be a string or a list of text parts", "messages")
+
+
+def text_chars(content: str | list[dict]) -> int:
+    """Characters of a message's text (image parts count by their own budget: the image processor's pixels)."""
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(str(p.get("text", ""))) for p in content if p.get("type") == "text")
 
 
 def check_supported(req: ChatRequest) -> None:
@@ -131,8 +150,10 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
 class ModelServer:
     def __init__(self, engine: Any, tokenizer: Any, served_name: str, model_path: str,
                  max_new_tokens: int = 512, api_key: str | None = None,
-                 max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS, aliases: tuple[str, ...] = ()):
+                 max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS, aliases: tuple[str, ...] = (),
+                 vision: Any = None):
         self.engine, self.tokenizer = engine, tokenizer
+        self.vision = vision  # a vision-language model's VisionProcessor (train/datasets/vision.py); None: text
         self.served_name, self.model_path = served_name, model_path
         # Names a request may give: the served name (listed, and in every reply), the path, the aliases.
         self.accepted = list(dict.fromkeys([served_name, model_path, *aliases]))
@@ -185,28 +206,41 @@ class ModelServer:
                            param, "context_length_exceeded")
         return min(asked or self.max_new_tokens, room)
 
+    def prompt(self, messages: list[dict]) -> tuple[list[int], list]:
+        """The prompt's token ids and (a vision-language model) its processed images; a bad image is a 400."""
+        images: list = []
+        if self.vision is not None:
+            from train.datasets.vision import ImageError
+
+            try:
+                messages, images = self.vision.prepare(messages, "the request")
+            except ImageError as e:
+                raise ApiError(400, str(e), "messages") from None
+        return prompt_ids(self.tokenizer, messages), images
+
     async def complete(self, req: ChatRequest) -> dict:
         check_supported(req)
         if req.model not in self.accepted:
             also = ", ".join(repr(n) for n in self.accepted[1:])
             raise ApiError(404, f"model '{req.model}' does not exist; this server serves '{self.served_name}'"
                                 + (f" (also accepted: {also})" if also else ""), "model", "model_not_found")
-        messages = [{"role": str(m.get("role", "user")), "content": message_text(m.get("content"))}
+        messages = [{"role": str(m.get("role", "user")), "content": message_text(m.get("content"), self.vision is not None)}
                     for m in req.messages]
-        chars = sum(len(m["role"]) + len(m["content"]) for m in messages)
+        chars = sum(len(m["role"]) + text_chars(m["content"]) for m in messages)
         if chars > self.max_prompt_chars:  # before tokenizing: costs nothing
             raise ApiError(400, f"the messages hold {chars} characters; this server accepts at most "
                                 f"{self.max_prompt_chars} (--max-prompt-chars): shorten the prompt",
                            "messages", "string_above_max_length")
         loop = asyncio.get_running_loop()
-        ids = await loop.run_in_executor(self._tokenize_pool, prompt_ids, self.tokenizer, messages)
+        ids, images = await loop.run_in_executor(self._tokenize_pool, self.prompt, messages)
         max_new = self.completion_budget(len(ids), req)
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         # Choice i samples with seed + i, wrapped into the 64 bits a torch generator takes.
         params = [SamplingParams(max_new_tokens=max_new, temperature=req.temperature, top_p=req.top_p,
                                  top_k=req.top_k, stop=tuple(stops),
                                  seed=None if req.seed is None else (req.seed + i) % 2**64) for i in range(req.n)]
-        gens = await asyncio.gather(*(self.engine.generate(ids, p) for p in params))
+        gens = await asyncio.gather(*(self.engine.generate(ids, p, images=images) if images
+                                      else self.engine.generate(ids, p) for p in params))
         choices = []
         for i, gen in enumerate(gens):
             text, stopped = cut_at_stop(self.decode(gen), stops)
@@ -306,9 +340,16 @@ def build_server(args: argparse.Namespace) -> ModelServer:
     # client's `model=` does not change with how the model was exported. The folder name is still accepted.
     names = args.served_model_name or [DEFAULT_SERVED_NAME]
     aliases = (*names[1:], os.path.basename(os.path.normpath(args.model)))
+    from transformers import AutoConfig
+
+    from train.datasets.vision import VisionProcessor
+    from train.models.vlm import is_vision_config
+
+    config = AutoConfig.from_pretrained(args.model)
+    vision = VisionProcessor.from_pretrained(args.model, tokenizer, config) if is_vision_config(config) else None
     return ModelServer(engine, tokenizer, names[0], args.model, max_new_tokens=args.max_new_tokens,
                        api_key=args.api_key or os.environ.get("SERVE_API_KEY"),
-                       max_prompt_chars=args.max_prompt_chars, aliases=aliases)
+                       max_prompt_chars=args.max_prompt_chars, aliases=aliases, vision=vision)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -198,7 +198,7 @@ def test_jsonl_wrong_type_message_matches_contract(tmp_path):
         ({"answer": 1}, "'messages': missing"),
         ({"messages": [], "answer": 1}, "'messages': expected a non-empty list"),
         ({"messages": [{"role": "bot", "content": "q"}], "answer": 1}, "'messages[0].role'"),
-        ({"messages": [{"role": "user", "content": 3}], "answer": 1}, "'messages[0].content': expected str, got int"),
+        ({"messages": [{"role": "user", "content": 3}], "answer": 1}, "'messages[0].content': expected str or a list of parts, got int"),
         ({"messages": ["q"], "answer": 1}, "'messages[0]': expected"),
     ],
 )

@@ -52,3 +52,10 @@ class DataConfig:
                                     "fail (an error stops the run)", choices=OVERLONG_CHOICES)
     check_rows: int | None = setting("the first N rows of each source are tokenized and checked before training "
                                      "(null: every row)", ge=1)
+    min_pixels: int | None = setting("vision-language models: each image is resized to at least this many pixels "
+                                     "(null: the model's preprocessor_config.json)", ge=1, example="3136")
+    max_pixels: int | None = setting("vision-language models: each image is resized to at most this many pixels, "
+                                     "which bounds its image tokens (null: the model's preprocessor_config.json)",
+                                     ge=1, example="200704")
+    max_source_pixels: int = setting("an image with more pixels than this before resizing is refused (an error "
+                                     "naming the row or env reply)", ge=1)

@@ -14,6 +14,7 @@ prompts of every source).
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 
@@ -65,9 +66,18 @@ def _contents(row: dict) -> list[str]:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, str):
             parts.append(content)
-        elif isinstance(content, list):  # content parts
-            parts += [p.get("text", "") for p in content if isinstance(p, dict)]
+        elif isinstance(content, list):  # content parts; an image counts as one word naming its source
+            parts += [p.get("text", "") if p.get("type") == "text" else _image_word(p) for p in content
+                      if isinstance(p, dict)]
     return parts
+
+
+def _image_word(part: dict) -> str:
+    """One word standing for an image part: the same image (path or data: URL) gives the same word, so two
+    prompts with the same text over different pictures are different prompts."""
+    source = part.get("image") or part.get("path") or part.get("url") or part.get("image_url")
+    source = source.get("url") if isinstance(source, dict) else source
+    return "image:" + hashlib.blake2b(str(source).encode(), digest_size=8).hexdigest()
 
 
 def shared_lines(train_rows: list[dict]) -> set[int]:

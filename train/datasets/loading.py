@@ -4,7 +4,10 @@ The data contract: every row is a dict with
 
 * ``messages``: a non-empty list of ``{"role": ..., "content": str}`` dicts, ``role`` one of
   ``system``/``user``/``assistant``/``tool``; extra message keys (``tool_calls``, ``name``, ...)
-  are kept.
+  are kept. ``content`` may also be a list of parts: ``{"type": "text", "text": ...}`` and images
+  (``{"type": "image", "image" | "path" | "url": ...}`` or ``{"type": "image_url", "image_url": {"url": ...}}``,
+  a file path or a ``data:`` URL; train/datasets/vision.py). A relative image path in a file is read
+  from that file's folder.
 * ``answer``: any JSON value (``null`` included), but the key must be present, so a typo in a column
   name fails at load time instead of scoring every sample against ``None``.
 * any other fields, kept as they are (environments may read them).
@@ -336,13 +339,45 @@ def _validate_row(row: Any, label: str, index: int) -> dict:
             row["messages"] = prompt
         else:
             raise DataError(f"{where}: field 'messages': missing (give 'messages' or a 'prompt' string)")
-    row["messages"] = _validate_messages(row["messages"], where)
+    base = os.path.dirname(label) if os.path.isfile(label) else None  # relative image paths: the file's folder
+    row["messages"] = _validate_messages(row["messages"], where, base)
     if "answer" not in row:
         raise DataError(f"{where}: field 'answer': missing (use \"answer\": null when there is none)")
     return row
 
 
-def _validate_messages(messages: Any, where: str) -> list[dict]:
+PART_TYPES = ("text", "image", "image_url")
+
+
+def _validate_parts(parts: list, where: str, field: str, base: str | None) -> list[dict]:
+    """A message's list content: text and image parts (nulls of columnar formats dropped), relative image
+    paths made absolute against `base`."""
+    out = []
+    for k, part in enumerate(parts):
+        at = f"{field}.content[{k}]"
+        if not isinstance(part, dict) or part.get("type") not in PART_TYPES:
+            got = part.get("type") if isinstance(part, dict) else _type_name(part)
+            raise DataError(f"{where}: field '{at}': expected a part of type {', '.join(PART_TYPES)}, got {got!r}")
+        part = {key: value for key, value in part.items() if value is not None}
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise DataError(f"{where}: field '{at}.text': expected str, got {_type_name(part.get('text'))}")
+        if part["type"] == "image":
+            key = next((key for key in ("image", "path", "url") if key in part), None)
+            if key is None or not isinstance(part[key], str):
+                raise DataError(f"{where}: field '{at}': an image part needs 'image', 'path' or 'url' holding a file "
+                                "path or a data: URL")
+            if base is not None and not part[key].startswith(("data:", "/", "http://", "https://")):
+                part[key] = os.path.join(base, part[key])
+        if part["type"] == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str):
+                raise DataError(f"{where}: field '{at}.image_url.url': expected a data: URL or a file path")
+        out.append(part)
+    return out
+
+
+def _validate_messages(messages: Any, where: str, base: str | None = None) -> list[dict]:
     expected = "expected a non-empty list of {role, content} messages"
     if not isinstance(messages, list) or not messages:
         got = "an empty list" if isinstance(messages, list) else _type_name(messages)
@@ -354,8 +389,11 @@ def _validate_messages(messages: Any, where: str) -> list[dict]:
             raise DataError(f"{where}: field '{field}': {expected}, got {_type_name(msg)}")
         if msg.get("role") not in ROLES:
             raise DataError(f"{where}: field '{field}.role': expected one of {', '.join(ROLES)}, got {msg.get('role')!r}")
-        if not isinstance(msg.get("content"), str):
-            raise DataError(f"{where}: field '{field}.content': expected str, got {_type_name(msg.get('content'))}")
+        if isinstance(msg.get("content"), list):
+            msg = {**msg, "content": _validate_parts(msg["content"], where, field, base)}
+        elif not isinstance(msg.get("content"), str):
+            raise DataError(f"{where}: field '{field}.content': expected str or a list of parts, got "
+                            f"{_type_name(msg.get('content'))}")
         # Columnar formats (Parquet, Arrow, datasets) unify message structs, so a message without
         # `tool_calls` comes back with `tool_calls: None`; drop such nulls so chat templates see the
         # same messages as from JSON.

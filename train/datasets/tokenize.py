@@ -163,10 +163,13 @@ def prompt_too_long(n_tokens: int, limit: int) -> bool:
     return n_tokens >= limit
 
 
-def check_prompt_lengths(rows: list[dict], tokenizer, limit: int, max_rows: int | None) -> PromptLengthReport:
+def check_prompt_lengths(rows: list[dict], tokenizer, limit: int, max_rows: int | None,
+                         prepare: Any = None) -> PromptLengthReport:
     """Template and tokenize the first `max_rows` rows of each source (every row when None) and list
     those whose prompt fills the context (`limit` tokens) or more. Bounded on purpose: the rollout
-    checks every row it draws anyway (RolloutWorker), this only finds the problem before training."""
+    checks every row it draws anyway (RolloutWorker), this only finds the problem before training.
+    `prepare(messages, where)` -> (messages, images): a vision-language model's image parts as their
+    placeholder text (train/datasets/vision.py), which raises ImageError for an image that cannot be used."""
     report = PromptLengthReport(limit, total=len(rows))
     seen: dict[Any, int] = {}
     for i, row in enumerate(rows):
@@ -175,7 +178,10 @@ def check_prompt_lengths(rows: list[dict], tokenizer, limit: int, max_rows: int 
             if seen.get(source, 0) >= max_rows:
                 continue
             seen[source] = seen.get(source, 0) + 1
-        n = len(prompt_ids(tokenizer, row["messages"], row.get("tools")))
+        messages = row["messages"]
+        if prepare is not None:
+            messages = prepare(messages, getattr(row, "where", None) or f"row {i + 1}")[0]
+        n = len(prompt_ids(tokenizer, messages, row.get("tools")))
         report.checked += 1
         if prompt_too_long(n, limit):
             report.too_long.append((getattr(row, "where", None) or f"row {i + 1}", n))

@@ -55,6 +55,8 @@ from train.engines.static_decode import (StaticDecoder, column_bucket, compile_d
                                          install_grouped_decode_attention, kv_bytes_per_token, row_bucket,
                                          supports_static_decode, uncompile_modules)
 from train.models.router_replay import RoutingRecorder
+from train.models.vlm import (VisionSpec, image_spans, is_vision_config, mask_unsampled, model_class, mrope_positions,
+                              text_config)
 from train.utils.checksum import tensor_checksum
 
 
@@ -63,6 +65,7 @@ class _Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     future: asyncio.Future
+    images: tuple = ()  # ImageInputs of the prompt's placeholder runs, in order (a vision-language model)
 
 
 @dataclass
@@ -177,8 +180,15 @@ class HFEngine:
         self.static_error: str | None = None  # why the last static batch could not capture graphs
         self.compile_error: str | None = None  # why compiled modules were given up (compile_decode)
         config = getattr(self.model, "config", None)
-        self.vocab_size: int | None = getattr(config, "vocab_size", None)
-        self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
+        # A vision-language model (train/models/vlm.py): prompts may carry images, prefilled with their
+        # pixels at multimodal rotary positions; decoding continues as text.
+        self.vision = VisionSpec.from_config(config) if is_vision_config(config) else None
+        self._unsampled: torch.Tensor | None = None  # a VLM's placeholder tokens, never sampled (vlm.mask_unsampled)
+        if self.vision is not None:
+            self.static_cache = False  # the static decoder's graphs take text positions only
+            self._unsampled = torch.tensor(self.vision.unsampled_ids, device=self.device)
+        self.vocab_size: int | None = getattr(text_config(config), "vocab_size", None)
+        self.max_positions: int | None = getattr(text_config(config), "max_position_embeddings", None)
         # Computing logits only for the last position saves a (batch, prompt_len, vocab) tensor.
         forward_args = inspect.signature(self.model.forward).parameters
         self._logits_to_keep = "logits_to_keep" in forward_args
@@ -230,7 +240,7 @@ class HFEngine:
         float32 elsewhere. `lora` (train/models/lora.py): LoRA layers as the trainer's actor has them,
         B = 0 until the first push, which then sends adapters only. `kw` goes to the constructor;
         `eos_token_ids` defaults to the generation config's EOS ids, else the tokenizer's."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         from train.models.lora import apply_lora, base_model_of
 
@@ -238,10 +248,10 @@ class HFEngine:
         if base is not None:  # an adapter folder (train.serve can serve latest/adapter)
             from peft import PeftModel
 
-            model = AutoModelForCausalLM.from_pretrained(base, dtype=resolve_dtype(dtype, device))
+            model = model_class(AutoConfig.from_pretrained(base)).from_pretrained(base, dtype=resolve_dtype(dtype, device))
             model = PeftModel.from_pretrained(model, path).merge_and_unload()
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
+            model = model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=resolve_dtype(dtype, device))
         if lora is not None and lora.enabled:
             apply_lora(model, lora)
             with torch.no_grad():  # the base model's outputs until the first push
@@ -257,13 +267,16 @@ class HFEngine:
 
     # ------------------------------------------------------------------ public API
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
-        """Generate one response; concurrent calls are batched together."""
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, images: Iterable = ()) -> Generation:
+        """Generate one response; concurrent calls are batched together. `images` (a vision-language model):
+        the ImageInputs (train/datasets/vision.py) of the prompt's image placeholder runs, in order."""
         prompt_ids = [int(t) for t in prompt_ids]
+        images = tuple(images)
         self._check_request(prompt_ids, sampling)
+        self._check_images(prompt_ids, images)
         state = self._loop_state()
         future = state.loop.create_future()
-        state.pending.append(_Request(prompt_ids, sampling, future))
+        state.pending.append(_Request(prompt_ids, sampling, future, images))
         state.wakeup.set()
         return await future
 
@@ -319,7 +332,7 @@ class HFEngine:
                 torch.cuda.set_device(self.device)
             self._wake_locked()
             ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+            logits = mask_unsampled(self.model(input_ids=ids, use_cache=False).logits[0, :-1].float(), self._unsampled)
             logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
             return logp.gather(1, ids[0, 1:, None]).squeeze(1).cpu()
 
@@ -399,7 +412,7 @@ class HFEngine:
                     results = await state.loop.run_in_executor(
                         self._executor,
                         self._generate_batch,
-                        [(r.prompt_ids, r.sampling) for r in batch],
+                        [(r.prompt_ids, r.sampling, r.images) for r in batch],
                     )
                 except asyncio.CancelledError:
                     for r in batch:
@@ -414,6 +427,16 @@ class HFEngine:
                 for r, result in zip(batch, results):
                     if not r.future.done():
                         r.future.set_result(result)
+
+    def _check_images(self, prompt_ids: list[int], images: tuple) -> None:
+        if self.vision is None:
+            if images:
+                raise ValueError("generate: images given to a text-only model")
+            return
+        spans = image_spans(prompt_ids, self.vision.image_token_id)
+        if len(spans) != len(images) or any(e - s != im.tokens for (s, e), im in zip(spans, images)):
+            raise ValueError(f"generate: the prompt's image placeholder runs {[e - s for s, e in spans]} do not match "
+                             f"the images given (tokens {[im.tokens for im in images]})")
 
     def _check_request(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         if not prompt_ids:
@@ -432,7 +455,7 @@ class HFEngine:
 
     # ------------------------------------------------------------------ generation (worker thread)
 
-    def _generate_batch(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
+    def _generate_batch(self, requests: list[tuple[list[int], SamplingParams, tuple]]) -> list[Generation]:
         with self._lock, torch.inference_mode():
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # per thread: this worker thread's default is cuda:0
@@ -457,13 +480,14 @@ class HFEngine:
             return results
 
     def _prefill(self, input_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor,
-                 cache: DynamicCache) -> torch.Tensor:
+                 cache: DynamicCache, vision: dict | None = None) -> torch.Tensor:
         """The prompts' last logits, their keys and values left in `cache`: one forward, or with prompts
-        longer than `prefill_chunk` one per chunk of columns, each attending to the cache and itself."""
+        longer than `prefill_chunk` one per chunk of columns, each attending to the cache and itself. `vision`:
+        the rows' pixels and grids (one pass: an image's features scatter over its placeholders wherever they are)."""
         width, chunk = input_ids.shape[1], self.prefill_chunk
-        if chunk is None or width <= chunk or self._routing is not None:
+        if chunk is None or width <= chunk or self._routing is not None or vision:
             return self._forward(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                                 **{self._cache_arg: cache})
+                                 **{self._cache_arg: cache}, **(vision or {}))
         for start in range(0, width, chunk):
             end = min(start + chunk, width)
             logits = self._forward(input_ids=input_ids[:, start:end], attention_mask=attention[:, :end],
@@ -506,7 +530,7 @@ class HFEngine:
         limit = self._static_byte_limit() if self.static_cache else None
         if limit is None or config is None:
             return None
-        columns = column_bucket(max(len(p) + sp.max_new_tokens for p, sp in requests))
+        columns = column_bucket(max(len(p) + sp.max_new_tokens for p, sp, *_ in requests))
         per_row = columns * kv_bytes_per_token(config, self.dtype)
         fit = int(limit // per_row)
         return row_bucket(fit + 1) // 2 if fit >= 1 else None
@@ -514,7 +538,7 @@ class HFEngine:
     def _decode(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
         results: list[Generation | None] = [None] * len(requests)
         budgets = []
-        for prompt, sp in requests:
+        for prompt, sp, *_ in requests:
             budget = sp.max_new_tokens
             if self.max_positions is not None:
                 # prompt + response must fit the positions the trainer will run the model on.
@@ -530,13 +554,17 @@ class HFEngine:
         dev = self.device
         prompts = [requests[i][0] for i in rows]
         params = [requests[i][1] for i in rows]
+        images = [tuple(requests[i][2]) if len(requests[i]) > 2 else () for i in rows]
         n, width = len(rows), max(len(p) for p in prompts)
-        # One prefill row per distinct prompt (a group's G requests share theirs); its KV cache rows
-        # and last logits are repeated for every request of that prompt afterwards.
-        distinct: dict[tuple[int, ...], int] = {}
-        owner = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        # One prefill row per distinct prompt (a group's G requests share theirs; with images, the same
+        # pixels too); its KV cache rows and last logits are repeated for every request of that prompt afterwards.
+        distinct: dict[tuple, int] = {}
+        owner = [distinct.setdefault((tuple(p), tuple(im.digest for im in ims)), len(distinct))
+                 for p, ims in zip(prompts, images)]
         shared = self.share_prefill and len(distinct) < n
-        prefill = [list(p) for p in distinct] if shared else prompts
+        first = {o: j for j, o in reversed(list(enumerate(owner)))}  # the first request of each distinct prompt
+        prefill_rows = [first[o] for o in range(len(distinct))] if shared else list(range(n))
+        prefill = [prompts[j] for j in prefill_rows]
         input_ids = torch.zeros(len(prefill), width, dtype=torch.long)
         attention = torch.zeros(len(prefill), width, dtype=torch.long)
         for j, p in enumerate(prefill):  # left padding: every row's last token is in the last column
@@ -545,6 +573,11 @@ class HFEngine:
         input_ids, attention = input_ids.to(dev), attention.to(dev)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         next_pos = torch.tensor([len(p) for p in prompts], device=dev)
+        vision = None
+        if self.vision is not None and any(images):
+            positions, vision, after = self._vision_inputs(prefill, [images[j] for j in prefill_rows], width)
+            # decoding continues as text from each prompt's next rotary position
+            next_pos = after[torch.tensor(owner)].to(dev) if shared else after.to(dev)
         temp = torch.tensor([sp.temperature for sp in params], device=dev, dtype=torch.float32)
         top_p = torch.tensor([sp.top_p for sp in params], device=dev, dtype=torch.float32)
         top_k = torch.tensor([sp.top_k for sp in params], device=dev, dtype=torch.long)
@@ -564,7 +597,7 @@ class HFEngine:
         cache = DynamicCache(config=getattr(self.model, "config", None))
         if self._routing is not None:
             self._routing.clear()  # (a scoring pass may have left calls behind)
-        logits = self._prefill(input_ids, attention, positions, cache)
+        logits = self._prefill(input_ids, attention, positions, cache, vision)
         routes = None if self._routing is None else _Routes(self._routing, len(prefill), width, n,
                                                            max(budgets[i] for i in rows), dev)
         if shared:
@@ -587,6 +620,8 @@ class HFEngine:
             u = uniforms[:, step] if live is None else uniforms[live, step]
             if penalties is not None:
                 logits = penalties.apply(logits)
+            if self._unsampled is not None:
+                logits = mask_unsampled(logits.float(), self._unsampled)
             if flags is None:  # per row on the host, so sampling never waits for the GPU to decide
                 flags = (any(params[j].temperature > 0 for j in active),
                          any(params[j].top_p < 1 or 0 < params[j].top_k < logits.shape[-1] for j in active))
@@ -646,6 +681,24 @@ class HFEngine:
             for j, (p, got) in enumerate(zip(prompts, tokens)):
                 results[rows[j]].extra["routing"] = routes.of(j, owner[j] if shared else j, len(p), len(got) - 1)
         return results  # type: ignore[return-value]
+
+    def _vision_inputs(self, prompts: list[list[int]], images: list[tuple], width: int,
+                       ) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        """Multimodal rotary positions [3, rows, width] of left-padded prompts, the forward's pixel inputs (all
+        rows' images in row order), and each row's next position (where decoding continues)."""
+        dev = self.device
+        positions = torch.zeros(3, len(prompts), width, dtype=torch.long)
+        after = torch.zeros(len(prompts), dtype=torch.long)
+        for j, (p, ims) in enumerate(zip(prompts, images)):
+            grids = torch.stack([im.grid for im in ims]) if ims else None
+            pos = mrope_positions(p, grids, self.vision)
+            positions[:, j, width - len(p):] = pos
+            after[j] = int(pos[:, -1].max()) + 1
+        every = [im for ims in images for im in ims]
+        dtype = next(self.model.parameters()).dtype
+        vision = {"pixel_values": torch.cat([im.pixel_values for im in every]).to(dev, dtype),
+                  "image_grid_thw": torch.stack([im.grid for im in every]).to(dev)} if every else {}
+        return positions.to(dev), vision, after
 
     def _static_decoder(self, prefill: DynamicCache, rows: int, columns: int) -> StaticDecoder | None:
         """The engine's static decoder, (re)built to hold `rows` x `columns`; None where this batch

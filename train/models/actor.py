@@ -22,6 +22,7 @@ from train.models.lora import LoraSettings, adapters_disabled
 from train.models.model_init import build_model
 from train.models.router_replay import RouterBalance, RouterReplay
 from train.models.trainable import Norms, Trainable, UpdateStats
+from train.models.vlm import VisionSpec, is_vision_config, mask_unsampled, vision_tower
 from train.parallel.collectives import all_reduce_sum
 from train.parallel.distributed import DistContext
 from train.parallel.fused_logprobs import FusedLogprobHead
@@ -66,6 +67,12 @@ class Actor(Trainable):
                                  param_dtype=cfg.dtype,
                                  gradient_checkpointing=train and cfg.gradient_checkpointing,
                                  offload=bool(cfg.offload_model), lora=self.lora, adapter_seed=adapter_seed)
+        if train and cfg.freeze_vision:  # a vision-language actor that keeps its image encoder as it is
+            vision_tower(self.model).requires_grad_(False)
+        # A vision-language model's placeholder tokens have probability 0, as in the engine (vlm.mask_unsampled).
+        config = self.model.config
+        self.unsampled = (torch.tensor(VisionSpec.from_config(config).unsampled_ids, device=ctx.device)
+                          if is_vision_config(config) else None)
         # actor.use_liger_kernel: fused log-prob/entropy head, no [tokens, vocab] logits (train/parallel/fused_logprobs.py)
         self.fused_head = FusedLogprobHead(self.model) if cfg.use_liger_kernel else None
         # Mixtures of experts (train/models/router_replay.py): the sampler's expert choices replayed in every
@@ -108,7 +115,7 @@ class Actor(Trainable):
             if lay.sizes.tp > 1:
                 logp, entropy = vocab_parallel_logprobs(logits, labels, lay.tp_group, self.temperature, with_entropy)
             else:
-                logits = logits.float()
+                logits = mask_unsampled(logits.float(), self.unsampled)
                 logp = logprobs_from_logits(logits, labels, temperature=self.temperature)
                 entropy = None
                 if with_entropy:  # a metric unless the entropy bonus is on: no graph for it then

@@ -57,14 +57,16 @@ class ConvertedReader:
     """A WeightReader (train/models/model_init.py) seen under the model's names: plain renamed tensors and fused
     expert tensors built from their per-expert parts."""
 
-    def __init__(self, reader, model: torch.nn.Module) -> None:
-        from transformers.conversion_mapping import get_model_conversion_mapping
+    def __init__(self, reader, model: torch.nn.Module, transforms: list | None = None) -> None:
+        """`transforms`: the model's conversions (`conversions_of`), taken before FSDP wraps it (FSDP renames the
+        classes transformers looks them up by); None: taken from `model` now."""
         from transformers.core_model_loading import WeightConverter, WeightRenaming
 
         self.folder = reader.folder
         self._reader = reader
         pretrained = pretrained_model(model)
-        transforms = get_model_conversion_mapping(pretrained) if pretrained is not None else []
+        if transforms is None:
+            transforms = conversions_of(model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
         model_type = getattr(getattr(pretrained, "config", None), "model_type", "?")
@@ -115,6 +117,16 @@ class ConvertedReader:
         """Expert e's slice of a fused tensor: its part of each source pattern, concatenated."""
         pieces = [self._reader.read(part[e]) for part in fused.parts]
         return torch.cat(pieces, dim=fused.cat_dim - 1) if fused.cat_dim is not None else pieces[0]
+
+
+def conversions_of(model: torch.nn.Module) -> list:
+    """transformers' key conversions (Hub layout -> the model's names) for `model`, an unwrapped model: FSDP2
+    renames each class it wraps (FSDPQwen2_5_VLForConditionalGeneration), and transformers finds a family's
+    renamings (Qwen2.5-VL: model.layers -> model.language_model.layers, visual -> model.visual) by class name."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    pretrained = pretrained_model(model)
+    return get_model_conversion_mapping(pretrained) if pretrained is not None else []
 
 
 def pretrained_model(model: torch.nn.Module):

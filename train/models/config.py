@@ -75,6 +75,7 @@ class ActorConfig:
     update_per_rollout: int = setting("passes over each rollout batch (>1 recomputes old log-probs)", ge=1)
     mini_batches: int = setting("optimizer steps per pass", ge=1)
     freeze_steps: int = setting("steps during which the actor is not updated (the critic still is)", ge=0)
+    freeze_vision: bool = setting("vision-language models: the vision tower (and its merger) is not trained")
     target_kl: float | None = setting("stop the update_per_rollout epochs once approx_kl exceeds this", gt=0,
                                       example="0.02")
     loss: str = setting("ppo (token ratio) | gspo (sequence ratio) | cispo (clipped, detached IS weight) | gmpo "

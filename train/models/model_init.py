@@ -19,10 +19,11 @@ import os
 from collections.abc import Callable
 
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel
 
-from train.models.checkpoint_names import ConvertedReader, pretrained_model
+from train.models.checkpoint_names import ConvertedReader, conversions_of, pretrained_model
 from train.models.lora import FreshAdapters, LoraSettings, apply_lora, base_name, is_adapter
+from train.models.vlm import model_class
 from train.parallel.layout import Layout
 from train.parallel.parallelize import DTYPES, parallelize
 
@@ -179,7 +180,7 @@ def build_model(path: str, layout: Layout, device: torch.device, *, value_head: 
         if value_head:
             model = ValueModel(AutoModel.from_config(config, dtype=torch.float32))
         else:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = model_class(config).from_config(config, dtype=torch.float32)
     with_lora = lora is not None and lora.enabled
     if with_lora:
         apply_lora(model.model if value_head else model, lora, key=f"{lora_key}.target_modules")
@@ -191,13 +192,15 @@ def build_model(path: str, layout: Layout, device: torch.device, *, value_head: 
                 if not p.requires_grad:
                     p.data = p.data.to(DTYPES[param_dtype])
     tied = bool(getattr(config, "tie_word_embeddings", False)) and not value_head
+    conversions = conversions_of(model)  # before FSDP renames the classes they are found by
     parallelize(model, layout, param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing,
                 offload=offload)
     model.to_empty(device=device)
     if tied and model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
         model.tie_weights()  # to_empty gives each module its own tensor: tie them again
     reset_non_persistent_buffers(model)
-    reader = ConvertedReader(WeightReader(path), model)  # the Hub's key layout under the model's names (MoE experts)
+    # the Hub's key layout under the model's names (MoE experts, a VLM's language_model/visual prefixes)
+    reader = ConvertedReader(WeightReader(path), model, conversions)
     if value_head:
         names = set(reader.keys())
         head = "score" if "score.weight" in names else None  # a critic exported by this trainer

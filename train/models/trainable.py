@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 import torch
 
 from train.models import optim
+from train.models.vlm import VisionSpec, image_spans, mrope_positions
 from train.parallel.collectives import all_reduce_max_many, all_reduce_sum
 from train.parallel.layout import Layout
-from train.parallel.packing import PackedMicroBatch, build_packed, plan_packs, prompt_units, unit_length
+from train.parallel.packing import (PackedMicroBatch, SampleMedia, build_packed, keyed_ids, plan_packs, prompt_units,
+                                    unit_length)
 from train.parallel.step_batch import StepBatch
 
 
@@ -70,23 +72,40 @@ class Trainable:
         return parts
 
     # -- packing ---------------------------------------------------------------------------------
+    def media(self, batch: StepBatch) -> list[SampleMedia] | None:
+        """A vision-language batch's per-sample positions and images (built once per batch); None for text."""
+        if batch.images is None:
+            return None
+        if batch.media is None:
+            spec = VisionSpec.from_config(self.model.config)
+            batch.media = []
+            for ids, images in zip(batch.ids, batch.images):
+                grids = torch.stack([im.grid for im in images]) if images else None
+                batch.media.append(SampleMedia(mrope_positions(ids, grids, spec), tuple(images),
+                                               tuple(image_spans(ids, spec.image_token_id))))
+        return batch.media
+
     def packs(self, batch: StepBatch, positions: list[int], max_tokens: int) -> list[PackedMicroBatch]:
         """This dp group's samples `positions` in packs of at most max_tokens per device (x sp)."""
         sp, tp, ring = self.layout.sizes.seq, self.layout.sizes.tp, self.layout.ring
         budget = max_tokens * sp
         multiple = sp * tp * (2 if ring else 1)  # ring: two half chunks per ring rank
+        media = self.media(batch)
         if batch.share_prompt and positions:  # each group's common prefix laid out once per pack
             groups = batch.groups.tolist()
-            units = prompt_units(positions, batch.ids, groups, budget)
+            # with images, prefixes are compared with each image's pixels standing in for its placeholders
+            keyed = batch.ids if media is None else [keyed_ids(ids, m) for ids, m in zip(batch.ids, media)]
+            units = prompt_units(positions, keyed, groups, budget)
             sizes = [unit_length([int(batch.ids[i].numel()) for i in u.members], u.shared) for u in units]
             return [build_packed([i for k in p for i in units[k].members], batch.ids, batch.mask, self.pad_id,
                                  self.device, sp_rank=self.layout.sp_rank, sp_size=sp, multiple=multiple,
-                                 units=[units[k] for k in p], routing=batch.routing, ring=ring)
+                                 units=[units[k] for k in p], routing=batch.routing, ring=ring, media=media)
                     for p in plan_packs(sizes, budget)]
         lengths = [batch.ids[i].numel() for i in positions]
         plan = [[positions[j] for j in p] for p in plan_packs(lengths, budget)] if positions else []
         return [build_packed(p, batch.ids, batch.mask, self.pad_id, self.device, sp_rank=self.layout.sp_rank,
-                             sp_size=sp, multiple=multiple, routing=batch.routing, ring=ring) for p in plan]
+                             sp_size=sp, multiple=multiple, routing=batch.routing, ring=ring, media=media)
+                for p in plan]
 
     def _padding(self) -> PackedMicroBatch:
         sp, tp, ring = self.layout.sizes.seq, self.layout.sizes.tp, self.layout.ring

@@ -84,7 +84,17 @@ def layout_sizes(world: int, ddp: int = 1, tp: int = 1, sp: int = 1, prefix: str
 
 def check_model_fits(sizes: Sizes, model_config, prefix: str = "actor") -> None:
     """Heads and vocabulary must split evenly over tp (and heads over tp * sp for Ulysses), and the
-    architecture must have a tensor-parallel plan."""
+    architecture must have a tensor-parallel plan. A vision-language model trains on data-parallel layouts
+    (FSDP / HSDP) only: an image's placeholder run must stay whole on one rank."""
+    if getattr(model_config, "vision_config", None) is not None:
+        split = {k: v for k, v in (("tp_size", sizes.tp), ("sp_size", sizes.sp), ("cp_size", sizes.cp),
+                                   ("ep_size", sizes.ep)) if v > 1}
+        if split:
+            key, value = next(iter(split.items()))
+            raise LayoutError(f"{prefix}.{key}={value}: {type(model_config).__name__} is a vision-language model, "
+                              "which trains with FSDP / HSDP (data parallel) only here: its images' placeholder "
+                              f"tokens must stay whole on one rank; set {prefix}.{key}=1")
+        model_config = model_config.get_text_config()
     if sizes.tp > 1:
         reason = tp_refusal(model_config)
         if reason is not None:

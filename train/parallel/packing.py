@@ -10,6 +10,11 @@ Per-token tensors follow the trainer's convention (train/parallel/step_batch.py)
 of n tokens, entry t refers to token t + 1 (the label predicted at position t), so a sample has
 n - 1 entries. `rows()` turns a flat per-position tensor back into the [samples, longest - 1]
 layout the losses use; `gather()` stacks per-sample tensors into it.
+
+Vision-language samples (`media`, see SampleMedia) bring their multimodal rotary positions ([3, len]
+instead of 0, 1, 2, ...) and their images: a pack holds the pixels of the images whose placeholder runs
+it lays out, in row order (the model scatters image features over placeholders in that order), and a
+shared prompt's images once.
 """
 from __future__ import annotations
 
@@ -67,6 +72,10 @@ class PackedMicroBatch:
     represented: int = 0  # tokens of its samples: what an unshared row would hold
     routes: torch.Tensor | None = None  # [C, layers, top_k] the sampler's experts per position (router replay)
     ring: int = 0  # ring attention over this many ranks: this rank's chunk is a zigzag piece (seq_parallel.sequence_rows)
+    # Vision-language packs: the laid-out images' patches [patches, dim] and grids [images, 3], in row order
+    # (position_ids is then [3, 1, C]: multimodal rotary positions).
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
 
     @property
     def total_len(self) -> int:
@@ -75,8 +84,11 @@ class PackedMicroBatch:
 
     def model_inputs(self) -> dict:
         """Keyword arguments for a forward of this rank's chunk (with the packed attention installed)."""
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": None,
-                "packed_segments": self.segment_slots}
+        inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": None,
+                  "packed_segments": self.segment_slots}
+        if self.pixel_values is not None:
+            inputs.update(pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw)
+        return inputs
 
     def whole_row(self, chunk: torch.Tensor, group) -> torch.Tensor:
         """This rank's per-position values [C, ...] -> the whole row's [T, ...] in row order (differentiable)."""
@@ -101,6 +113,46 @@ class PackedMicroBatch:
         if name is not None:
             self.cache[name] = out
         return out
+
+
+@dataclass(frozen=True)
+class SampleMedia:
+    """A vision-language sample's multimodal rotary positions and images (train/models/vlm.py)."""
+    positions: torch.Tensor  # int64 [3, len]
+    images: tuple  # per image: .pixel_values [patches, dim], .grid [3] (train/datasets/vision.py ImageInputs)
+    spans: tuple  # (start, end) of each image's placeholder run in the sample's ids
+
+
+def _media_inputs(images: list, device: torch.device) -> dict:
+    """PackedMicroBatch's pixel fields for `images` (in row order); none when there are no images."""
+    if not images:
+        return {}
+    return {"pixel_values": torch.cat([im.pixel_values for im in images]).to(device),
+            "image_grid_thw": torch.stack([im.grid for im in images]).to(device)}
+
+
+def _images_in(media: SampleMedia, start: int, end: int) -> list:
+    """The sample's images whose placeholder runs lie in its tokens [start, end); an image cut by the
+    boundary is an error (shared prefixes end between images: see keyed_ids)."""
+    out = []
+    for image, (a, b) in zip(media.images, media.spans):
+        if start <= a and b <= end:
+            out.append(image)
+        elif a < end and b > start:
+            raise ValueError(f"packing: an image's placeholders [{a}, {b}) cross the laid-out run [{start}, {end})")
+    return out
+
+
+def keyed_ids(ids: torch.Tensor, media: SampleMedia | None) -> torch.Tensor:
+    """The ids with each image's placeholder tokens replaced by a negative value derived from its pixels'
+    digest: two samples' common prefix (shared prompts) then stops where their images differ, although
+    every image's placeholder is the same token."""
+    if media is None or not media.images:
+        return ids
+    out = ids.clone()
+    for image, (a, b) in zip(media.images, media.spans):
+        out[a:b] = -1 - (int(image.digest[:10], 16) if image.digest else id(image)) % (1 << 40)
+    return out
 
 
 def lay_routes(routing: list[torch.Tensor], index: list[int], row_index: torch.Tensor, total: int) -> torch.Tensor:
@@ -226,16 +278,17 @@ def _ring_row(segments: list[int], positions: torch.Tensor, tails: list[tuple[in
 def build_packed(index: list[int], ids: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int,
                  device: torch.device, sp_rank: int = 0, sp_size: int = 1, multiple: int = 1,
                  units: list[Unit] | None = None, routing: list[torch.Tensor] | None = None,
-                 ring: int = 0) -> PackedMicroBatch:
+                 ring: int = 0, media: list[SampleMedia] | None = None) -> PackedMicroBatch:
     """Pack samples `index` (int64 token ids [len]; float action masks [len - 1], entry t for token
     t + 1) into one row of length T (a multiple of `multiple`, itself a multiple of sp_size) and keep
     this sp rank's chunk of it. With `units` (covering `index`, in its order), a unit's shared prefix
     is laid out once: see `prompt_units` and `shared_slots`. With `routing` (per sample [len - 1,
     layers, top_k]), the pack's `routes` hold them at their row positions (`lay_routes`). With a `ring` of
     cp ranks (context parallelism; sp_size = cp x Ulysses' sp, `multiple` a multiple of 2 x sp_size) the rank
-    keeps its piece of its ring rank's zigzag chunks and the row's segments are a RingRow."""
+    keeps its piece of its ring rank's zigzag chunks and the row's segments are a RingRow. With `media` (per
+    sample, vision-language), positions are the samples' multimodal ones and the pack carries their images."""
     if units is not None and any(u.shared for u in units):
-        return _build_shared(units, ids, masks, pad_id, device, sp_rank, sp_size, multiple, routing, ring)
+        return _build_shared(units, ids, masks, pad_id, device, sp_rank, sp_size, multiple, routing, ring, media)
     if index:
         seqs = [ids[i] for i in index]
         acts = [masks[i].float() for i in index]
@@ -259,20 +312,27 @@ def build_packed(index: list[int], ids: list[torch.Tensor], masks: list[torch.Te
     row_index = torch.where(row_valid > 0, offsets[:, None] + steps[None, :], 0)
     action = torch.nn.utils.rnn.pad_sequence(acts, batch_first=True) if longest else torch.zeros(len(acts), 0)
     mine = sequence_rows(sp_rank, sp_size, ring, total)  # this rank's positions
+    pixels: dict = {}
+    if media is not None:
+        positions = torch.cat([media[i].positions for i in index] + [torch.arange(pad).expand(3, -1)], dim=1) \
+            if index else positions.expand(3, -1)
+        pixels = _media_inputs([im for i in index for im in media[i].images], device)
     return PackedMicroBatch(
-        index=list(index), input_ids=input_ids[mine].to(device)[None], position_ids=positions[mine].to(device)[None],
+        index=list(index), input_ids=input_ids[mine].to(device)[None],
+        position_ids=positions[..., mine].to(device).unsqueeze(-2),
         segments=segments, segment_slots=_ring_row(segments, positions, [], device) if ring else segment_slots(
             segments, device), labels=labels[mine].to(device),
         loss_positions=label_mask[mine].to(device) > 0, row_index=row_index.to(device),
         row_valid=row_valid.to(device), action_mask=action[:, :longest].to(device),
         laid_out=real if index else 0, represented=real if index else 0,
         routes=lay_routes(routing, index, row_index, total)[mine].to(device) if routing and index else None,
-        ring=ring)
+        ring=ring, **pixels)
 
 
 def _build_shared(units: list[Unit], ids: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int,
                   device: torch.device, sp_rank: int, sp_size: int, multiple: int,
-                  routing: list[torch.Tensor] | None = None, ring: int = 0) -> PackedMicroBatch:
+                  routing: list[torch.Tensor] | None = None, ring: int = 0,
+                  media: list[SampleMedia] | None = None) -> PackedMicroBatch:
     """`build_packed` with shared prefixes. A unit sharing s tokens is laid out as its prefix (positions
     0..s-1, labels the next prefix token), then each member's tokens from s on (positions continuing
     from s). Sample i's entry t sits at the prefix's row position t for t < s, else in its own part.
@@ -286,6 +346,8 @@ def _build_shared(units: list[Unit], ids: list[torch.Tensor], masks: list[torch.
     tails: list[tuple[int, int, int]] = []  # (prompt start, prompt length, own start)
     entries: list[list[int]] = []  # per sample: the row position of each of its len - 1 entries
     index: list[int] = []
+    runs3: list[torch.Tensor] = []  # vision-language: each run's multimodal positions [3, run]
+    images: list = []  # ... and the images laid out, in row order
 
     def lay(run: list[int], first_position: int, next_labels: list[int], acts: list[float]) -> int:
         """Append a run to the row; its start."""
@@ -297,12 +359,19 @@ def _build_shared(units: list[Unit], ids: list[torch.Tensor], masks: list[torch.
         segments.append(len(run))
         return start
 
+    def lay_media(i: int, start: int, end: int) -> None:
+        """Sample i's tokens [start, end) were laid out as a run: its positions and images there."""
+        if media is not None:
+            runs3.append(media[i].positions[:, start:end])
+            images.extend(_images_in(media[i], start, end))
+
     for unit in units:
         s = unit.shared
         if s == 0:
             for i in unit.members:
                 seq = ids[i].tolist()
                 start = lay(seq, 0, seq[1:] + [0], masks[i].float().tolist() + [0.0])
+                lay_media(i, 0, len(seq))
                 whole.append((start, len(seq)))
                 entries.append(list(range(start, start + len(seq) - 1)))
                 index.append(i)
@@ -312,10 +381,12 @@ def _build_shared(units: list[Unit], ids: list[torch.Tensor], masks: list[torch.
         # any member's is (the prefix may reach into identical first response tokens)
         prefix_acts = torch.stack([masks[i][:s].float() for i in unit.members]).amax(0).tolist()
         prefix_start = lay(first[:s], 0, first[1:s + 1], prefix_acts)
+        lay_media(unit.members[0], 0, s)
         whole.append((prefix_start, s))
         for i in unit.members:
             seq = ids[i].tolist()
             start = lay(seq[s:], s, seq[s + 1:] + [0], masks[i][s:].float().tolist() + [0.0])
+            lay_media(i, s, len(seq))
             tails.append((prefix_start, s, start))
             entries.append(list(range(prefix_start, prefix_start + s)) + list(range(start, start + len(seq) - 1 - s)))
             index.append(i)
@@ -324,7 +395,11 @@ def _build_shared(units: list[Unit], ids: list[torch.Tensor], masks: list[torch.
     pad = total - at
     if pad:
         whole.append((lay([pad_id] * pad, 0, [0] * pad, [0.0] * pad), pad))
+        runs3.append(torch.arange(pad).expand(3, -1))
     input_ids, position_ids = torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
+    text_positions = position_ids
+    if media is not None:
+        position_ids = torch.cat(runs3, dim=1)
     label_ids, loss = torch.tensor(labels, dtype=torch.int64), torch.tensor(label_mask, dtype=torch.float32)
     longest = max(len(e) for e in entries)
     row_valid = torch.tensor([[1.0] * len(e) + [0.0] * (longest - len(e)) for e in entries])
@@ -332,10 +407,12 @@ def _build_shared(units: list[Unit], ids: list[torch.Tensor], masks: list[torch.
     action = torch.nn.utils.rnn.pad_sequence([masks[i].float() for i in index], batch_first=True)
     mine = sequence_rows(sp_rank, sp_size, ring, total)  # this rank's positions
     return PackedMicroBatch(
-        index=index, input_ids=input_ids[mine].to(device)[None], position_ids=position_ids[mine].to(device)[None],
-        segments=segments, segment_slots=_ring_row(segments, position_ids, tails, device) if ring else shared_slots(
+        index=index, input_ids=input_ids[mine].to(device)[None],
+        position_ids=position_ids[..., mine].to(device).unsqueeze(-2),
+        segments=segments, segment_slots=_ring_row(segments, text_positions, tails, device) if ring else shared_slots(
             whole, tails, total, device),
         labels=label_ids[mine].to(device), loss_positions=loss[mine].to(device) > 0, row_index=row_index.to(device),
         row_valid=row_valid.to(device), action_mask=action[:, :longest].to(device),
         laid_out=at - pad, represented=sum(int(ids[i].numel()) for i in index),
-        routes=lay_routes(routing, index, row_index, total)[mine].to(device) if routing else None, ring=ring)
+        routes=lay_routes(routing, index, row_index, total)[mine].to(device) if routing else None, ring=ring,
+        **_media_inputs(images, device))

@@ -18,12 +18,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated decoder blocks (Llama/Qwen2/Qwen3/Mistral: model.model.layers)."""
+    """The repeated decoder blocks (Llama/Qwen2/Qwen3/Mistral: model.model.layers; a vision-language model's
+    language model: model.model.language_model.layers)."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
+        layers = getattr(getattr(inner, "language_model", None), "layers", None)
+    if layers is None:
         raise ValueError(f"{type(model).__name__}: cannot find decoder layers at model.model.layers")
     return list(layers)
+
+
+def vision_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """A vision-language model's vision tower blocks (model.model.visual.blocks); [] for a text model."""
+    visual = getattr(getattr(model, "model", None), "visual", None)
+    return list(getattr(visual, "blocks", []) or [])
 
 
 def apply_ac(model: torch.nn.Module) -> None:
@@ -41,6 +50,11 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: str = "flo
     `expert_mesh`, inside their layer's."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    visual = getattr(getattr(model, "model", None), "visual", None)
+    if visual is not None:  # a vision tower: each block its own unit, the rest of the tower (patch embedding, merger) one
+        for block in vision_blocks(model):
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=policy)
+        fully_shard(visual, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=policy)
     for layer in transformer_layers(model):
         if expert_mesh is not None:
             for experts in expert_modules(layer):

@@ -392,4 +392,10 @@ def install_packed_attention(model: torch.nn.Module) -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, packed_attention)
-    model.set_attn_implementation(ATTENTION_NAME)
+    vision = getattr(getattr(model, "config", None), "vision_config", None)
+    if vision is None:
+        model.set_attn_implementation(ATTENTION_NAME)
+        return
+    # A vision-language model: packed attention in the language model only. The vision tower attends within
+    # each image (its own cu_seqlens) with SDPA; the packed rows' keyword arguments pass through it unused.
+    model.set_attn_implementation({"text_config": ATTENTION_NAME, "vision_config": "sdpa"})

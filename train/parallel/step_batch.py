@@ -24,6 +24,7 @@ import torch.distributed as dist
 from train.parallel.collectives import all_gather_flat
 from train.parallel.layout import Layout
 from train.parallel.packing import balance
+from train.utils.image_inputs import ImageInputs, digest_of
 
 
 def _world() -> tuple[int, int]:
@@ -126,6 +127,9 @@ class StepBatch:
     share_prompt: bool = False  # a group's common prefix is laid out once per pack (actor.share_prompt)
     # The sampler's expert choices per position, [len - 1, layers, top_k] (actor.router_replay); None: off
     routing: list[torch.Tensor] | None = None
+    # A vision-language policy's images per sample, in placeholder order (train/datasets/vision.py); None: text
+    images: list[list] | None = None
+    media: list | None = None  # per sample packing.SampleMedia, built from ids and images by the first pass
 
     def __len__(self) -> int:
         return len(self.members)
@@ -170,11 +174,12 @@ def _all_to_all(send: list[list[torch.Tensor]], recv_sizes: list[int], dtype: to
 def dispatch(index: BatchIndex, ids: list[list[int]], masks: list[list[int]], sampler_logp: list[list[float]],
              layout: Layout, mini_batches: int, device: torch.device, share_prompt: bool = False,
              routing: list[torch.Tensor] | None = None, route_shape: tuple[int, int] = (0, 0),
-             route_dtype: torch.dtype = torch.uint8) -> StepBatch:
+             route_dtype: torch.dtype = torch.uint8, images: list[list] | None = None) -> StepBatch:
     """This rank's kept samples (ids, action masks, sampler log-probs: one entry per token) -> the
     StepBatch of its dp group in `layout`. Two all-to-alls (token ids with masks, log-probs); every
     rank takes part. With `routing` (per sample [len - 1, *route_shape] of `route_dtype`, every rank
-    passing it), a third carries the sampler's expert choices."""
+    passing it), a third carries the sampler's expert choices; with `images` (per sample, a vision-language
+    policy, every rank passing them), `send_images` carries each sample's pixels to the ranks that train it."""
     rank, world = _world()
     dp, dp_rank = layout.sizes.dp, layout.dp_rank
     group_size, is_leader = layout.sizes.seq * layout.sizes.tp, layout.is_data_leader
@@ -217,8 +222,53 @@ def dispatch(index: BatchIndex, ids: list[list[int]], masks: list[list[int]], sa
         routes = {g: part.view(-1, *route_shape) for gs, flat, s in zip(from_rank, got_route, sizes)
                   for g, part in zip(gs, torch.split(flat, s))}
         batch_routing = [routes[g].clone() for g in mine]
+    batch_images = None
+    if images is not None:
+        sent = send_images({g: images[index.local[g]] for g in own}, {g: list(_ranks_of(target[g], group_size))
+                                                                       for g in own}, from_rank, device)
+        batch_images = [sent[g] for g in mine]
     return StepBatch(index, dp, dp_rank, group_size, is_leader, mini_batches, mine, batch_ids, batch_mask,
-                     batch_logp, share_prompt=share_prompt, routing=batch_routing)
+                     batch_logp, share_prompt=share_prompt, routing=batch_routing, images=batch_images)
+
+
+def send_images(images: dict[int, list], targets: dict[int, list[int]], from_rank: list[list[int]],
+                device: torch.device) -> dict[int, list]:
+    """Each of this rank's samples' images (global sample -> ImageInputs list) to the ranks `targets` names;
+    the images of the samples `from_rank[r]` lists, from each rank r, in that order. Three all-to-alls: the
+    sizes, then per image (tokens, t, h, w) and the patches; each sample travels only to its ranks."""
+    rank, world = _world()
+    send_int: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    send_float: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    for g, ims in images.items():
+        head = torch.tensor([len(ims)] + [x for im in ims for x in (im.tokens, *im.grid.tolist(), im.pixel_values.shape[1])],
+                            dtype=torch.int64)
+        for r in targets[g]:
+            send_int[r].append(head)
+            send_float[r] += [im.pixel_values for im in ims]
+    sizes = torch.tensor([[sum(t.numel() for t in send_int[r]), sum(t.numel() for t in send_float[r])]
+                          for r in range(world)], dtype=torch.int64)
+    if world > 1:
+        got_sizes = torch.empty_like(sizes).to(device)
+        dist.all_to_all_single(got_sizes, sizes.to(device))
+        got_sizes = got_sizes.cpu()
+    else:
+        got_sizes = sizes
+    ints = _all_to_all(send_int, got_sizes[:, 0].tolist(), torch.int64, device)
+    floats = _all_to_all(send_float, got_sizes[:, 1].tolist(), torch.float32, device)
+    out: dict[int, list] = {}
+    for gs, flat_i, flat_f in zip(from_rank, ints, floats):
+        at_i = at_f = 0
+        for g in gs:
+            count, at_i = int(flat_i[at_i]), at_i + 1
+            ims = []
+            for _ in range(count):
+                tokens, t, h, w, dim = flat_i[at_i:at_i + 5].tolist()
+                at_i += 5
+                pixels = flat_f[at_f:at_f + t * h * w * dim].view(t * h * w, dim).clone()
+                at_f += t * h * w * dim
+                ims.append(ImageInputs(pixels, torch.tensor([t, h, w]), tokens, digest_of(pixels)))
+            out[g] = ims
+    return out
 
 
 def transfer(src: StepBatch, dst: StepBatch, names: list[str], device: torch.device) -> None:

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -89,13 +90,14 @@ def write_weights(named: Iterable[tuple[str, torch.Tensor]], folder: str, ctx: D
 
 def export_hf(model: torch.nn.Module, tokenizer, out_dir: str, ctx: DistContext, *, shard_bytes: int = 2 * GB,
               bucket_bytes: int = 512 << 20, critic: torch.nn.Module | None = None,
-              base_model: str | None = None) -> None:
+              base_model: str | None = None, image_processor: Any = None) -> None:
     """`out_dir` as a Hugging Face folder that `from_pretrained` loads (model, config, generation
     config, tokenizer), plus `critic/` when given, and `adapter/` for a LoRA model (`base_model`: the
-    name its adapter_config.json gives the base); atomic."""
+    name its adapter_config.json gives the base); atomic. A vision-language model's `image_processor` is
+    saved beside them (preprocessor_config.json), so the folder loads with its processor."""
     with explain_disk_full("the Hugging Face export", out_dir + ".tmp",
                            "the previous export and the checkpoints are untouched"):
-        _export(model, tokenizer, out_dir, ctx, shard_bytes, bucket_bytes, critic, base_model)
+        _export(model, tokenizer, out_dir, ctx, shard_bytes, bucket_bytes, critic, base_model, image_processor)
 
 
 def write_adapter(model: torch.nn.Module, tokenizer, folder: str, ctx: DistContext, bucket_bytes: int,
@@ -117,7 +119,7 @@ def write_adapter(model: torch.nn.Module, tokenizer, folder: str, ctx: DistConte
 
 
 def _export(model: torch.nn.Module, tokenizer, out_dir: str, ctx: DistContext, shard_bytes: int, bucket_bytes: int,
-            critic: torch.nn.Module | None, base_model: str | None) -> None:
+            critic: torch.nn.Module | None, base_model: str | None, image_processor: Any = None) -> None:
     tmp = out_dir + ".tmp"
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -136,6 +138,8 @@ def _export(model: torch.nn.Module, tokenizer, out_dir: str, ctx: DistContext, s
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if image_processor is not None:
+            image_processor.save_pretrained(tmp)
         if critic is not None:
             cfg = copy.deepcopy(critic.config)
             base = (cfg.architectures or ["LlamaForCausalLM"])[0].removesuffix("ForCausalLM")

@@ -215,6 +215,7 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
             _fail("rollout.share_actor_base", f"cannot apply: {why}", "rollout.share_actor_base=null")
     _validate_rollout_model(paths)
     _validate_experts(run, paths)
+    _validate_vision(run, paths)
     if run.distill.enabled:
         _validate_teachers(paths, run.distill.teacher is not None)
     return paths
@@ -464,6 +465,41 @@ def _validate_experts(run: RunConfig, paths: ModelPaths) -> None:
     if actor.router_replay and engine != "hf":
         _fail("actor.router_replay", f"needs rollout.engine=hf, which records each token's experts; {engine} does "
               "not", "actor.router_replay=null")
+
+
+def _validate_vision(run: RunConfig, paths: ModelPaths) -> None:
+    """A vision-language actor (its config.json has a vision_config; docs/vision.md): a family whose image
+    tokens and positions the trainer lays out, its image processor saved with it, and the parts that take
+    images (the hf engine, trainer-side rollouts, no critic or fused head yet). A text model refuses
+    actor.freeze_vision."""
+    from transformers import AutoConfig
+
+    from train.models.vlm import is_vision_config, vision_refusal
+
+    config = AutoConfig.from_pretrained(paths.actor)
+    if not is_vision_config(config):
+        if run.actor.freeze_vision:
+            _fail("actor.freeze_vision", f"{paths.actor} has no vision tower ({type(config).__name__})",
+                  "actor.freeze_vision=false")
+        return
+    why = vision_refusal(config)
+    if why is not None:
+        _fail("actor.model_name", why, "actor.model_name=<a Qwen2-VL or Qwen2.5-VL folder>")
+    if not os.path.isfile(os.path.join(paths.actor, "preprocessor_config.json")):
+        _fail("actor.model_name", f"{paths.actor} is a vision-language model without a preprocessor_config.json "
+              "(the image processor's settings): save it there", "actor.model_name=<a folder with it>")
+    refused = [("rollout.engine", run.rollout.engine != "hf", "images go to the hf engine only for now (the sglang "
+                "adapter does not pass them yet)", "rollout.engine=hf"),
+               ("adv.estimator", run.adv.estimator == "gae", "the critic (adv.estimator=gae) does not take images yet",
+                "adv.estimator=grpo"),
+               ("rollout.ranks", run.rollout.ranks > 0, "dedicated rollout ranks do not carry images yet",
+                "rollout.ranks=0"),
+               ("actor.use_liger_kernel", run.actor.use_liger_kernel, "the fused log-prob head is not wired to the "
+                "vision tower yet", "actor.use_liger_kernel=false"),
+               ("distill.teacher", run.distill.enabled, "teachers do not see the images yet", "distill.teacher=null")]
+    for key, bad, why, fix in refused:
+        if bad:
+            _fail(key, f"{why} ({paths.actor} is a vision-language model)", fix)
 
 
 def _validate_lora(run: RunConfig) -> None:

@@ -23,7 +23,8 @@ from train.datasets.contamination import check_contamination
 from train.datasets.errors import DataError
 from train.datasets.mixture import check_routes
 from train.datasets.tokenize import check_prompt_lengths
-from train.workers.rollout import PROMPT_TOO_LONG, Sample
+from train.datasets.vision import ImageError, refuse_images
+from train.workers.rollout import UNUSABLE_PROMPTS, Sample
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class DataCheck:
 
 
 def check_data(data: DataConfig, train_rows: list[dict], test_rows: list[dict], routes: Mapping[str, Any],
-               tokenizer, context: Context) -> DataCheck:
+               tokenizer, context: Context, vision: Any = None) -> DataCheck:
     """Run every data check on the rows given (all of them in the trainer; the first data.check_rows
     of each source in --check). Raises DataError for what stops the run."""
     if routes:
@@ -86,12 +87,19 @@ def check_data(data: DataConfig, train_rows: list[dict], test_rows: list[dict], 
                             "(data.fail_on_contamination=true stops such runs)")
     for key, rows in (("data.train_data_path", train_rows), ("data.test_data_path", test_rows)):
         if rows:
-            _prompt_lengths(data, key, rows, tokenizer, context, out)
+            _prompt_lengths(data, key, rows, tokenizer, context, out, vision)
     return out
 
 
-def _prompt_lengths(data: DataConfig, key: str, rows: list[dict], tokenizer, context: Context, out: DataCheck) -> None:
-    report = check_prompt_lengths(rows, tokenizer, context.tokens, data.check_rows)
+def _prompt_lengths(data: DataConfig, key: str, rows: list[dict], tokenizer, context: Context, out: DataCheck,
+                    vision: Any = None) -> None:
+    """`vision` (a vision-language model's VisionProcessor): image parts are checked too; a bad image stops
+    the run with an error naming its file, row and message part."""
+    prepare = vision.prepare if vision is not None else refuse_images
+    try:
+        report = check_prompt_lengths(rows, tokenizer, context.tokens, data.check_rows, prepare)
+    except ImageError as e:
+        raise DataError(f"{key}: {e}") from None
     if not report.too_long:
         return
     where, tokens = report.too_long[0]
@@ -152,5 +160,6 @@ class PromptOverflowLog:
 
 
 def overflowed_rows(samples: list[Sample], group_size: int) -> list[dict]:
-    """The `prompt_too_long` event of each skipped row (its group's first sample): row, tokens, limit."""
-    return [dict(s.events[0]) for s in samples[::group_size] if s.finish_reason == PROMPT_TOO_LONG]
+    """The event of each skipped row (its group's first sample): `prompt_too_long` (row, tokens, limit) or
+    `bad_image` (row, error)."""
+    return [dict(s.events[0]) for s in samples[::group_size] if s.finish_reason in UNUSABLE_PROMPTS]

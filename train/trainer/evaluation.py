@@ -7,7 +7,7 @@ from train.parallel.collectives import all_reduce_sum
 from train.parallel.distributed import DistContext
 from train.trainer.report import RunReport
 from train.trainer.step import per_source_sums, split_triples
-from train.workers.rollout import PROMPT_TOO_LONG, sample_seed
+from train.workers.rollout import UNUSABLE_PROMPTS, sample_seed
 
 
 class Evaluator:
@@ -25,8 +25,8 @@ class Evaluator:
         rows = self.rows[ctx.rank::ctx.world_size]
         samples, _ = self.rollout.rollout(rows, 1, self.sampling, sample_seed(self.seed, -1, ctx.rank),
                                           what=f"step {step}'s evaluation")
-        skipped = [s for s in samples if s.finish_reason == PROMPT_TOO_LONG]  # prompts that fill the context
-        samples = [s for s in samples if s.finish_reason != PROMPT_TOO_LONG]
+        skipped = [s for s in samples if s.finish_reason in UNUSABLE_PROMPTS]  # prompts that fill the context
+        samples = [s for s in samples if s.finish_reason not in UNUSABLE_PROMPTS]
         total, count, errors, n_skipped, *by_source = all_reduce_sum(
             [sum(s.reward for s in samples), float(len(samples)), float(sum(bool(s.env_error) for s in samples)),
              float(len(skipped)), *per_source_sums(samples, self.sources, lambda s: float(bool(s.env_error)))],

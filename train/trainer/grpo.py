@@ -41,6 +41,7 @@ from train.datasets.dataloader import build_dataloader
 from train.datasets.loading import DataError
 from train.datasets.mixture import load_sources, mixture_shares, source_names
 from train.datasets.tokenize import TokenizationError, encode
+from train.datasets.vision import vision_processor
 from train.engines import build_engine
 from train.models.actor import Actor, AdapterFreeReference
 from train.models.critic import Critic
@@ -131,6 +132,9 @@ class Trainer:
         if cfg.actor.chat_template:
             self.tokenizer.chat_template = rollout_tokenizer.chat_template = cfg.actor.chat_template
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        # A vision-language actor's image processing (train/datasets/vision.py), with data.*_pixels; None for text.
+        # The rollout worker keeps it (`vision_of`).
+        vision = vision_processor(paths.actor, rollout_tokenizer, cfg.data)
         # Each row's environment: one for all, or one per data source (rollout.env_path as a mapping).
         env = EnvRouter(env_paths(cfg.rollout), timeout_s=cfg.rollout.env_timeout_s,
                         max_workers=cfg.rollout.env_workers, max_turns=cfg.rollout.max_turns)
@@ -139,7 +143,7 @@ class Trainer:
         test_rows = load_sources(test_sources) if cfg.trainer.test_freq else []
         # The conversation limit, from the config (rollout.max_total_length) or the model's, before any model loads.
         context = context_length(cfg.rollout.max_total_length, paths.actor)
-        found = self._check_data(train_rows, test_rows, env, rollout_tokenizer, context)
+        found = self._check_data(train_rows, test_rows, env, rollout_tokenizer, context, vision)
         # Per-prompt pass rates, kept in every run; a policy other than uniform also decides what is drawn.
         curriculum = Curriculum(cfg.data.curriculum, train_rows, cfg.trainer.seed)
         accept = curriculum.accept if cfg.data.curriculum.policy != "uniform" else None
@@ -154,7 +158,7 @@ class Trainer:
         gov = cfg.trainer.governor
         governor = (Governor(gov.watch, gov.window, gov.k_sigma, gov.min_history, gov.min_panics,
                              gov.rel_std_floor, gov.max_weight_change) if gov.enable else None)
-        self.engine, rollout = self._build_rollout(env, rollout_tokenizer, context.tokens)
+        self.engine, rollout = self._build_rollout(env, rollout_tokenizer, context.tokens, vision)
         self.checkpointer = ckpt.Checkpointer(cfg.trainer.save_dir, ctx, async_save=cfg.trainer.async_save,
                                               keep_last_n=cfg.trainer.keep_last_n)
         saved = self._load_checkpoint()
@@ -204,11 +208,15 @@ class Trainer:
         self._log_layouts()
 
     # -- building the parts ----------------------------------------------------------------
-    def _check_data(self, train_rows: list[dict], test_rows: list[dict], env: EnvRouter, tokenizer, context):
+    def vision_of(self):
+        """The rollout's VisionProcessor (a vision-language actor), else None."""
+        return getattr(self.rollouts.rollout, "vision", None)
+
+    def _check_data(self, train_rows: list[dict], test_rows: list[dict], env: EnvRouter, tokenizer, context, vision):
         """Rank 0 checks the data (train/trainer/data_check.py: sources routed, contamination, which hashes
         the training n-grams, the first data.check_rows prompts' lengths); every rank gets the outcome."""
         try:
-            found = (check_data(self.cfg.data, train_rows, test_rows, env.routes, tokenizer, context)
+            found = (check_data(self.cfg.data, train_rows, test_rows, env.routes, tokenizer, context, vision)
                      if self.ctx.is_main else None)
         except DataError as e:
             found = f"{e}"
@@ -252,7 +260,7 @@ class Trainer:
                             layout=layout("critic"), adapter_seed=cfg.trainer.seed)
         return Models(actor, ref, critic)
 
-    def _build_rollout(self, env: EnvRouter, tokenizer, max_len: int):
+    def _build_rollout(self, env: EnvRouter, tokenizer, max_len: int, vision=None):
         """The engine and the rollout worker: in this process, or a dedicated rollout rank's (rollout.ranks)."""
         cfg, ctx, paths = self.cfg, self.ctx, self.paths
         if ctx.bridge is not None:  # rollout.ranks > 0: a dedicated rollout rank generates and scores for this rank
@@ -275,7 +283,7 @@ class Trainer:
                               record_routing=bool(cfg.actor.router_replay))
         return engine, RolloutWorker(engine, env, tokenizer, max_turns=cfg.rollout.max_turns,
                                      env_error_reward=cfg.rollout.env_error_reward, max_total_length=max_len,
-                                     max_env_chars=cfg.rollout.max_env_chars)
+                                     max_env_chars=cfg.rollout.max_env_chars, vision=vision)
 
     def _log_layouts(self) -> None:
         """One line (and a `layout` event) saying how each model is laid out on the ranks."""
@@ -407,7 +415,8 @@ class Trainer:
                 routes = {} if replay is None else dispatch_routes(kept, cfg.actor.router_replay, replay.spec)
                 batches[key] = dispatch(index, [s.ids for s in kept], [s.action_mask for s in kept],
                                         [s.sampler_logprobs for s in kept], model.layout, cfg.actor.mini_batches,
-                                        device, share_prompt=cfg.actor.share_prompt, **routes)
+                                        device, share_prompt=cfg.actor.share_prompt, **routes,
+                                        images=[s.images for s in kept] if self.vision_of() is not None else None)
             return batches[key]
 
         batch = batch_for(m.actor)
@@ -482,7 +491,8 @@ class Trainer:
         export_hf(self.models.actor.model, self.tokenizer, os.path.join(cfg.trainer.save_dir, "latest"), self.ctx,
                   shard_bytes=int(cfg.trainer.export_shard_gb * GB), bucket_bytes=self.sync.bucket_bytes,
                   critic=critic.model if critic is not None else None,
-                  base_model=hub.export_name(cfg.actor.model_name, self.paths.actor))
+                  base_model=hub.export_name(cfg.actor.model_name, self.paths.actor),
+                  image_processor=self.vision_of().image_processor if self.vision_of() is not None else None)
         self.report.closing(self.total_steps - self.start_step)
         history = self.evaluate.history
         if len(history) >= 2:

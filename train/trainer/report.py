@@ -61,15 +61,21 @@ class RunReport:
         error = None
         if gathered is not None:
             rows = [row for part in gathered for row in part]
+            for row in [r for r in rows if r.get("type") == "bad_image"]:  # skipped whatever overlong_prompts says
+                self.log.event("bad_image", step, row)
+                self.warn(step, f"skipped a prompt: {row['error']}")
+            rows = [r for r in rows if r.get("type") != "bad_image"]
             for row in rows:
                 self.log.event("prompt_too_long", step, row)
-            if self.overlong_prompts == "fail":
+            if self.overlong_prompts == "fail" and rows:
                 error = overlong_error(rows[0].get("row"), rows[0]["tokens"], self.prompt_overflows.context)
             else:
                 for line in self.prompt_overflows.add(rows):
                     self.warn(step, line)
         if self.overlong_prompts == "fail":
-            raise DataError(broadcast_from_main(error, self.ctx))
+            error = broadcast_from_main(error, self.ctx)
+            if error is not None:
+                raise DataError(error)
 
     def samples(self, step: int, samples: list[Sample], api_calls: list) -> dict[str, float]:
         """Sampled conversations, env errors and external-call latencies (`api_calls`) to rank 0's logs;

@@ -15,7 +15,7 @@ from train.algorithms.shaping import overlong_penalty
 from train.parallel.distributed import DistContext
 from train.parallel.collectives import all_reduce_max, all_reduce_sum
 from train.workers.config import RolloutConfig
-from train.workers.rollout import PROMPT_TOO_LONG, Sample
+from train.workers.rollout import UNUSABLE_PROMPTS, Sample
 
 def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, rollout: RolloutConfig,
                     ctx: DistContext, rewards: list[float] | None = None,
@@ -28,11 +28,11 @@ def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, rollo
     `context_overflow_ratio/train` only."""
     shaped = rewards if rewards is not None else [s.reward for s in samples]
     groups = [shaped[g * group_size:(g + 1) * group_size] for g in range(n_groups)
-              if samples[g * group_size].finish_reason != PROMPT_TOO_LONG]
+              if samples[g * group_size].finish_reason not in UNUSABLE_PROMPTS]
     dropped = sum(len(set(grp)) <= 1 for grp in groups)
     n_groups = len(groups)
-    too_long = float(sum(s.finish_reason == PROMPT_TOO_LONG for s in samples))
-    samples = [s for s in samples if s.finish_reason != PROMPT_TOO_LONG]
+    too_long = float(sum(s.finish_reason in UNUSABLE_PROMPTS for s in samples))
+    samples = [s for s in samples if s.finish_reason not in UNUSABLE_PROMPTS]
     max_turns = int(rollout.max_turns)
     per_turn = [0.0] * (2 * max_turns)  # (token sum, count) of each turn index
     for s in samples:
@@ -151,7 +151,7 @@ def select_groups(samples: list[Sample], group_size: int, dynamic_filtering: boo
             if dynamic_filtering else [True] * (len(samples) // group_size))
     kept = []
     for g, ok in enumerate(keep):
-        if ok and samples[g * group_size].finish_reason != PROMPT_TOO_LONG:
+        if ok and samples[g * group_size].finish_reason not in UNUSABLE_PROMPTS:
             kept += samples[g * group_size:(g + 1) * group_size]
     return kept
 

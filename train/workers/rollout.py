@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from train.datasets.tokenize import bound_messages, continuation_ids, prompt_ids, prompt_too_long
+from train.datasets.vision import ImageError, ImageInputs, VisionProcessor, has_images
 from train.engines.base import RolloutEngine, SamplingParams
 from train.workers.env_routing import EnvRouter
 from train.workers.environment import EnvCallError, Environment
@@ -44,6 +45,9 @@ class Sample:
     # The experts each position was routed to when the engine ran it ([positions, layers, top_k], a prefix
     # of ids; engines that record them: actor.router_replay, train/models/router_replay.py); None otherwise.
     routing: torch.Tensor | None = None
+    # The images of the conversation (a vision-language policy: the row's, then those of tool replies), in the
+    # order of their placeholder runs in `ids` (train/datasets/vision.py); empty for text.
+    images: list[ImageInputs] = field(default_factory=list)
 
     @property
     def n_action_tokens(self) -> int:
@@ -73,12 +77,20 @@ ENV_CHARS_PER_TOKEN = 16
 
 # The finish reason of a sample whose row's prompt fills the context: nothing sampled, nothing trained.
 PROMPT_TOO_LONG = "prompt_too_long"
+# ... whose row's prompt holds an image that cannot be used (a missing file, bytes that are no image, too many
+# pixels; its event names the row and the image): nothing sampled, nothing trained.
+BAD_IMAGE = "bad_image"
+UNUSABLE_PROMPTS = (PROMPT_TOO_LONG, BAD_IMAGE)
 
 
 class RolloutWorker:
     def __init__(self, engine: RolloutEngine, env: Environment | EnvRouter, tokenizer, *, max_turns: int,
-                 env_error_reward: float, max_total_length: int, max_env_chars: int | None = None):
+                 env_error_reward: float, max_total_length: int, max_env_chars: int | None = None,
+                 vision: VisionProcessor | None = None):
         self.engine, self.tokenizer = engine, tokenizer
+        # A vision-language policy's image processing (None: a text model; a conversation with images is
+        # then an error naming the row or the env reply).
+        self.vision = vision
         self.envs = EnvRouter.of(env)  # each row's environment (rollout.env_path may map sources to files)
         self.max_turns = max_turns
         self.env_error_reward = env_error_reward
@@ -87,14 +99,36 @@ class RolloutWorker:
         # One loop for the worker's life: the engine's batching task and env clients bind to it.
         self.loop = asyncio.new_event_loop()
 
-    async def _run_one(self, row: dict, ids: list[int], group: int, sampling: SamplingParams,
-                       seed: int, generated: Callable[[], None]) -> Sample:
+    def _prompt(self, row: dict) -> tuple[list[int], list[dict], list[ImageInputs]] | ImageError:
+        """The row's prompt ids, its messages as the template renders them (images as placeholder text),
+        and its processed images; or the ImageError of an image that cannot be used."""
+        where = getattr(row, "where", None) or "a row"
+        try:
+            if self.vision is not None:
+                shown, images = self.vision.prepare(row["messages"], where)
+            elif has_images(row["messages"]):
+                raise ImageError(f"{where} holds an image and the model is text-only: train a vision-language "
+                                 "model (docs/vision.md)")
+            else:
+                shown, images = row["messages"], []
+        except ImageError as e:
+            return e
+        return prompt_ids(self.tokenizer, shown, row.get("tools")), [dict(m) for m in shown], images
+
+    async def _run_one(self, row: dict, prompt: tuple[list[int], list[dict], list[ImageInputs]] | ImageError,
+                       group: int, sampling: SamplingParams, seed: int, generated: Callable[[], None]) -> Sample:
         """One sample; `generated()` is called once, when it will not use the engine again (before
         its reward, which may still take long: a judge, a sandbox)."""
         messages = [dict(m) for m in row["messages"]]
         tools = row.get("tools")
         env = self.envs.for_row(row)
         source = row.get("source")
+        if isinstance(prompt, ImageError):  # the trainer drops the group and reports the row (as too long)
+            generated()
+            return Sample(group, messages, row.get("answer"), [], [], [], finish_reason=BAD_IMAGE,
+                          source=None if source is None else str(source),
+                          events=[{"type": BAD_IMAGE, "row": getattr(row, "where", None), "error": str(prompt)}])
+        ids, shown, images = prompt
         if prompt_too_long(len(ids), self.max_total_length):
             # No room for one sampled token: nothing to generate, score or train. The trainer drops
             # the group and warns, naming the row (data.overlong_prompts).
@@ -104,10 +138,11 @@ class RolloutWorker:
                           events=[{"type": PROMPT_TOO_LONG, "row": getattr(row, "where", None),
                                    "tokens": len(ids), "limit": self.max_total_length}])
         sample = Sample(group, messages, row.get("answer"), list(ids), [0] * len(ids), [0.0] * len(ids),
-                        prompt_length=len(ids), source=None if source is None else str(source))
+                        prompt_length=len(ids), source=None if source is None else str(source), images=list(images))
         try:
             try:
-                await self._turns(sample, messages, tools, env, sampling, seed)
+                await self._turns(sample, messages, shown if self.vision is not None else messages, tools, env,
+                                  sampling, seed)
             finally:
                 generated()
             sample.reward = await env.reward(messages, sample.answer)
@@ -116,9 +151,11 @@ class RolloutWorker:
             sample.env_error = str(e)
         return sample
 
-    async def _turns(self, sample: Sample, messages: list[dict], tools, env: Environment, sampling: SamplingParams,
-                     seed: int) -> None:
-        """Generate, let the env answer, again, up to max_turns; `sample` and `messages` grow in place."""
+    async def _turns(self, sample: Sample, messages: list[dict], shown: list[dict], tools, env: Environment,
+                     sampling: SamplingParams, seed: int) -> None:
+        """Generate, let the env answer, again, up to max_turns; `sample` and `messages` grow in place.
+        `shown` is the conversation as the template renders it (with images: their placeholder text; without:
+        `messages` itself), which the env never sees."""
         tok = self.tokenizer
         for turn in range(self.max_turns):
             room = self.max_total_length - len(sample.ids)
@@ -127,7 +164,8 @@ class RolloutWorker:
                 break
             params = replace(sampling, seed=seed + turn, max_new_tokens=min(sampling.max_new_tokens, room))
             version = getattr(self.engine, "weight_version", 0)  # engines that cannot tag their outputs
-            gen = await self.engine.generate(sample.ids, params)
+            gen = await (self.engine.generate(sample.ids, params, images=sample.images) if sample.images
+                         else self.engine.generate(sample.ids, params))
             sample.turn_versions.append(int(gen.extra.get("weight_version", version)))
             record_routing(sample, gen.extra.get("routing"))
             sample.ids += gen.token_ids
@@ -139,6 +177,8 @@ class RolloutWorker:
             ended_with_eos = bool(gen.token_ids) and gen.token_ids[-1] == tok.eos_token_id
             text_ids = gen.token_ids[:-1] if ended_with_eos else gen.token_ids
             messages.append({"role": "assistant", "content": tok.decode(text_ids, skip_special_tokens=True)})
+            if shown is not messages:
+                shown.append(messages[-1])
             if gen.finish_reason != "stop" or turn == self.max_turns - 1:
                 break
             new = await env.interact(messages)
@@ -149,7 +189,8 @@ class RolloutWorker:
             new, chars, kept = bound_messages(new, self.env_char_budget(self.max_total_length - len(sample.ids)))
             if kept < chars:
                 sample.events += [{"type": "env_truncated", "turn": turn, "chars": chars, "kept": kept}]
-            extra = continuation_ids(tok, messages, new, tools, ended_with_eos=ended_with_eos)
+            new_shown, new_images = self._shown(new, turn)
+            extra = continuation_ids(tok, shown, new_shown, tools, ended_with_eos=ended_with_eos)
             if len(sample.ids) + len(extra) >= self.max_total_length:
                 # The env's messages do not fit the context (with room for one more token): the
                 # episode ends here and is scored without them, never holding more than the context.
@@ -159,9 +200,24 @@ class RolloutWorker:
                 break
             sample.events += [{"type": "tool", "turn": turn, "messages": new}]
             messages += new
+            if shown is not messages:
+                shown += new_shown
+                sample.images += new_images
             sample.ids += extra
             sample.action_mask += [0] * len(extra)
             sample.sampler_logprobs += [0.0] * len(extra)
+
+    def _shown(self, new: list[dict], turn: int) -> tuple[list[dict], list[ImageInputs]]:
+        """The env's messages as the template renders them, and their images. An image that cannot be used
+        is the env's error (EnvCallError: the sample is scored rollout.env_error_reward and the run goes on)."""
+        try:
+            if self.vision is not None:
+                return self.vision.prepare(new, f"the env's reply in turn {turn}")
+            if has_images(new):
+                raise ImageError(f"the env's reply in turn {turn} holds an image and the model is text-only")
+        except ImageError as e:
+            raise EnvCallError("interact", "bad image", str(e)) from None
+        return new, []
 
     def env_char_budget(self, room: int) -> int:
         """Characters of env messages kept in a turn with `room` tokens of context left."""
@@ -170,8 +226,8 @@ class RolloutWorker:
 
     async def _run_all(self, rows: list[dict], n: int, sampling: SamplingParams, base_seed: int,
                        generated: Callable[[], None]) -> list[Sample]:
-        # The prompt is templated once per row, not once per sample.
-        prompts = [prompt_ids(self.tokenizer, row["messages"], row.get("tools")) for row in rows]
+        # The prompt is templated (and its images processed) once per row, not once per sample.
+        prompts = [self._prompt(row) for row in rows]
         jobs = [self._run_one(row, prompts[g], g, sampling, base_seed + (g * n + k) * 7919, generated)
                 for g, row in enumerate(rows) for k in range(n)]
         return list(await asyncio.gather(*jobs))
