@@ -30,6 +30,9 @@ Sections (each one's failure is recorded and the others still run; the exit stat
 * `moe`: a random Qwen3-MoE-shaped model of 1.0B parameters (64 experts, top-8; issue 37), 3 trainer
   steps with router replay and the load-balancing loss, then 3 without replay: step time, memory, and
   the sampler-trainer KL of each (the engine samples in bf16).
+* `vlm`: a random Qwen2.5-VL-shaped model (Qwen2.5-0.5B's text model and Qwen2.5-VL's 32-block vision tower,
+  ~1.2B parameters; issue 39), 3 trainer steps on 448 x 448 pictures (256 image tokens each) of the stub's
+  colour task: step time by phase, memory, the sampler-trainer KL.
 
 Writes `gpu_suite.json` and `gpu_suite.md` into `--out` (default `runs/gpu_suite`). `--tiny` uses a
 2-layer, 64-wide model and a handful of tokens, so the test suite runs it on CPU and the script
@@ -57,7 +60,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step", "bigmodel", "moe")
+SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step", "bigmodel", "moe", "vlm")
 
 # Datasheet figures (dense bf16 TFLOP/s, HBM TB/s) matched on torch.cuda.get_device_name().
 DATASHEET = (
@@ -223,9 +226,9 @@ def section_tests(args, work: Path) -> dict:
     return {"files": files, "passed": counts.get("passed", 0), "skipped": counts.get("skipped", 0), "log": str(log)}
 
 
-def trainer_cmd(save_dir: Path, overrides: list[str]) -> list[str]:
+def trainer_cmd(save_dir: Path, overrides: list[str], config: str = "stub") -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-            "-m", "train.trainer.grpo", "--config-name", "stub", f"trainer.save_dir={save_dir}",
+            "-m", "train.trainer.grpo", "--config-name", config, f"trainer.save_dir={save_dir}",
             "trainer.progress_bar=false", *overrides]
 
 
@@ -507,6 +510,77 @@ def section_moe(args, work: Path, shapes: Shapes) -> dict:
     return out
 
 
+def section_vlm(args, work: Path, shapes: Shapes) -> dict:
+    """3 trainer steps of a random Qwen2.5-VL-shaped model on big pictures of the colour task (see the docstring)."""
+    import random
+
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    try:  # no torchvision needed (transformers 5.2x); older releases have one class
+        from transformers import Qwen2VLImageProcessorPil as ImageProcessor
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor as ImageProcessor
+
+    build = load_vlm_builder()
+    folder, data = work / "vlm_model", work / "vlm_data"
+    shutil.rmtree(folder, ignore_errors=True)
+    tok = build.build_tokenizer(folder)
+    tiny = build.vlm_config(tok)
+    if args.tiny:
+        config, side = tiny, 56
+    else:  # Qwen2.5-0.5B's text model, Qwen2.5-VL's vision tower (depth 32, width 1280), 448 px pictures
+        config, side = Qwen2_5_VLConfig(
+            text_config=dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                             intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                              "mrope_section": [16, 24, 24]}, tie_word_embeddings=True,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None),
+            vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=896,
+                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                               fullatt_block_indexes=[7, 15, 23, 31], in_channels=3),
+            vision_start_token_id=tiny.vision_start_token_id, vision_end_token_id=tiny.vision_end_token_id,
+            image_token_id=tiny.image_token_id, video_token_id=tiny.video_token_id, tie_word_embeddings=True,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None), 448
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(folder)
+    del model
+    ImageProcessor(min_pixels=side * side, max_pixels=side * side).save_pretrained(folder)
+    rng = random.Random(0)
+    data.mkdir(parents=True, exist_ok=True)
+    pairs = [(c, sh) for c in build.COLOURS for sh in build.SHAPES]
+    rows = []
+    for i in range(64):
+        colour, shape = pairs[i % len(pairs)]
+        picture = build.render(colour, shape, rng).resize((side, side))
+        rows.append({"messages": [{"role": "user", "content": [{"type": "image", "image": build.data_url(picture)},
+                                                               {"type": "text", "text": build.QUESTION.format(shape=shape)}]}],
+                     "answer": colour})
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = work / "vlm_run"
+    shutil.rmtree(run, ignore_errors=True)
+    overrides = [f"actor.model_name={folder}", f"data.train_data_path={data / 'train.jsonl'}", "data.test_data_path=null",
+                 "trainer.total_steps=3", "trainer.test_freq=null", f"data.prompts_per_rollout={shapes.step_prompts}",
+                 f"data.responses_per_prompt={shapes.step_responses}", "rollout.dynamic_filtering=false",
+                 "trainer.save_freq=null", "rollout.train_sampling_params.max_new_tokens=8"]
+    run_logged(trainer_cmd(run, overrides, config="vlm_stub"), work / "vlm.log", args.timeout)
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"params": params, "image_side": side, "image_tokens": (side // 28) ** 2,
+            **step_means(run, ("actor/sampler_kl", "actor/sampler_abs_diff"))}
+
+
+def load_vlm_builder():
+    """stub/build_vlm_stub.py (the VLM stub's tokenizer, config and pictures) as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_vlm_stub", ROOT / "stub" / "build_vlm_stub.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # Big models on one GPU (issue 36): Llama-3.1-8B with LoRA rank 32 and Qwen3-4B fully fine-tuned, one
 # sequence of `tokens` per update. `--tiny` keeps the families at toy sizes.
 BIG = (  # shapes from train/models/memory_plan.py's presets, whose estimates these runs check
@@ -731,6 +805,10 @@ def markdown(result: dict) -> str:
         for k, v in r.items() if isinstance(v, dict)))
     cell("step", lambda r: ", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in r.items() if k.startswith("time/"))
          + "".join(f"; {k.removeprefix('memory/')} {v:.1f} GiB" for k, v in r.items() if k.startswith("memory/")))
+    cell("vlm", lambda r: f"{r['params'] / 1e9:.2f}B params, {r['image_side']} px pictures ({r['image_tokens']} tokens): "
+         + ", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in r.items() if k.startswith("time/"))
+         + f"; sampler KL {r.get('actor/sampler_kl', 0):.2e}"
+         + "".join(f"; {k.removeprefix('memory/')} {v:.1f} GiB" for k, v in r.items() if k.startswith("memory/")))
     return "\n".join(lines) + "\n"
 
 
@@ -785,14 +863,15 @@ def main(argv: list[str] | None = None) -> int:
                     if actor is None:
                         actor, _ = build_actor(model_dir, max(shapes.mfu_tokens), info)
                     out = section_push(args, work, info, actor)
-                else:  # step, moe
+                else:  # step, moe, vlm
                     actor = None  # the trainer runs in its own process: give it this one's GPU memory
                     gc.collect()
                     if info["cuda"]:
                         import torch
 
                         torch.cuda.empty_cache()
-                    out = section_step(args, work, shapes, model_dir) if name == "step" else section_moe(args, work, shapes)
+                    out = (section_step(args, work, shapes, model_dir) if name == "step" else
+                           section_moe(args, work, shapes) if name == "moe" else section_vlm(args, work, shapes))
             except Exception as exc:  # one section's failure is recorded; the others still run
                 traceback.print_exc()
                 out = {"error": f"{type(exc).__name__}: {exc}"}

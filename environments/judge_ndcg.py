@@ -122,6 +122,15 @@ SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {
                "required": ["score"], "additionalProperties": False}}}
 
 
+def text_of(content: object) -> str:
+    """A message's text: the string, or its text parts joined by newlines (image parts have none)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
+
+
 def question_of(messages: list[dict]) -> str:
     """The last user message before the first assistant turn: the row's question."""
     question = ""
@@ -129,7 +138,7 @@ def question_of(messages: list[dict]) -> str:
         if m.get("role") == "assistant":
             break
         if m.get("role") == "user":
-            question = m.get("content") or ""
+            question = text_of(m.get("content"))
     return question
 
 

@@ -73,7 +73,7 @@ from PIL import Image
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # judge_ndcg sits next to this file
 
 import judge_ndcg  # noqa: E402
-from judge_ndcg import gold_ids, ndcg_at_k, retrieved_ids  # noqa: E402
+from judge_ndcg import gold_ids, ndcg_at_k, question_of, retrieved_ids, text_of  # noqa: E402
 from searchr1 import targets  # noqa: E402
 
 from train.utils.api_stats import ApiCallRecorder, describe  # noqa: E402
@@ -108,15 +108,6 @@ class BboxError(ValueError):
 
 # ----------------------------------------------------------------------------- message helpers
 
-def text_of(content: object) -> str:
-    """A message's text: the string, or its text parts joined by newlines."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return ""
-
-
 def last_assistant(messages: list[dict]) -> str:
     return next((text_of(m.get("content")) for m in reversed(messages) if m.get("role") == "assistant"), "")
 
@@ -125,17 +116,6 @@ def parse_action(text: str) -> tuple[str | None, str]:
     """('search' | 'bbox' | 'search_complete', the tag's content) for the turn's first tag, else (None, '')."""
     m = ACTION.search(text)
     return (m.group(1), m.group(2).strip()) if m else (None, "")
-
-
-def question_of(messages: list[dict]) -> str:
-    """The last user message before the first assistant turn: the row's question."""
-    question = ""
-    for m in messages:
-        if m.get("role") == "assistant":
-            break
-        if m.get("role") == "user":
-            question = text_of(m.get("content"))
-    return question
 
 
 def image_parts(content: object) -> list[dict]:

@@ -58,5 +58,7 @@ def test_gpu_suite_tiny_runs_every_section(tmp_path):
     assert moe["replay"]["steps"] == 3 and moe["no_replay"]["steps"] == 3
     assert moe["replay"]["actor/router_aux_loss"] > 0 and "actor/router_aux_loss" not in moe["no_replay"]
     assert moe["replay"]["actor/sampler_kl"] < 1e-4  # fp32 on both sides on CPU
+    vlm = s["vlm"]  # a vision-language model trains on pictures (3 steps); fp32 on both sides on CPU
+    assert vlm["steps"] == 3 and vlm["image_tokens"] == 4 and vlm["actor/sampler_kl"] < 1e-4
     table = (tmp_path / "gpu_suite.md").read_text()
     assert result["device"]["device"] in table and "FAILED" not in table

@@ -151,3 +151,19 @@ def test_pixels_round_trip_as_png_data_urls():
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     assert load_image(Image.open(io.BytesIO(buffer.getvalue()))).getpixel((0, 0)) == (1, 2, 3)
+
+
+def test_logged_conversations_describe_pictures_instead_of_holding_them():
+    from train.datasets.vision import loggable
+
+    url = to_data_url(picture())
+    messages = [{"role": "system", "content": "s"},
+                {"role": "user", "content": [{"type": "image", "image": url}, {"type": "text", "text": "Q"}]},
+                {"role": "tool", "content": [{"type": "image", "image": picture(40, 70)},
+                                             {"type": "image_url", "image_url": {"url": "pics/a.png"}}]}]
+    logged = loggable(messages)
+    assert logged[0] is messages[0] and logged[1]["content"][1] == {"type": "text", "text": "Q"}
+    assert logged[1]["content"][0]["image"] == f"<data: URL, {len(url)} characters>"
+    assert [p["image"] for p in logged[2]["content"]] == ["<Image 40x70>", "pics/a.png"]
+    json.dumps(logged)  # plain JSON, no PIL objects
+    assert isinstance(messages[2]["content"][0]["image"], Image.Image)  # the env's objects are left as they are

@@ -114,6 +114,35 @@ def _open(fp: Any, what: str, max_source_pixels: int):
     return image
 
 
+def loggable(messages: list[dict]) -> list[dict]:
+    """The messages with each image part reduced to a short description (a path as it is; a data: URL or a
+    PIL image as its kind and size), for trajectories.jsonl: a conversation's pictures would otherwise be
+    written in full (or as a PIL object's repr). Messages without list content are the same objects."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list) and any(image_source(p) is not None for p in content
+                                             if isinstance(p, dict) and p.get("type") in ("image", "image_url")):
+            message = {**message, "content": [_described(p) for p in content]}
+        out.append(message)
+    return out
+
+
+def _described(part: Any) -> Any:
+    try:
+        source = image_source(part)
+    except ImageError:
+        return part
+    if source is None:
+        return part
+    if isinstance(source, str) and not source.startswith("data:"):
+        return {"type": "image", "image": source}
+    if isinstance(source, str):
+        return {"type": "image", "image": f"<data: URL, {len(source)} characters>"}
+    size = getattr(source, "size", None)
+    return {"type": "image", "image": f"<{type(source).__name__} {size[0]}x{size[1]}>" if size else "<image>"}
+
+
 def to_data_url(image, format: str = "PNG") -> str:
     """A PIL image as a base64 data: URL (what OpenAI-style image_url parts carry)."""
     buffer = io.BytesIO()
@@ -141,13 +170,16 @@ class VisionProcessor:
         """The image processor saved with the model (preprocessor_config.json in `path`), with the pixel
         budget (`min_pixels`/`max_pixels`: images are resized to hold between these many pixels) from the
         run's config where given."""
-        from transformers import Qwen2VLImageProcessorPil
+        try:  # the PIL backend needs no torchvision (transformers 5.2x); older releases have one class for both
+            from transformers import Qwen2VLImageProcessorPil as ImageProcessor
+        except ImportError:
+            from transformers import Qwen2VLImageProcessor as ImageProcessor
 
         if not os.path.isfile(os.path.join(path, "preprocessor_config.json")):
             raise ImageError(f"'{path}' is a vision-language model without a preprocessor_config.json: save its "
                              "image processor there (processor.image_processor.save_pretrained(folder))")
         overrides = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
-        processor = Qwen2VLImageProcessorPil.from_pretrained(path, **overrides)
+        processor = ImageProcessor.from_pretrained(path, **overrides)
         return cls(processor, tokenizer, VisionSpec.from_config(config),
                    max_source_pixels if max_source_pixels is not None else DEFAULT_MAX_SOURCE_PIXELS)
 

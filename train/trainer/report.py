@@ -4,6 +4,7 @@ every rank in the same order)."""
 from __future__ import annotations
 
 from train.datasets.loading import DataError
+from train.datasets.vision import loggable
 from train.parallel.collectives import broadcast_from_main, gather_to_main
 from train.parallel.distributed import DistContext
 from train.runtime.logging import RunLogger
@@ -80,11 +81,12 @@ class RunReport:
     def samples(self, step: int, samples: list[Sample], api_calls: list) -> dict[str, float]:
         """Sampled conversations, env errors and external-call latencies (`api_calls`) to rank 0's logs;
         returns the latency metrics (on rank 0). Collective."""
-        errors = [{"error": s.env_error, "source": s.source, "messages": s.messages} for s in samples if s.env_error]
+        errors = [{"error": s.env_error, "source": s.source, "messages": loggable(s.messages)} for s in samples
+                  if s.env_error]
         counts: dict[str | None, int] = {}  # samples per source, for the env error warning
         for s in samples:
             counts[s.source] = counts.get(s.source, 0) + 1
-        shown = [{"messages": s.messages, "answer": s.answer, "source": s.source, "reward": s.reward,
+        shown = [{"messages": loggable(s.messages), "answer": s.answer, "source": s.source, "reward": s.reward,
                   "finish_reason": s.finish_reason,
                   "n_turns": s.n_turns, "turn_versions": s.turn_versions, "events": s.events}
                  for s in samples[:self.log_samples]]
