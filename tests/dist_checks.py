@@ -705,6 +705,7 @@ def main() -> None:
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank of the actor / critic (0: full model)")
     parser.add_argument("--dtype", default="float32", help="the actor's compute dtype (shared_base)")
     parser.add_argument("--freeze", action="store_true", help="vision: actor.freeze_vision")
+    parser.add_argument("--critic", action="store_true", help="vision: the critic's values vs a reference too")
     parser.add_argument("--samples", default=None, help="vision: roll out and save the samples here, or load them")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -786,8 +787,10 @@ def vision(args, ctx) -> None:
     actor.model.train()
     actor.accumulate(packs, norms[0], actor.policy_loss(sb, 32), UpdateStats())
     step_and_save(actor, ctx, args.out)
+    critic_diff = critic_values_vs_reference(args, ctx, sb, processor) if args.critic else None
     if ctx.is_main:
         result = torch.load(args.out)
+        result["critic_diff"] = critic_diff
         pad = processor.spec.image_token_id
         result.update(max_diff=max(diffs), kl=kl, images=[len(s.images) for s in samples],
                       placeholder_actions=sum(sum(m for t, m in zip(s.ids, s.action_mask) if t == pad) for s in samples),
@@ -796,6 +799,34 @@ def vision(args, ctx) -> None:
                       finish=[s.finish_reason for s in samples], errors=[s.env_error for s in samples],
                       turns=[s.n_turns for s in samples])
         torch.save(result, args.out)
+
+
+def critic_values_vs_reference(args, ctx, sb: StepBatch, processor) -> float:
+    """The critic's values over the packed vision batch vs transformers' own Qwen2.5-VL backbone (SDPA, each
+    sample alone, with its pixels at the multimodal positions) under the same (perturbed) value head: the
+    largest difference relative to the sample's largest value. One process only (the reference holds the whole model)."""
+    from transformers import AutoModel
+
+    from train.models.vlm import mrope_positions
+
+    assert ctx.world_size == 1, "the critic's reference runs in one process"
+    critic = Critic(critic_cfg(max_length_per_device=args.max_tokens), ctx, args.model,
+                    pad_token_id=0)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        critic.model.value_head.weight.copy_(torch.randn(critic.model.value_head.weight.shape, generator=g))
+    values = critic.compute_values(sb)
+    backbone = AutoModel.from_pretrained(args.model, dtype=torch.float32).eval()
+    worst = 0.0
+    with torch.no_grad():
+        for ids, images, got in zip(sb.ids, sb.images, values):
+            grids = torch.stack([im.grid for im in images])
+            hidden = backbone(input_ids=ids[None], position_ids=mrope_positions(ids, grids, processor.spec)[:, None],
+                              pixel_values=torch.cat([im.pixel_values for im in images]), image_grid_thw=grids,
+                              use_cache=False).last_hidden_state[0]
+            want = critic.model.value_head(hidden).squeeze(-1)[:-1]
+            worst = max(worst, float((got - want).abs().max()) / float(want.abs().max()))
+    return worst
 
 
 def collectives(args, ctx) -> None:

@@ -32,6 +32,7 @@ from fake_sglang import EOS, RecordingFakeSGLangEngine, expected_tokens, fake_bi
 from dataclasses import asdict
 
 from train.engines.base import SamplingParams, sampling_from_mapping
+from train.utils.image_inputs import ImageInputs
 from train.engines.sglang import (
     ALL_TAGS,
     SGLANG_SAMPLING_KEYS,
@@ -452,12 +453,38 @@ def recorded_calls() -> list[tuple[str, dict]]:
         engine.update_weights(small_model())
         engine.sleep()
         engine.wake()
+    with fake_engine(calls) as (engine, _):  # a vision-language prompt: its pictures as processor output
+        prompt, images = picture_prompt()
+        asyncio.run(engine.generate(prompt, SamplingParams(max_new_tokens=2), images=images))
     with fake_engine(calls, lora=LoraSettings(4, 8.0)) as (engine, _):  # LoRA: adapters pushed, then named
         engine.update_weights(adapters(0))
         engine.sleep()
         engine.update_weights(adapters(1))
         generate_all(engine, PROMPTS[:1], SamplingParams(max_new_tokens=3))
     return calls
+
+
+def picture_prompt() -> tuple[list[int], list[ImageInputs]]:
+    """A prompt holding two pictures' placeholder runs (id 9: 4 and 2 tokens) and their processed images."""
+    images = [ImageInputs(torch.full((16, 1176), float(k)), torch.tensor(grid), n, f"d{k}")
+              for k, (grid, n) in enumerate((([1, 4, 4], 4), ([1, 2, 4], 2)))]
+    return [3, 8, 9, 9, 9, 9, 7, 5, 8, 9, 9, 7, 4], images
+
+
+def test_pictures_travel_as_processor_output_with_the_prompt() -> None:
+    calls: list = []
+    prompt, images = picture_prompt()
+    images[1] = ImageInputs(torch.ones(8, 1176), torch.tensor([1, 2, 4]), 2, "d1")
+    with fake_engine(calls) as (engine, _):
+        gen = asyncio.run(engine.generate(prompt, SamplingParams(max_new_tokens=3), images=images))
+        plain = asyncio.run(engine.generate(prompt, SamplingParams(max_new_tokens=3)))
+    assert gen.token_ids == plain.token_ids == expected_tokens(prompt, 3, version=0)  # (the fake reads ids only)
+    with_images, without = [kw for name, kw in calls if name == "async_generate"]
+    assert "image_data" not in without and with_images["input_ids"] == prompt
+    [data] = with_images["image_data"]
+    assert data["format"] == "processor_output" and data["input_ids"].tolist() == [prompt]
+    assert data["pixel_values"].shape == (24, 1176) and data["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 4]]
+    assert torch.equal(data["pixel_values"][16:], torch.ones(8, 1176))
 
 
 def adapters(seed: int) -> dict[str, torch.Tensor]:
@@ -555,6 +582,12 @@ def test_helpers_tags_and_payload_format_exist_in_the_real_source(wheel: zipfile
     # Result fields the adapter parses, and the finish reason types it maps.
     tm = wheel.read("sglang/srt/managers/tokenizer_manager.py").decode()
     assert '"output_token_logprobs"' in tm and '"finish_reason"' in tm
+    # Image data in the Hugging Face processor's output format (format="processor_output": pixel_values and
+    # image_grid_thw with the caller's input_ids), read by the multimodal processors.
+    processors = [p for p in wheel.namelist() if p.startswith("sglang/srt/multimodal/processors/") and p.endswith(".py")]
+    base = wheel.read(next(p for p in processors if p.endswith("base_processor.py"))).decode()
+    assert "processor_output" in base and "image_grid_thw" in wheel.read(
+        next(p for p in processors if p.endswith("qwen_vl.py"))).decode()
     sb = wheel.read("sglang/srt/managers/schedule_batch.py").decode()
     for kind in ("stop", "length", "abort"):
         assert f'"type": "{kind}"' in sb, kind

@@ -45,6 +45,14 @@ def test_sampler_and_trainer_logprobs_agree_with_pictures_in_prompts_and_tool_re
     assert r["max_diff"] < 5e-6 and abs(r["kl"]) < 1e-6  # float32 rounding (measured: 9.5e-7 and 4e-8)
 
 
+def test_the_critic_sees_the_pictures_as_the_models_own_forward_does(vlm_folder, samples, one_process, tmp_path):
+    """PPO's critic (adv.estimator=gae) over the packed batch with its pixels = transformers' Qwen2.5-VL backbone on
+    each sample alone (SDPA), under the same random value head."""
+    got = launch_check(1, tmp_path / "critic.pt", "vision", "--model", str(vlm_folder), "--max_tokens", "512",
+                       "--critic", "--samples", str(samples))
+    assert got["critic_diff"] < 1e-5  # relative to the values' scale (measured 1e-6)
+
+
 def test_a_picture_that_cannot_be_decoded_is_that_samples_env_error(one_process):
     errors = one_process["errors"]
     broken = [e for e in errors if e]
@@ -149,3 +157,27 @@ def test_train_serve_answers_chat_requests_with_image_parts(tmp_path):
         engine.close()
     assert got.choices[0].message.content == engine.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
     assert got.usage.prompt_tokens == len(prompt_ids(engine.tokenizer, shown)) > 4  # the image's tokens counted
+
+
+@pytest.mark.parametrize("overrides,world,pattern", [
+    (["actor.sp_size=2"], 2, r"actor.sp_size=2: Qwen2_5_VLConfig is a vision-language model.*set actor.sp_size=1"),
+    (["actor.tp_size=2"], 2, r"actor.tp_size=2: .*FSDP / HSDP \(data parallel\) only"),
+    (["actor.cp_size=2"], 2, r"actor.cp_size=2: .*placeholder tokens must stay whole"),
+    (["rollout.engine=sglang", "rollout.tp_size=2"], 2, r"rollout.tp_size.*not forwarded.*rollout.tp_size=1"),
+    (["actor.use_liger_kernel=true"], 1, r"actor.use_liger_kernel.*vision tower"),
+    (["actor.model_name=stub/model", "actor.freeze_vision=true"], 1, r"actor.freeze_vision.*has no vision tower"),
+])
+def test_unsupported_vision_combinations_are_config_errors_naming_the_key(overrides, world, pattern):
+    from conftest import compose_config
+    from train.trainer.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=pattern):
+        validate(compose_config(overrides, name="vlm_stub"), world)
+
+
+def test_the_vlm_config_is_valid_with_sglang_on_one_rank_and_critic():
+    from conftest import compose_config
+    from train.trainer.config import validate
+
+    validate(compose_config(["rollout.engine=sglang", "adv.estimator=gae", "actor.freeze_vision=true"],
+                            name="vlm_stub"), 2)

@@ -168,6 +168,17 @@ SGLANG_SAMPLING_KEYS = ("min_new_tokens", "stop_regex", "json_schema", "regex", 
                         "logit_bias", "custom_params", "sampling_seed")
 
 
+def image_data_of(prompt_ids: list[int], images: tuple) -> list[dict]:
+    """A request's pictures in SGLang's "processor_output" image data: one dict for all of them, as a
+    Hugging Face processor returns it (pixel_values of every image's patches, image_grid_thw one row per
+    image, and the input_ids whose placeholder runs they fill). `prompt_ids` already holds every image's
+    placeholder tokens (train/datasets/vision.py), so SGLang runs the tower on these pixels at these
+    positions instead of processing images itself: what the trainer recomputes."""
+    return [{"format": "processor_output", "input_ids": torch.tensor([prompt_ids], dtype=torch.long),
+             "pixel_values": torch.cat([im.pixel_values for im in images]),
+             "image_grid_thw": torch.stack([im.grid for im in images])}]
+
+
 def to_sglang_sampling(sp: SamplingParams) -> dict[str, Any]:
     """Our sampling parameters as SGLang's `sampling_params` dict. Temperature 0 is greedy in both.
     `sp.seed` is not passed: SGLang only honours per-request seeds under deterministic inference
@@ -498,19 +509,25 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, images: Any = ()) -> Generation:
         """One response. This rank's `stats` count its own requests (the owner also serves its
-        feeders', which they count): tokens, and the time any of them was in flight."""
+        feeders', which they count): tokens, and the time any of them was in flight. `images` (a
+        vision-language model): the prompt's ImageInputs in placeholder order, passed as SGLang's
+        "processor_output" image data (`image_data_of`)."""
         prompt_ids = [int(t) for t in prompt_ids]
+        images = tuple(images)
         if not prompt_ids:
             raise ValueError("generate: prompt_ids is empty")
+        if images and not self.group.is_owner:
+            raise ValueError("generate: images with rollout.tp_size > 1 are not forwarded to the owner rank yet; "
+                             "use rollout.tp_size=1 for a vision-language model")
         if self._mine_inflight == 0:
             self._busy_since = time.perf_counter()
         self._mine_inflight += 1
         try:
             if self.group.is_owner:
                 assert self._loop_thread is not None
-                future = self._loop_thread.submit(self._generate_on_engine(prompt_ids, sampling))
+                future = self._loop_thread.submit(self._generate_on_engine(prompt_ids, sampling, images))
                 gen = await asyncio.wrap_future(future)
             else:
                 gen = await self._client_for_loop().request(prompt_ids, sampling)
@@ -522,7 +539,8 @@ class SGLangEngine:
         self.stats["generated_tokens"] += len(gen.token_ids)
         return gen
 
-    async def _generate_on_engine(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+    async def _generate_on_engine(self, prompt_ids: list[int], sampling: SamplingParams,
+                                  images: tuple = ()) -> Generation:
         """Runs on the engine loop."""
         if self._released:
             raise RuntimeError("the SGLang engine is asleep: call wake() or update_weights() on every rank "
@@ -533,6 +551,8 @@ class SGLangEngine:
         self._idle.clear()
         try:
             adapter = {"lora_path": self._adapter} if self._adapter is not None else {}
+            if images:
+                adapter["image_data"] = image_data_of(prompt_ids, images)
             out = await self._engine.async_generate(
                 input_ids=prompt_ids, sampling_params=to_sglang_sampling(sampling), return_logprob=True, **adapter
             )

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from train.models.vlm import text_config
+
 
 class ValueModel(torch.nn.Module):
     """The critic: the actor's architecture without its LM head, and a linear value head over the
@@ -12,7 +14,8 @@ class ValueModel(torch.nn.Module):
         super().__init__()
         self.model = backbone
         self.config = backbone.config
-        self.value_head = torch.nn.Linear(backbone.config.hidden_size, 1)
+        # a vision-language backbone's width is its language model's (train/models/vlm.py)
+        self.value_head = torch.nn.Linear(text_config(backbone.config).hidden_size, 1)
         # A zero head: V = 0 at the start, the same on every rank and run (no RNG drawn).
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)

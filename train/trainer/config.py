@@ -470,7 +470,7 @@ def _validate_experts(run: RunConfig, paths: ModelPaths) -> None:
 def _validate_vision(run: RunConfig, paths: ModelPaths) -> None:
     """A vision-language actor (its config.json has a vision_config; docs/vision.md): a family whose image
     tokens and positions the trainer lays out, its image processor saved with it, and the parts that take
-    images (the hf engine, trainer-side rollouts, no critic or fused head yet). A text model refuses
+    images (engines of rollout.tp_size=1, trainer-side rollouts, no fused head or teachers yet). A text model refuses
     actor.freeze_vision."""
     from transformers import AutoConfig
 
@@ -488,10 +488,8 @@ def _validate_vision(run: RunConfig, paths: ModelPaths) -> None:
     if not os.path.isfile(os.path.join(paths.actor, "preprocessor_config.json")):
         _fail("actor.model_name", f"{paths.actor} is a vision-language model without a preprocessor_config.json "
               "(the image processor's settings): save it there", "actor.model_name=<a folder with it>")
-    refused = [("rollout.engine", run.rollout.engine != "hf", "images go to the hf engine only for now (the sglang "
-                "adapter does not pass them yet)", "rollout.engine=hf"),
-               ("adv.estimator", run.adv.estimator == "gae", "the critic (adv.estimator=gae) does not take images yet",
-                "adv.estimator=grpo"),
+    refused = [("rollout.tp_size", run.rollout.tp_size > 1, "images are not forwarded between the ranks of a "
+                "tensor-parallel SGLang engine yet", "rollout.tp_size=1"),
                ("rollout.ranks", run.rollout.ranks > 0, "dedicated rollout ranks do not carry images yet",
                 "rollout.ranks=0"),
                ("actor.use_liger_kernel", run.actor.use_liger_kernel, "the fused log-prob head is not wired to the "
