@@ -69,7 +69,10 @@ MAX_TURNS = 3  # search, bbox, search_complete
 MAX_NEW_TOKENS = 48
 CROP_SHARE = 0.5  # of the warm-start episodes that zoom into the asked year's row before completing
 VARIANTS = 4  # warm-start episodes per training question (distractor slides and crop drawn per variant)
-WARM = dict(steps=60, batch=8, lr=2e-3, warmup=10)
+# Copying the query out of the question takes far more examples than the protocol does, so each step also
+# trains on drills: the question alone (no system prompt, no tool reply, no image: ~60 tokens, against ~480
+# for a whole episode) followed by its search turn.
+WARM = dict(steps=60, batch=8, drills=32, lr=2e-3, warmup=10)
 EVAL_SAMPLES = 4  # sampled episodes per test question (and one greedy)
 QUESTION = re.compile(r"What was the (?P<measure>.+?) of (?P<place>.+?) in (?P<year>\d{4}), in .+\?$")
 
@@ -163,6 +166,19 @@ def training_set(tok, vision, rows: list[dict], seed: int = SEED) -> list[dict]:
             for row in rows for _ in range(VARIANTS)]
 
 
+def drill_set(tok, rows: list[dict]) -> list[dict]:
+    """(question) -> <search>query</search>: ids and action masks as the trainer tokenizes them, no images."""
+    from train.datasets.tokenize import tokenize_messages
+
+    out = []
+    for row in rows:
+        question = row["messages"][-1]["content"]
+        ids, mask = tokenize_messages(tok, [{"role": "user", "content": question},
+                                            {"role": "assistant", "content": f"<search>{query_of(question)}</search>"}])
+        out.append({"ids": ids, "mask": mask, "images": []})
+    return out
+
+
 def batch(items: list[dict], pad_id: int, spec):
     """Right-padded inputs with Qwen2-VL's multimodal positions and the images' pixels; labels on the
     actions (action mask 1), -100 elsewhere."""
@@ -181,11 +197,13 @@ def batch(items: list[dict], pad_id: int, spec):
         ids[j, :n] = torch.tensor(x["ids"])
         labels[j, :n] = torch.tensor([t if m else -100 for t, m in zip(x["ids"], x["mask"])])
         attention[j, :n] = 1
-        positions[:, j, :n] = mrope_positions(x["ids"], torch.stack([im.grid for im in x["images"]]), spec)
+        grids = torch.stack([im.grid for im in x["images"]]) if x["images"] else None
+        positions[:, j, :n] = mrope_positions(x["ids"], grids, spec)
         images += x["images"]
-    inputs = dict(input_ids=ids, attention_mask=attention, position_ids=positions,
-                  pixel_values=torch.cat([im.pixel_values for im in images]),
-                  image_grid_thw=torch.stack([im.grid for im in images]))
+    inputs = dict(input_ids=ids, attention_mask=attention, position_ids=positions)
+    if images:
+        inputs.update(pixel_values=torch.cat([im.pixel_values for im in images]),
+                      image_grid_thw=torch.stack([im.grid for im in images]))
     return inputs, labels
 
 
@@ -213,7 +231,9 @@ def save_policy(out: Path, seed: int = SEED):
     return model, tok
 
 
-def warm_start(out: Path, steps: int = WARM["steps"]) -> dict:
+def warm_start(out: Path, steps: int = WARM["steps"], probe=None, probe_every: int = 0) -> dict:
+    """Write the policy to `out` and warm-start it for `steps` steps; `probe(step)` is called every
+    `probe_every` steps with the model saved in `out` (to watch the protocol rates while choosing `steps`)."""
     import torch
     from transformers import AutoConfig
 
@@ -224,7 +244,8 @@ def warm_start(out: Path, steps: int = WARM["steps"]) -> dict:
     model, tok = save_policy(out)
     vision = VisionProcessor.from_pretrained(str(out), tok, AutoConfig.from_pretrained(out))
     start = time.perf_counter()
-    data = training_set(tok, vision, read_jsonl(DATA / "train.jsonl"))
+    rows = read_jsonl(DATA / "train.jsonl")
+    data, drills = training_set(tok, vision, rows), drill_set(tok, rows)
     longest = max(len(x["ids"]) for x in data)
     if longest > MAX_POSITIONS:
         raise SystemExit(f"a warm-start episode has {longest} tokens, more than {MAX_POSITIONS} positions")
@@ -237,17 +258,27 @@ def warm_start(out: Path, steps: int = WARM["steps"]) -> dict:
     model.train()
     losses = []
     for step in range(1, steps + 1):
-        inputs, labels = batch(rng.sample(data, WARM["batch"]), tok.pad_token_id, vision.spec)
-        logits = model(**inputs, use_cache=False).logits[:, :-1].float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
         optimizer.zero_grad()
-        loss.backward()
+        parts = []
+        for items in (rng.sample(data, WARM["batch"]), rng.choices(drills, k=WARM["drills"])):
+            inputs, labels = batch(items, tok.pad_token_id, vision.spec)  # one forward each: drills are short
+            logits = model(**inputs, use_cache=False).logits[:, :-1].float()
+            part = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+            (part / 2).backward()  # the loss: the mean of the episodes' and the drills' token means
+            parts.append(part.item())
+        loss = torch.tensor(sum(parts) / 2)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         losses.append(round(loss.item(), 4))
         if step % 10 == 0 or step == steps:
-            print(f"step {step}: loss {loss.item():.3f} ({time.perf_counter() - start:.0f}s)", flush=True)
+            print(f"step {step}: loss {loss.item():.3f} (episodes {parts[0]:.3f}, drills {parts[1]:.3f}; "
+                  f"{time.perf_counter() - start:.0f}s)", flush=True)
+        if probe is not None and probe_every and step % probe_every == 0 and step < steps:
+            model.eval()
+            model.save_pretrained(out)
+            probe(step)
+            model.train()
     model.eval()
     model.save_pretrained(out)
     report = {"warm_steps": steps, "episodes": len(data), "max_tokens": longest, "loss": losses[-1],
@@ -363,15 +394,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval", action="store_true", help="measure the protocol rates through the real env")
     parser.add_argument("--eval_only", action="store_true", help="only measure (the folder exists)")
     parser.add_argument("--vsearch_url", help="a running image service (default: start one on a free port)")
+    parser.add_argument("--probe_every", type=int, default=0,
+                        help="also measure the rates every N warm-start steps (to choose --steps)")
     parser.add_argument("--split", default="test", choices=("train", "test"), help="questions to evaluate on")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     out = Path(args.out)
-    report = json.loads((out / "warmstart_eval.json").read_text()) if args.eval_only else warm_start(out, args.steps)
-    if args.eval or args.eval_only:
-        rows = read_jsonl(DATA / f"{args.split}.jsonl")
-        with contextlib.ExitStack() as stack:
+    rows = read_jsonl(DATA / f"{args.split}.jsonl")
+    with contextlib.ExitStack() as stack:
+        url = None
+        if args.eval or args.eval_only or args.probe_every:
+            out.mkdir(parents=True, exist_ok=True)
             url = args.vsearch_url or stack.enter_context(image_service(out / "image_service.log"))
+        probes = {}
+
+        def probe(step: int) -> None:
+            probes[step] = evaluate(out, url, rows)
+
+        report = (json.loads((out / "warmstart_eval.json").read_text()) if args.eval_only
+                  else warm_start(out, args.steps, probe, args.probe_every))
+        if probes:
+            report["probes"] = {"split": args.split, **probes}
+        if args.eval or args.eval_only:
             report["eval"] = {"split": args.split, **evaluate(out, url, rows)}
         (out / "warmstart_eval.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report))
