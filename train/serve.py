@@ -345,7 +345,10 @@ def build_server(args: argparse.Namespace) -> ModelServer:
     from train.datasets.vision import VisionProcessor
     from train.models.vlm import is_vision_config
 
-    config = AutoConfig.from_pretrained(args.model)
+    from train.models.lora import base_model_of
+
+    # an adapter folder (latest/adapter) has no config.json: its base model's says what the model is
+    config = AutoConfig.from_pretrained(base_model_of(args.model) or args.model)
     vision = VisionProcessor.from_pretrained(args.model, tokenizer, config) if is_vision_config(config) else None
     return ModelServer(engine, tokenizer, names[0], args.model, max_new_tokens=args.max_new_tokens,
                        api_key=args.api_key or os.environ.get("SERVE_API_KEY"),
