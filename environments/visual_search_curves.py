@@ -62,7 +62,10 @@ def curves(run: Path, k: int = 3) -> list[dict]:
             by_step.setdefault(int(e["step"]), []).append(episode(e["messages"], e.get("answer"), k))
     metrics = {int(m["step"]): m for m in read_jsonl(run / "metrics.jsonl")} if (run / "metrics.jsonl").exists() else {}
     out = []
-    for step in sorted(by_step):
+    for step in sorted(set(by_step) | {s for s, m in metrics.items() if "rewards/test" in m}):
+        if step not in by_step:  # an evaluation without a training step (step 0): its test reward alone
+            out.append({"step": step, "rewards/test": metrics[step]["rewards/test"]})
+            continue
         eps = by_step[step]
         n, done = len(eps), [e for e in eps if e["completed"]]
         record = {"step": step, "visual_search/samples": n,
@@ -89,20 +92,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run = Path(args.run)
     records = curves(run, args.k)
-    if not records:
+    trained = [r for r in records if "visual_search/samples" in r]
+    if not trained:
         print(f"{run / 'trajectories.jsonl'}: no sample events", file=sys.stderr)
         return 1
     with open(run / "visual_search.jsonl", "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     keys = [f"visual_search/{k}" for k in RATES] + ["api/image_search/count", "api/crop/count", "rewards/train"]
-    w = max(1, min(args.window, len(records)))
-    print(f"{run / 'visual_search.jsonl'}: {len(records)} steps, {records[0]['visual_search/samples']} samples "
-          f"in step {records[0]['step']}")
-    print(f"{'':28} {'step ' + str(records[0]['step']):>10} {'step ' + str(records[-1]['step']):>10} "
+    w = max(1, min(args.window, len(trained)))
+    first, last = trained[0], trained[-1]
+    print(f"{run / 'visual_search.jsonl'}: {len(trained)} steps, {first['visual_search/samples']} samples "
+          f"in step {first['step']}")
+    print(f"{'':28} {'step ' + str(first['step']):>10} {'step ' + str(last['step']):>10} "
           f"{'first ' + str(w):>10} {'last ' + str(w):>10}")
     for key in keys:
-        print(f"{key:28} {records[0].get(key, float('nan')):10.3f} {records[-1].get(key, float('nan')):10.3f} "
-              f"{mean(records[:w], key):10.3f} {mean(records[-w:], key):10.3f}")
+        print(f"{key:28} {first.get(key, float('nan')):10.3f} {last.get(key, float('nan')):10.3f} "
+              f"{mean(trained[:w], key):10.3f} {mean(trained[-w:], key):10.3f}")
     tests = [(r["step"], r["rewards/test"]) for r in records if "rewards/test" in r]
     if tests:
         print("rewards/test (greedy): " + ", ".join(f"step {s}: {v:.3f}" for s, v in tests))

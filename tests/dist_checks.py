@@ -705,6 +705,7 @@ def main() -> None:
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank of the actor / critic (0: full model)")
     parser.add_argument("--dtype", default="float32", help="the actor's compute dtype (shared_base)")
     parser.add_argument("--freeze", action="store_true", help="vision: actor.freeze_vision")
+    parser.add_argument("--mixed", action="store_true", help="vision: rows of text only among the picture rows")
     parser.add_argument("--critic", action="store_true", help="vision: the critic's values vs a reference too")
     parser.add_argument("--samples", default=None, help="vision: roll out and save the samples here, or load them")
     args = parser.parse_args()
@@ -720,12 +721,14 @@ def main() -> None:
 
 
 
-def vision_rows() -> list[dict]:
-    """Rows whose prompts hold pictures (two rows share one picture: their groups' prompts differ in text only)."""
+def vision_rows(mixed: bool = False) -> list[dict]:
+    """Rows whose prompts hold pictures (two rows share one picture: their groups' prompts differ in text only);
+    `mixed`: two more rows of text only, whose samples never see a picture (tests/envs/picture_tool.py)."""
     from PIL import Image
 
     colours = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 30, 30)]
-    rows = []
+    rows = [{"messages": [{"role": "user", "content": f"Say something plain {i}."}], "answer": None}
+            for i in range(2 if mixed else 0)]
     for i, colour in enumerate(colours):
         parts = [{"type": "image", "image": Image.new("RGB", (56 + 14 * i, 56), colour)},
                  {"type": "text", "text": f"What is in picture {i}?" + (" broken" if i == 3 else "")}]
@@ -760,7 +763,7 @@ def vision(args, ctx) -> None:
                                vision=processor)
         try:
             sampling = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=tuple(range(10, 200)))
-            samples, _ = worker.rollout(vision_rows(), 3, sampling, base_seed=5)
+            samples, _ = worker.rollout(vision_rows(args.mixed), 3, sampling, base_seed=5)
         finally:
             worker.close()
         if args.samples and ctx.is_main:

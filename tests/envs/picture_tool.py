@@ -10,6 +10,8 @@ from PIL import Image
 def interact(messages):
     turns = sum(m["role"] == "assistant" for m in messages)
     reply = messages[-1]["content"]
+    if turns == 1 and "plain" in str(messages[0]["content"]):  # a text-only conversation stays text-only
+        return [{"role": "tool", "content": "nothing to see"}]
     if turns == 1:
         shade = (37 * len(reply)) % 256
         return [{"role": "tool", "content": [{"type": "text", "text": "seen:"},

@@ -185,3 +185,16 @@ def test_the_vlm_config_is_valid_with_sglang_on_one_rank_and_critic():
 
     validate(compose_config(["rollout.engine=sglang", "adv.estimator=gae", "actor.freeze_vision=true"],
                             name="vlm_stub"), 2)
+
+
+def test_a_pack_without_a_picture_still_runs_the_tower_with_the_other_ranks(vlm_folder, tmp_path):
+    """Text-only rows among picture rows, one sample per pack: the ranks' packs in lockstep hold a picture on one
+    rank and none on the other. FSDP gathers the vision tower's shards in each forward that runs it, so a pack
+    without a picture carries a blank one-token image in a segment of its own (no loss), else the ranks'
+    collectives part ways (a run died with mismatched all-gathers). Two ranks give one process's update."""
+    samples = tmp_path / "mixed_samples.pt"
+    args = ("vision", "--model", str(vlm_folder), "--max_tokens", "40", "--mixed", "--samples", str(samples))
+    one = launch_check(1, tmp_path / "one.pt", *args)
+    assert 0 in one["images"] and max(one["images"]) > 0  # samples with and without pictures
+    two = launch_check(2, tmp_path / "two.pt", *args)
+    assert_same_update(one, two)

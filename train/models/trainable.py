@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 import torch
 
 from train.models import optim
-from train.models.vlm import VisionSpec, image_spans, mrope_positions
+from train.models.vlm import VisionSpec, image_spans, is_vision_config, mrope_positions
 from train.parallel.collectives import all_reduce_max_many, all_reduce_sum
 from train.parallel.layout import Layout
 from train.parallel.packing import (PackedMicroBatch, SampleMedia, build_packed, keyed_ids, plan_packs, prompt_units,
                                     unit_length)
 from train.parallel.step_batch import StepBatch
+from train.utils.image_inputs import ImageInputs
 
 
 @dataclass
@@ -72,6 +73,20 @@ class Trainable:
         return parts
 
     # -- packing ---------------------------------------------------------------------------------
+    @property
+    def blank(self) -> tuple[int, ImageInputs] | None:
+        """A vision-language model's (image token id, blank one-token image) for packs without an image
+        (packing.build_packed: every rank's forward runs the tower); None for a text model."""
+        config = getattr(self.model, "config", None)
+        if config is None or not is_vision_config(config):
+            return None
+        if not hasattr(self, "_blank"):
+            spec, vision = VisionSpec.from_config(config), config.vision_config
+            dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+            grid = torch.tensor([1, spec.merge, spec.merge])
+            self._blank = (spec.image_token_id, ImageInputs(torch.zeros(spec.merge ** 2, dim), grid, 1, "blank"))
+        return self._blank
+
     def media(self, batch: StepBatch) -> list[SampleMedia] | None:
         """A vision-language batch's per-sample positions and images (built once per batch); None for text."""
         if batch.images is None:
@@ -99,18 +114,19 @@ class Trainable:
             sizes = [unit_length([int(batch.ids[i].numel()) for i in u.members], u.shared) for u in units]
             return [build_packed([i for k in p for i in units[k].members], batch.ids, batch.mask, self.pad_id,
                                  self.device, sp_rank=self.layout.sp_rank, sp_size=sp, multiple=multiple,
-                                 units=[units[k] for k in p], routing=batch.routing, ring=ring, media=media)
+                                 units=[units[k] for k in p], routing=batch.routing, ring=ring, media=media,
+                                 blank=self.blank)
                     for p in plan_packs(sizes, budget)]
         lengths = [batch.ids[i].numel() for i in positions]
         plan = [[positions[j] for j in p] for p in plan_packs(lengths, budget)] if positions else []
         return [build_packed(p, batch.ids, batch.mask, self.pad_id, self.device, sp_rank=self.layout.sp_rank,
-                             sp_size=sp, multiple=multiple, routing=batch.routing, ring=ring, media=media)
-                for p in plan]
+                             sp_size=sp, multiple=multiple, routing=batch.routing, ring=ring, media=media,
+                             blank=self.blank) for p in plan]
 
     def _padding(self) -> PackedMicroBatch:
         sp, tp, ring = self.layout.sizes.seq, self.layout.sizes.tp, self.layout.ring
         return build_packed([], [], [], self.pad_id, self.device, sp_rank=self.layout.sp_rank, sp_size=sp,
-                            multiple=sp * tp * (2 if ring else 1), ring=ring)
+                            multiple=sp * tp * (2 if ring else 1), ring=ring, blank=self.blank)
 
     def _even_out(self, packs_per_part: list[list[PackedMicroBatch]]) -> list[list[PackedMicroBatch]]:
         """Every rank runs as many forwards per part as the busiest (one all-reduce for all parts)."""

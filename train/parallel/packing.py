@@ -19,6 +19,7 @@ shared prompt's images once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -278,7 +279,8 @@ def _ring_row(segments: list[int], positions: torch.Tensor, tails: list[tuple[in
 def build_packed(index: list[int], ids: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int,
                  device: torch.device, sp_rank: int = 0, sp_size: int = 1, multiple: int = 1,
                  units: list[Unit] | None = None, routing: list[torch.Tensor] | None = None,
-                 ring: int = 0, media: list[SampleMedia] | None = None) -> PackedMicroBatch:
+                 ring: int = 0, media: list[SampleMedia] | None = None,
+                 blank: tuple[int, Any] | None = None) -> PackedMicroBatch:
     """Pack samples `index` (int64 token ids [len]; float action masks [len - 1], entry t for token
     t + 1) into one row of length T (a multiple of `multiple`, itself a multiple of sp_size) and keep
     this sp rank's chunk of it. With `units` (covering `index`, in its order), a unit's shared prefix
@@ -286,9 +288,13 @@ def build_packed(index: list[int], ids: list[torch.Tensor], masks: list[torch.Te
     layers, top_k]), the pack's `routes` hold them at their row positions (`lay_routes`). With a `ring` of
     cp ranks (context parallelism; sp_size = cp x Ulysses' sp, `multiple` a multiple of 2 x sp_size) the rank
     keeps its piece of its ring rank's zigzag chunks and the row's segments are a RingRow. With `media` (per
-    sample, vision-language), positions are the samples' multimodal ones and the pack carries their images."""
+    sample, vision-language), positions are the samples' multimodal ones and the pack carries their images.
+    `blank` = (image token id, a blank image of one token): a vision-language pack that would hold no image gets
+    this one in a segment of its own (no loss, attended by nothing else), so that every rank's forward runs the
+    vision tower: FSDP gathers the tower's shards in every rank's forward, or the ranks' collectives part ways."""
     if units is not None and any(u.shared for u in units):
-        return _build_shared(units, ids, masks, pad_id, device, sp_rank, sp_size, multiple, routing, ring, media)
+        return _build_shared(units, ids, masks, pad_id, device, sp_rank, sp_size, multiple, routing, ring, media,
+                             blank)
     if index:
         seqs = [ids[i] for i in index]
         acts = [masks[i].float() for i in index]
@@ -311,12 +317,19 @@ def build_packed(index: list[int], ids: list[torch.Tensor], masks: list[torch.Te
     row_valid = (steps[None, :] < torch.tensor(lengths)[:, None] - 1).float()
     row_index = torch.where(row_valid > 0, offsets[:, None] + steps[None, :], 0)
     action = torch.nn.utils.rnn.pad_sequence(acts, batch_first=True) if longest else torch.zeros(len(acts), 0)
-    mine = sequence_rows(sp_rank, sp_size, ring, total)  # this rank's positions
-    pixels: dict = {}
-    if media is not None:
+    images = []
+    if media is not None or blank is not None:
         positions = torch.cat([media[i].positions for i in index] + [torch.arange(pad).expand(3, -1)], dim=1) \
-            if index else positions.expand(3, -1)
-        pixels = _media_inputs([im for i in index for im in media[i].images], device)
+            if index and media is not None else positions.expand(3, -1)
+        images = [im for i in index for im in media[i].images] if media is not None else []
+    if blank is not None and not images:  # the tower runs on every rank (see the docstring)
+        if sp_size > 1 or ring:
+            raise ValueError("packing: a blank image needs the whole row on one rank (sp_size=1, no ring)")
+        input_ids, labels = torch.cat([input_ids, torch.tensor([blank[0]])]), torch.cat([labels, zero])
+        label_mask, positions = torch.cat([label_mask, torch.zeros(1)]), torch.cat([positions, zero.expand(3, 1)], 1)
+        segments, total, images = segments + [1], total + 1, [blank[1]]
+    mine = sequence_rows(sp_rank, sp_size, ring, total)  # this rank's positions
+    pixels = _media_inputs(images, device)
     return PackedMicroBatch(
         index=list(index), input_ids=input_ids[mine].to(device)[None],
         position_ids=positions[..., mine].to(device).unsqueeze(-2),
@@ -332,7 +345,7 @@ def build_packed(index: list[int], ids: list[torch.Tensor], masks: list[torch.Te
 def _build_shared(units: list[Unit], ids: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int,
                   device: torch.device, sp_rank: int, sp_size: int, multiple: int,
                   routing: list[torch.Tensor] | None = None, ring: int = 0,
-                  media: list[SampleMedia] | None = None) -> PackedMicroBatch:
+                  media: list[SampleMedia] | None = None, blank: tuple[int, Any] | None = None) -> PackedMicroBatch:
     """`build_packed` with shared prefixes. A unit sharing s tokens is laid out as its prefix (positions
     0..s-1, labels the next prefix token), then each member's tokens from s on (positions continuing
     from s). Sample i's entry t sits at the prefix's row position t for t < s, else in its own part.
@@ -390,6 +403,14 @@ def _build_shared(units: list[Unit], ids: list[torch.Tensor], masks: list[torch.
             tails.append((prefix_start, s, start))
             entries.append(list(range(prefix_start, prefix_start + s)) + list(range(start, start + len(seq) - 1 - s)))
             index.append(i)
+    blanks = 0
+    if blank is not None and not images:  # the tower runs on every rank (build_packed's docstring)
+        if sp_size > 1 or ring:
+            raise ValueError("packing: a blank image needs the whole row on one rank (sp_size=1, no ring)")
+        whole.append((lay([blank[0]], 0, [0], [0.0]), 1))
+        runs3.append(torch.zeros(3, 1, dtype=torch.int64))
+        images.append(blank[1])
+        blanks = 1
     at = len(tokens)
     total = -(-at // multiple) * multiple
     pad = total - at
@@ -413,6 +434,6 @@ def _build_shared(units: list[Unit], ids: list[torch.Tensor], masks: list[torch.
             whole, tails, total, device),
         labels=label_ids[mine].to(device), loss_positions=loss[mine].to(device) > 0, row_index=row_index.to(device),
         row_valid=row_valid.to(device), action_mask=action[:, :longest].to(device),
-        laid_out=at - pad, represented=sum(int(ids[i].numel()) for i in index),
+        laid_out=at - pad - blanks, represented=sum(int(ids[i].numel()) for i in index),
         routes=lay_routes(routing, index, row_index, total)[mine].to(device) if routing else None, ring=ring,
         **_media_inputs(images, device))
