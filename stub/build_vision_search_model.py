@@ -58,8 +58,6 @@ import json
 import os
 import random
 import re
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -319,45 +317,18 @@ def cached(cache_dir: str | Path, steps: int = WARM["steps"]) -> Path:
 
 # ------------------------------------------------------------------------------------ evaluation
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def image_service(log: Path):
     """environments/image_search_service.py on the bundled slides, on a free 127.0.0.1 port; its URL."""
-    import httpx
+    from train.utils.services import free_port, running_all
 
     port = free_port()
     cmd = [sys.executable, str(REPO / "environments" / "image_search_service.py"), "--corpus_path",
            str(DATA / "corpus.jsonl"), "--top_k", "3", "--port", str(port)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the image service exited with {proc.returncode}: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the image service is not healthy after 180 s: {log.read_text()[-2000:]}")
-            time.sleep(0.3)
+    with running_all({"the image service": (cmd, url + "/health", log)}, cwd=REPO,
+                     env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def episode_stats(messages: list[dict], answer: dict) -> dict:

@@ -8,11 +8,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+
+from train.utils.services import free_port, running_all
 
 ROOT = Path(__file__).resolve().parents[1]
 STUB_MODEL = ROOT / "stub" / "model"
@@ -206,15 +207,6 @@ def in_repo_root(monkeypatch):
     monkeypatch.chdir(ROOT)  # config paths are relative to the repo root
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (for a service or a rendezvous)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def small_data(tmp_path_factory):
     """10 stub prompts: with 4 per step an epoch ends inside step 3 and again inside step 5."""
@@ -268,44 +260,17 @@ def scoped_registries(monkeypatch):
 SEARCH_DATA = ROOT / "stub" / "data" / "search"
 
 
+# The services' helpers are the project's own (train/utils/services.py); tests import them from here too.
+SERVICE_ENV = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
 @contextlib.contextmanager
 def running(cmd: list[str], health_url: str, log_path: Path, timeout: float = 180.0,
             env: dict | None = None) -> Iterator[subprocess.Popen]:
     """Start a server process, wait until `health_url` answers 200, stop it afterwards."""
-    import httpx
-
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
-                                 "TRANSFORMERS_OFFLINE": "1", **(env or {})})
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"{cmd[:3]} exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(health_url, timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{cmd[:3]} not healthy after {timeout}s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.3)
-        yield proc
-    finally:
-        stop(proc)
-        log.close()
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Terminate a process (kill it after 15 s) and reap it."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with running_all({" ".join(map(str, cmd[:3])): (cmd, health_url, log_path)}, timeout=timeout, cwd=ROOT,
+                     env={**SERVICE_ENV, **(env or {})}) as procs:
+        yield next(iter(procs.values()))
 
 
 def build_index(index_path: Path) -> None:

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, free_port, read_jsonl, running, search_service, stop, trainer_env
+from conftest import ROOT, free_port, read_jsonl, running, search_service, trainer_env
+from train.utils.services import stop
 
 TABLE = ("count", "errors", "p50_s", "p95_s", "p99_s", "max_s", "wait_s")
 

@@ -7,18 +7,14 @@ the run finishes, the policy searched (slides came back as images) and cropped (
 generator and judge were called for the episodes that completed."""
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from conftest import ROOT, free_port, load_file, read_jsonl, run_config, run_trainer, stop
+from conftest import ROOT, SERVICE_ENV, free_port, load_file, read_jsonl, run_config, run_trainer, running_all
 
 DATA = ROOT / "stub" / "data" / "visual_search"
 
@@ -30,38 +26,11 @@ def vsearch_policy(request) -> Path:
     return build.cached(request.config.cache.mkdir("vsearch-policy"))
 
 
-@contextlib.contextmanager
 def services(commands: dict[str, tuple[list[str], str]], logs: Path, timeout: float = 180.0):
     """Start every command at once (they load their models side by side), wait until each health URL
     answers 200, stop them all afterwards."""
-    procs, files = {}, []
-    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    try:
-        for name, (cmd, _) in commands.items():
-            files.append(open(logs / f"{name}.log", "w"))
-            procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=files[-1], stderr=subprocess.STDOUT,
-                                           env={**os.environ, **env})
-        deadline = time.monotonic() + timeout
-        waiting = dict(commands)
-        while waiting:
-            for name, (_, health) in list(waiting.items()):
-                if procs[name].poll() is not None:
-                    raise AssertionError(f"{name} exited with {procs[name].returncode}:\n"
-                                         f"{(logs / f'{name}.log').read_text()[-3000:]}")
-                try:
-                    if httpx.get(health, timeout=2).status_code == 200:
-                        del waiting[name]
-                except httpx.TransportError:
-                    pass
-            if waiting and time.monotonic() > deadline:
-                raise AssertionError(f"not healthy after {timeout}s: {sorted(waiting)}")
-            time.sleep(0.3)
-        yield
-    finally:
-        for proc in procs.values():
-            stop(proc)
-        for f in files:
-            f.close()
+    return running_all({name: (cmd, health, logs / f"{name}.log") for name, (cmd, health) in commands.items()},
+                       timeout=timeout, cwd=ROOT, env={**SERVICE_ENV, "OMP_NUM_THREADS": "1"})
 
 
 def test_the_preset_is_gspo_multi_turn_on_the_visual_search_data():

@@ -503,7 +503,7 @@ class HFEngine:
         self.stats["forward_rows"] += logits.shape[0]
         return logits
 
-    def _decode_in_parts(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
+    def _decode_in_parts(self, requests: list[tuple[list[int], SamplingParams, tuple]]) -> list[Generation]:
         """Static decoding keeps rows x columns of keys and values: a batch with more rows than its
         memory allows is decoded in consecutive parts of a power-of-two size that fits (each far
         faster than the dynamic path's eager steps). Seeded requests sample the same either way."""
@@ -523,22 +523,22 @@ class HFEngine:
         free, _ = torch.cuda.mem_get_info(self.device)
         return (free + (self._static.nbytes() if self._static is not None else 0)) / 2
 
-    def _static_rows_that_fit(self, requests: list[tuple[list[int], SamplingParams]]) -> int | None:
+    def _static_rows_that_fit(self, requests: list[tuple[list[int], SamplingParams, tuple]]) -> int | None:
         """How many rows of this batch's columns the static buffers can hold (a power of two); None
         when the static path is off, unlimited, or cannot hold even one row."""
         config = getattr(self.model, "config", None)
         limit = self._static_byte_limit() if self.static_cache else None
         if limit is None or config is None:
             return None
-        columns = column_bucket(max(len(p) + sp.max_new_tokens for p, sp, *_ in requests))
+        columns = column_bucket(max(len(p) + sp.max_new_tokens for p, sp, _ in requests))
         per_row = columns * kv_bytes_per_token(config, self.dtype)
         fit = int(limit // per_row)
         return row_bucket(fit + 1) // 2 if fit >= 1 else None
 
-    def _decode(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
+    def _decode(self, requests: list[tuple[list[int], SamplingParams, tuple]]) -> list[Generation]:
         results: list[Generation | None] = [None] * len(requests)
         budgets = []
-        for prompt, sp, *_ in requests:
+        for prompt, sp, _ in requests:
             budget = sp.max_new_tokens
             if self.max_positions is not None:
                 # prompt + response must fit the positions the trainer will run the model on.
@@ -554,7 +554,7 @@ class HFEngine:
         dev = self.device
         prompts = [requests[i][0] for i in rows]
         params = [requests[i][1] for i in rows]
-        images = [tuple(requests[i][2]) if len(requests[i]) > 2 else () for i in rows]
+        images = [requests[i][2] for i in rows]
         n, width = len(rows), max(len(p) for p in prompts)
         # One prefill row per distinct prompt (a group's G requests share theirs; with images, the same
         # pixels too); its KV cache rows and last logits are repeated for every request of that prompt afterwards.
