@@ -30,6 +30,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # further end tokens (sampled, kept, finish reason "stop")
     ignore_eos: bool = False  # keep generating past EOS (stop_token_ids still end the response)
     seed: int | None = None  # per-request seed: sampling does not depend on batch composition
+    # Not a config key: tokens of this turn sampled before (a turn continued after a weight update,
+    # rollout.inflight); a seeded request's uniforms continue from there, so a turn paused and resumed on
+    # unchanged weights samples what it would have sampled in one go.
+    seed_offset: int = 0
     extra: tuple[tuple[str, Any], ...] = ()  # engine-specific (key, value) pairs, passed through
 
     @property
@@ -37,7 +41,7 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-COMMON_SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams) if f.name != "extra")
+COMMON_SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams) if f.name not in ("extra", "seed_offset"))
 
 
 class SamplingError(ValueError):

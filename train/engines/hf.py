@@ -733,9 +733,10 @@ class HFEngine:
         width = max(budgets)
         u = torch.rand(len(params), width, generator=self._generator, dtype=torch.float64)
         for b, sp in enumerate(params):
-            if sp.seed is not None:
-                u[b, : budgets[b]] = torch.rand(budgets[b], generator=torch.Generator().manual_seed(sp.seed),
-                                                dtype=torch.float64)
+            if sp.seed is not None:  # the stream's entries from seed_offset on (a continued turn)
+                u[b, : budgets[b]] = torch.rand(sp.seed_offset + budgets[b],
+                                                generator=torch.Generator().manual_seed(sp.seed),
+                                                dtype=torch.float64)[sp.seed_offset:]
         return 1.0 - u  # (0, 1]: a zero-probability token can never be picked
 
     def _finish_reason(self, tokens: list[int], sp: SamplingParams, budget: int,

@@ -130,6 +130,7 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._pending: tuple[Future, str, str] | None = None  # (DCP future, tmp folder, final folder)
         self._finished = False  # rank 0 already renamed the pending save (poll)
+        self.loaded_from: str | None = None  # the checkpoint folder `load` read
 
     # -- saving ----------------------------------------------------------------------------------
     def _states(self, workers: dict) -> dict:
@@ -244,6 +245,7 @@ class Checkpointer:
             set_state_dict(parts["model"], parts["optimizer"], model_state_dict=states[name]["model"],
                            optim_state_dict=states[name]["optimizer"], options=LOAD_TRAINABLE)
             parts["scheduler"].load_state_dict(trainer_state["schedulers"][name])
+        self.loaded_from = path  # (state a rank of another world size reads from its saving ranks' files)
         rank_file = os.path.join(path, f"rank{self.ctx.rank}.pt")
         rank_state = torch.load(rank_file, weights_only=False) if os.path.exists(rank_file) else None
         return trainer_state, rank_state

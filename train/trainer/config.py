@@ -80,6 +80,26 @@ def _get(cfg: DictConfig, key: str):
 ASYNC_TIS_CAP = 2.0  # actor.tis_cap when rollout.max_staleness > 0 and none is given
 
 
+def _validate_inflight(run) -> None:
+    """rollout.inflight: the settings it needs and those it cannot serve."""
+    rollout, data = run.rollout, run.data
+    if rollout.max_staleness < 1:
+        _fail("rollout.max_staleness", "must be >= 1 with rollout.inflight=true (the bound on each sample's oldest "
+              "token when trained; the next segment always generates while the update runs)", "rollout.max_staleness=2")
+    if rollout.inflight_groups is not None and rollout.inflight_groups < data.prompts_per_rollout:
+        _fail("rollout.inflight_groups", f"{rollout.inflight_groups} is fewer than data.prompts_per_rollout="
+              f"{data.prompts_per_rollout}: a step trains that many groups", f"rollout.inflight_groups="
+              f"{2 * data.prompts_per_rollout}")
+    sampling = rollout.train_sampling_params or {}
+    for key in ("presence_penalty", "frequency_penalty"):
+        if sampling.get(key):
+            _fail(f"rollout.train_sampling_params.{key}", "cannot be combined with rollout.inflight=true (a turn "
+                  "continued in the next segment counts its earlier tokens as prompt)", f"rollout.inflight=false")
+    if sampling.get("stop"):
+        _fail("rollout.train_sampling_params.stop", "stop strings cannot be combined with rollout.inflight=true (one "
+              "could span a segment boundary); stop_token_ids can", "rollout.train_sampling_params.stop=[]")
+
+
 def resolve_aliases(cfg: DictConfig) -> None:
     """Accept `adv.lambda` for the seed's `adv.lamda` (the same GAE lambda); a run given only
     `rollout.model_name` starts the actor from it too."""
@@ -173,6 +193,8 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     if rollout.max_staleness and rollout.dynamic_sampling:
         _fail("rollout.max_staleness", f"{rollout.max_staleness} cannot be combined with rollout.dynamic_sampling=true "
               "(its refill rounds need all ranks between the rollout and the update)", "rollout.max_staleness=0")
+    if rollout.inflight:
+        _validate_inflight(run)
     if data.curriculum.policy != "uniform" and rollout.max_staleness:
         _fail("data.curriculum.policy", f"{data.curriculum.policy} needs rollout.max_staleness=0 (the next batch is "
               "drawn before this step's pass rates are known)", "data.curriculum.policy=uniform")

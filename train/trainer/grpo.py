@@ -72,7 +72,8 @@ from train.trainer.policy_sync import PolicySync
 from train.trainer.prefetch import RolloutTimeout, StepRollout
 from train.trainer.report import RunReport
 from train.trainer.schema import load
-from train.trainer.rollouts import rollout_source
+from train.trainer.inflight import read_saved_rank
+from train.trainer.sources import rollout_source
 from train.trainer.teachers import RoutedTeachers, TeacherRoutes
 from train.trainer.step import RunningMoments
 from train.trainer.sync_check import PROBE_TEXT, SyncProbe, WeightSyncError, probe_tolerance
@@ -341,6 +342,10 @@ class Trainer:
             if not (same and mine and self.rollouts.restore(mine)):
                 # another world size or staleness, or a synchronous resume: those prompts are rolled out again
                 self.state["dataloader"].load_state_dict(pending["loader_before"])
+        inflight = state.get("inflight")  # an in-flight run's groups (rollout.inflight)
+        if inflight is not None:
+            mine = rank_state.get("inflight") if rank_state is not None else None
+            self.rollouts.resume_inflight(inflight, mine, read_saved_rank(self.checkpointer.loaded_from))
         if rank_state is not None:
             ckpt.set_rng_state(rank_state["rng"])
         else:  # a rank the saving run did not have: a seed of its own, the same on every resume
@@ -359,6 +364,9 @@ class Trainer:
                                         "max_staleness": self.cfg.rollout.max_staleness,
                                         "loader_before": pending[0].loader_before}
             rank_state["pending_rollout"] = pending
+        inflight = self.rollouts.inflight_state()
+        if inflight is not None:  # groups in flight: their tokens, versions, log-probs and conversations
+            state["inflight"], rank_state["inflight"] = inflight
         path = self.checkpointer.save(step, self.models.trained, state, rank_state)
         self.log.event("checkpoint", step, {"path": path, "async": self.checkpointer.async_save})
         return time.perf_counter() - start

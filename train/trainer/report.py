@@ -88,7 +88,9 @@ class RunReport:
             counts[s.source] = counts.get(s.source, 0) + 1
         shown = [{"messages": loggable(s.messages), "answer": s.answer, "source": s.source, "reward": s.reward,
                   "finish_reason": s.finish_reason,
-                  "n_turns": s.n_turns, "turn_versions": s.turn_versions, "events": s.events}
+                  "n_turns": s.n_turns, "turn_versions": s.turn_versions, "events": s.events,
+                  **({"uid": s.uid, "versions": sorted({v for v in s.token_versions if v >= 0})}
+                     if s.uid is not None else {})}
                  for s in samples[:self.log_samples]]
         gathered = gather_to_main({"errors": errors, "samples": shown, "calls": api_calls, "counts": counts}, self.ctx)
         if gathered is None:

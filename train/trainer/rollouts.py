@@ -26,6 +26,7 @@ from train.datasets.dataloader import RLDataLoader
 from train.engines.base import SamplingParams
 from train.parallel.collectives import all_gather_flat, all_reduce_max_many, all_reduce_sum
 from train.parallel.distributed import DistContext
+from train.runtime.checkpoint import CheckpointError
 from train.runtime.watchdog import Watchdog
 from train.trainer.prefetch import RolloutPrefetcher, StepRollout, staleness
 from train.trainer.report import RunReport
@@ -82,6 +83,17 @@ class RolloutSource:
         """Take over rollouts a checkpoint kept; whether they were taken (a synchronous run rolls their
         prompts out again)."""
         return False
+
+    def inflight_state(self) -> tuple[dict, dict] | None:
+        """Rollouts in flight that a checkpoint keeps (rollout.inflight): (what every rank shares, this rank's);
+        None here."""
+        return None
+
+    def resume_inflight(self, shared: dict, mine: dict | None, read_rank: Callable[[int], dict | None]) -> None:
+        """Take over a checkpoint's rollouts in flight (rollout.inflight); a source without them cannot."""
+        raise CheckpointError(f"trainer.load_ckpt_from: the checkpoint holds {shared.get('groups', 'some')} groups in "
+                              "flight (saved with rollout.inflight=true); resume with rollout.inflight=true, or their "
+                              "prompts would be lost")
 
     def close(self) -> None:
         """Stop making rollouts; the rollout worker (its event loop, env clients, engine) closes when
@@ -299,11 +311,3 @@ def with_rewards_on_samples(rollouts: list[StepRollout]) -> list[StepRollout]:
             for s, reward, penalty in zip(r.samples, rewards, penalties):
                 s.shaped_reward, s.overlong_penalty = reward, penalty
     return rollouts
-
-
-def rollout_source(settings: RolloutConfig, data: DataConfig, ctx: DistContext, *, total_steps: int,
-                   watchdog: Watchdog, **parts) -> RolloutSource:
-    """The synchronous source, or the prefetching one with `rollout.max_staleness` >= 1."""
-    if settings.max_staleness > 0:
-        return PrefetchedRollouts(settings, data, ctx, total_steps=total_steps, watchdog=watchdog, **parts)
-    return RolloutSource(settings, data, ctx, **parts)

@@ -21,6 +21,15 @@ class RolloutConfig:
     max_staleness: int = setting("0: generate, then train; k: step N+k's rollout runs while step N trains",
                                  ge=0, expect="an integer >= 0 (0: synchronous; k: step N+k's rollout overlaps "
                                  "step N's update, samples k weight versions old)", example="1")
+    inflight: bool = setting("true: sequences keep generating across weight updates; a step trains the first "
+                             "groups done (needs max_staleness >= 1, the bound on each sample's oldest token)")
+    segment_tokens: int | None = setting("inflight: tokens each unfinished sample samples per segment (null: "
+                                         "max_new_tokens / 4)", ge=1, example="32")
+    inflight_groups: int | None = setting("inflight: groups kept in flight, all ranks together (null: 2 x "
+                                          "prompts_per_rollout)", ge=1, example="16")
+    over_stale: str = setting("inflight: a sample that would be trained older than max_staleness: requeue (start it "
+                              "again from its prompt) | finish (train it past the bound)",
+                              choices=("requeue", "finish"))
     async_timeout_s: float = setting("how long the trainer and the rollout side wait for each other before "
                                      "failing", gt=0, example="1800")
     ranks: int = setting("K > 0: the last K torchrun ranks only generate and score, the others only train", ge=0,

@@ -103,13 +103,29 @@ class RemoteRollout:
             {"kind": "rollout", "what": what, "rows": rows, "n": responses_per_prompt, "sampling": sampling,
              "seed": base_seed, "version": self.engine.weight_version},
             f"the request for {what}", f"the samples of {what}")
+        self._took(reply)
+        if on_generated is not None:
+            on_generated()
+        return reply["samples"], reply["seconds"]
+
+    def advance(self, groups: list, sampling: SamplingParams, budget: int, what: str = "a segment",
+                on_generated=None) -> tuple[list, float]:
+        """One in-flight segment of `groups` (rollout.inflight) on the rollout rank: they travel there and back
+        (tokens, versions, log-probs, conversations); the groups as they came back and the wall time."""
+        reply = self.engine.request(
+            {"kind": "advance", "what": what, "groups": groups, "sampling": sampling, "budget": budget,
+             "version": self.engine.weight_version},
+            f"the request for {what}", f"the groups of {what}")
+        self._took(reply)
+        if on_generated is not None:
+            on_generated()
+        return reply["groups"], reply["seconds"]
+
+    def _took(self, reply: dict) -> None:
         self.engine.stats["generated_tokens"] += reply["tokens"]
         self.engine.stats["generation_seconds"] += reply["engine_seconds"]
         self._calls += reply["api_calls"]
         self._stuck = reply["stuck_calls"]
-        if on_generated is not None:
-            on_generated()
-        return reply["samples"], reply["seconds"]
 
     def pop_api_calls(self) -> list[dict]:
         calls, self._calls = self._calls, []

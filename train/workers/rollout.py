@@ -36,7 +36,10 @@ class Sample:
     events: list[dict] = field(default_factory=list)
     prompt_length: int = 0  # templated prompt tokens
     turn_lengths: list[int] = field(default_factory=list)  # tokens sampled in each assistant turn
-    turn_versions: list[int] = field(default_factory=list)  # the engine's weight version of each assistant turn
+    turn_versions: list[int] = field(default_factory=list)  # the engine's weight version of each turn's first token
+    # The weight version that sampled each token of `ids` (-1 where nothing was sampled: prompt, env tokens). With
+    # rollout.inflight a turn may span versions: each token's sampler log-prob is its own version's.
+    token_versions: list[int] = field(default_factory=list)
     source: str | None = None  # the row's data source (mixtures): its environment and metrics
     # Set by the trainer before filtering (train/trainer/step.py::shape_rewards): the reward the advantages
     # use (with DAPO's overlong penalty), and that penalty.
@@ -48,10 +51,57 @@ class Sample:
     # The images of the conversation (a vision-language policy: the row's, then those of tool replies), in the
     # order of their placeholder runs in `ids` (train/datasets/vision.py); empty for text.
     images: list[ImageInputs] = field(default_factory=list)
+    uid: int | None = None  # its group's admission number (rollout.inflight; trajectories.jsonl)
 
     @property
     def n_action_tokens(self) -> int:
         return sum(self.action_mask)
+
+    def oldest_version(self) -> int | None:
+        """The version of its oldest sampled token (None: nothing sampled yet)."""
+        versions = [v for v in self.token_versions if v >= 0] or self.turn_versions
+        return min(versions) if versions else None
+
+
+@dataclass
+class Partial:
+    """A sample that may stop between two of its tokens and go on later (rollout.inflight): the sample so far,
+    the conversation as the env sees it, and where its turns stand. Everything here pickles: a checkpoint keeps it,
+    a rollout rank receives and returns it. The env modules are functions of the conversation (`interact`,
+    `reward_fn`), so `messages` is the env's whole state."""
+    sample: Sample
+    row: dict  # the training row (its environment, answer and tools)
+    seed: int  # the sample's request seed; turn t draws from seed + t
+    shown: list[dict] | None = None  # the conversation as the template renders it (images as placeholders); None: messages
+    turn: int = 0  # turns finished
+    turn_tokens: int = 0  # tokens sampled so far in the turn in progress
+    done: bool = False  # generated and scored
+    paused: bool = False  # stopped by a segment's token budget (goes on in the next segment)
+    over_stale: bool = False  # older than rollout.max_staleness allows, trained anyway (rollout.over_stale=finish)
+
+    @property
+    def messages(self) -> list[dict]:
+        return self.sample.messages
+
+
+@dataclass
+class Group:
+    """A prompt's samples in flight together (rollout.inflight): admitted once, trained whole when every sample is
+    done. `uid` orders groups (admission order) and names them in logs; `seeds` are one per sample (a requeued
+    sample draws a new one)."""
+    uid: int
+    row: dict
+    row_index: int  # the row's index in the training data (curriculum statistics)
+    seeds: list[int]
+    admitted: int  # the step whose rollout admitted it
+    # None until its first segment templates the prompt and starts them; a None member: a sample to start again
+    # (rollout.over_stale=requeue), with its new seed
+    members: list[Partial | None] | None = None
+    requeued: int = 0  # samples restarted from the prompt for being too old (rollout.over_stale=requeue)
+
+    @property
+    def done(self) -> bool:
+        return self.members is not None and all(p is not None and p.done for p in self.members)
 
 
 def record_routing(sample: Sample, routing: torch.Tensor | None) -> None:
@@ -115,75 +165,109 @@ class RolloutWorker:
             return e
         return prompt_ids(self.tokenizer, shown, row.get("tools")), [dict(m) for m in shown], images
 
-    async def _run_one(self, row: dict, prompt: tuple[list[int], list[dict], list[ImageInputs]] | ImageError,
-                       group: int, sampling: SamplingParams, seed: int, generated: Callable[[], None]) -> Sample:
-        """One sample; `generated()` is called once, when it will not use the engine again (before
-        its reward, which may still take long: a judge, a sandbox)."""
+    def start(self, row: dict, prompt: tuple[list[int], list[dict], list[ImageInputs]] | ImageError, group: int,
+              seed: int) -> Partial:
+        """A sample of `row` before its first token; one whose prompt cannot be used is done at once (the
+        trainer drops its group and reports the row)."""
         messages = [dict(m) for m in row["messages"]]
-        tools = row.get("tools")
-        env = self.envs.for_row(row)
         source = row.get("source")
-        if isinstance(prompt, ImageError):  # the trainer drops the group and reports the row (as too long)
-            generated()
-            return Sample(group, messages, row.get("answer"), [], [], [], finish_reason=BAD_IMAGE,
-                          source=None if source is None else str(source),
-                          events=[{"type": BAD_IMAGE, "row": getattr(row, "where", None), "error": str(prompt)}])
+        source = None if source is None else str(source)
+        if isinstance(prompt, ImageError):
+            return Partial(Sample(group, messages, row.get("answer"), [], [], [], finish_reason=BAD_IMAGE, source=source,
+                                  events=[{"type": BAD_IMAGE, "row": getattr(row, "where", None), "error": str(prompt)}]),
+                           row, seed, done=True)
         ids, shown, images = prompt
         if prompt_too_long(len(ids), self.max_total_length):
             # No room for one sampled token: nothing to generate, score or train. The trainer drops
             # the group and warns, naming the row (data.overlong_prompts).
-            generated()
-            return Sample(group, messages, row.get("answer"), [], [], [], finish_reason=PROMPT_TOO_LONG,
-                          prompt_length=len(ids), source=None if source is None else str(source),
-                          events=[{"type": PROMPT_TOO_LONG, "row": getattr(row, "where", None),
-                                   "tokens": len(ids), "limit": self.max_total_length}])
+            return Partial(Sample(group, messages, row.get("answer"), [], [], [], finish_reason=PROMPT_TOO_LONG,
+                                  prompt_length=len(ids), source=source,
+                                  events=[{"type": PROMPT_TOO_LONG, "row": getattr(row, "where", None),
+                                           "tokens": len(ids), "limit": self.max_total_length}]),
+                           row, seed, done=True)
         sample = Sample(group, messages, row.get("answer"), list(ids), [0] * len(ids), [0.0] * len(ids),
-                        prompt_length=len(ids), source=None if source is None else str(source), images=list(images))
+                        prompt_length=len(ids), source=source, images=list(images), token_versions=[-1] * len(ids))
+        return Partial(sample, row, seed, shown=shown if self.vision is not None else None)
+
+    async def _advance(self, p: Partial, sampling: SamplingParams, budget: int | None,
+                       generated: Callable[[], None]) -> None:
+        """Take `p` on until it is done (generated, then scored) or has sampled `budget` more tokens (None: no
+        limit); `generated()` is called once, when this call will not use the engine again (before the reward,
+        which may still take long: a judge, a sandbox). An env call that fails scores the sample
+        rollout.env_error_reward and ends it."""
+        if p.done:
+            generated()
+            return
+        env = self.envs.for_row(p.row)
+        sample = p.sample
         try:
             try:
-                await self._turns(sample, messages, shown if self.vision is not None else messages, tools, env,
-                                  sampling, seed)
+                p.paused = not await self._turns(p, env, sampling, budget)
             finally:
                 generated()
-            sample.reward = await env.reward(messages, sample.answer)
+            if p.paused:
+                return
+            sample.reward = await env.reward(p.messages, sample.answer)
         except EnvCallError as e:
             sample.reward = self.env_error_reward
             sample.env_error = str(e)
-        return sample
+            p.paused = False
+        p.done = True
 
-    async def _turns(self, sample: Sample, messages: list[dict], shown: list[dict], tools, env: Environment,
-                     sampling: SamplingParams, seed: int) -> None:
-        """Generate, let the env answer, again, up to max_turns; `sample` and `messages` grow in place.
-        `shown` is the conversation as the template renders it (with images: their placeholder text; without:
-        `messages` itself), which the env never sees."""
-        tok = self.tokenizer
-        for turn in range(self.max_turns):
+    async def _turns(self, p: Partial, env: Environment, sampling: SamplingParams, budget: int | None) -> bool:
+        """Generate, let the env answer, again, up to max_turns, from where `p` stands; the sample and its
+        conversation grow in place. False when `budget` sampled tokens ran out first (the turn in progress goes
+        on in the next call: seeded requests continue their stream of uniforms where they stopped). `p.shown` is
+        the conversation as the template renders it (with images: their placeholder text), which the env never
+        sees."""
+        tok, sample, messages = self.tokenizer, p.sample, p.messages
+        shown = p.shown if p.shown is not None else messages
+        tools = p.row.get("tools")
+        used = 0
+        while p.turn < self.max_turns:
+            turn = p.turn
             room = self.max_total_length - len(sample.ids)
             if room <= 0:
                 sample.finish_reason = "length"
-                break
-            params = replace(sampling, seed=seed + turn, max_new_tokens=min(sampling.max_new_tokens, room))
+                return True
+            allowed = min(sampling.max_new_tokens - p.turn_tokens, room)
+            if budget is not None:
+                if used >= budget:
+                    return False
+                allowed = min(allowed, budget - used)
+            limit_is_budget = budget is not None and allowed < min(sampling.max_new_tokens - p.turn_tokens, room)
+            params = replace(sampling, seed=p.seed + turn, seed_offset=p.turn_tokens, max_new_tokens=allowed)
             version = getattr(self.engine, "weight_version", 0)  # engines that cannot tag their outputs
             gen = await (self.engine.generate(sample.ids, params, images=sample.images) if sample.images
                          else self.engine.generate(sample.ids, params))
-            sample.turn_versions.append(int(gen.extra.get("weight_version", version)))
+            version = int(gen.extra.get("weight_version", version))
+            if p.turn_tokens == 0:
+                sample.turn_versions.append(version)
+                sample.turn_lengths.append(0)
             record_routing(sample, gen.extra.get("routing"))
             sample.ids += gen.token_ids
             sample.action_mask += [1] * len(gen.token_ids)
             sample.sampler_logprobs += list(gen.logprobs)
-            sample.turn_lengths.append(len(gen.token_ids))
+            sample.token_versions += [version] * len(gen.token_ids)
+            sample.turn_lengths[-1] += len(gen.token_ids)
+            p.turn_tokens += len(gen.token_ids)
+            used += len(gen.token_ids)
             sample.finish_reason = gen.finish_reason
             sample.n_turns = turn + 1
-            ended_with_eos = bool(gen.token_ids) and gen.token_ids[-1] == tok.eos_token_id
-            text_ids = gen.token_ids[:-1] if ended_with_eos else gen.token_ids
+            if limit_is_budget and gen.finish_reason == "length" and len(gen.token_ids) == allowed:
+                return False  # the segment's budget, not the turn's: paused mid-turn
+            turn_ids = sample.ids[len(sample.ids) - p.turn_tokens:]
+            p.turn, p.turn_tokens = turn + 1, 0
+            ended_with_eos = bool(turn_ids) and turn_ids[-1] == tok.eos_token_id
+            text_ids = turn_ids[:-1] if ended_with_eos else turn_ids
             messages.append({"role": "assistant", "content": tok.decode(text_ids, skip_special_tokens=True)})
             if shown is not messages:
                 shown.append(messages[-1])
             if gen.finish_reason != "stop" or turn == self.max_turns - 1:
-                break
+                return True
             new = await env.interact(messages)
             if not new:
-                break
+                return True
             # Bounded in characters before tokenization (a 1 MB reply would take seconds of BPE to
             # find it does not fit); what is kept still has to fit the context below.
             new, chars, kept = bound_messages(new, self.env_char_budget(self.max_total_length - len(sample.ids)))
@@ -197,7 +281,7 @@ class RolloutWorker:
                 sample.finish_reason = "context"
                 sample.events += [{"type": "context_overflow", "turn": turn, "env_tokens": len(extra),
                                    "room": self.max_total_length - len(sample.ids)}]
-                break
+                return True
             sample.events += [{"type": "tool", "turn": turn, "messages": new}]
             messages += new
             if shown is not messages:
@@ -206,6 +290,8 @@ class RolloutWorker:
             sample.ids += extra
             sample.action_mask += [0] * len(extra)
             sample.sampler_logprobs += [0.0] * len(extra)
+            sample.token_versions += [-1] * len(extra)
+        return True
 
     def _shown(self, new: list[dict], turn: int) -> tuple[list[dict], list[ImageInputs]]:
         """The env's messages as the template renders them, and their images. An image that cannot be used
@@ -228,9 +314,10 @@ class RolloutWorker:
                        generated: Callable[[], None]) -> list[Sample]:
         # The prompt is templated (and its images processed) once per row, not once per sample.
         prompts = [self._prompt(row) for row in rows]
-        jobs = [self._run_one(row, prompts[g], g, sampling, base_seed + (g * n + k) * 7919, generated)
-                for g, row in enumerate(rows) for k in range(n)]
-        return list(await asyncio.gather(*jobs))
+        partials = [self.start(row, prompts[g], g, base_seed + (g * n + k) * 7919) for g, row in enumerate(rows)
+                    for k in range(n)]
+        await asyncio.gather(*(self._advance(p, sampling, None, generated) for p in partials))
+        return [p.sample for p in partials]
 
     def rollout(self, rows: list[dict], responses_per_prompt: int, sampling: SamplingParams,
                 base_seed: int, what: str = "a rollout", on_generated: Callable[[], None] | None = None,
@@ -262,6 +349,37 @@ class RolloutWorker:
             return list(await asyncio.gather(*(self._run_all(*request, generated) for request in requests)))
 
         return self.loop.run_until_complete(run_all()), time.perf_counter() - start
+
+    def advance(self, groups: list[Group], sampling: SamplingParams, budget: int, what: str = "a segment",
+                on_generated: Callable[[], None] | None = None) -> tuple[list[Group], float]:
+        """One segment (rollout.inflight): every sample of `groups` not done goes on until it is done or has sampled
+        `budget` more tokens; samples not started yet (a new group, a requeued sample) are templated and started
+        first, seeded by `group.seeds`. The groups (changed in place) and the wall time. `on_generated`: as in
+        `rollout_many`; `what` names the request where it crosses ranks."""
+        start = time.perf_counter()
+        for i, group in enumerate(groups):
+            if group.members is None:
+                group.members = [None] * len(group.seeds)
+            if any(p is None for p in group.members):
+                prompt = self._prompt(group.row)
+                group.members = [self.start(group.row, prompt, i, seed) if p is None else p
+                                 for p, seed in zip(group.members, group.seeds)]
+        running = [p for group in groups for p in group.members if not p.done]
+        generating = [len(running)]
+
+        def generated() -> None:
+            generating[0] -= 1
+            if generating[0] == 0 and on_generated is not None:
+                on_generated()
+
+        if not running and on_generated is not None:
+            on_generated()
+
+        async def run_all() -> None:
+            await asyncio.gather(*(self._advance(p, sampling, budget, generated) for p in running))
+
+        self.loop.run_until_complete(run_all())
+        return groups, time.perf_counter() - start
 
     def pop_api_calls(self) -> list[dict]:
         """External calls the environments made since the last pop (latency statistics)."""

@@ -151,6 +151,22 @@ class RolloutServer:
                  "api_calls": calls if i == 0 else [], "stuck_calls": stuck if i == 0 else 0}
                 for i, samples in enumerate(outs)]
 
+    def advance(self, requests: list[dict]) -> list[dict]:
+        """One in-flight segment of every trainer rank's groups, in one engine batch; each gets its own back."""
+        engine = self.worker.engine
+        engine.weight_version = requests[0]["version"]
+        before = (float(engine.stats["generated_tokens"]), float(engine.stats["generation_seconds"]))
+        every = [g for r in requests for g in r["groups"]]
+        _, seconds = self.worker.advance(every, requests[0]["sampling"], requests[0]["budget"], requests[0]["what"])
+        tokens = float(engine.stats["generated_tokens"]) - before[0]
+        engine_seconds = float(engine.stats["generation_seconds"]) - before[1]
+        calls, stuck = self.worker.pop_api_calls(), self.worker.stuck_calls
+        # the tokens, the env's calls and stuck threads are reported once, to the first trainer rank (the trainer
+        # sums tokens over its ranks and averages the seconds, as for `rollout`)
+        return [{"groups": r["groups"], "seconds": seconds, "engine_seconds": engine_seconds,
+                 "tokens": tokens if i == 0 else 0.0, "api_calls": calls if i == 0 else [],
+                 "stuck_calls": stuck if i == 0 else 0} for i, r in enumerate(requests)]
+
     def serve(self) -> None:
         requests = self.receive("start-up (the trainer ranks' set-up)")
         if requests[0]["kind"] != "hello":
@@ -179,6 +195,11 @@ class RolloutServer:
                     self.status.phase = f"serving {last}"
                     replies = self.rollout(requests)
                     answer = f"the samples of {last}"
+                elif kind == "advance":
+                    last = requests[0]["what"]
+                    self.status.phase = f"serving {last}"
+                    replies = self.advance(requests)
+                    answer = f"the groups of {last}"
                 elif kind == "checksums":
                     last = "a checksum request"
                     self.status.phase = "computing the checksums of the weights pushed"
