@@ -91,6 +91,15 @@ def _validate_inflight(run) -> None:
               f"{data.prompts_per_rollout}: a step trains that many groups", f"rollout.inflight_groups="
               f"{2 * data.prompts_per_rollout}")
     sampling = rollout.train_sampling_params or {}
+    longest = sampling.get("max_new_tokens", 128) * rollout.max_turns
+    if rollout.max_total_length:
+        longest = min(longest, rollout.max_total_length)
+    if (rollout.over_stale == "requeue" and rollout.segment_tokens is not None
+            and rollout.segment_tokens * rollout.max_staleness < longest):
+        _fail("rollout.segment_tokens", f"{rollout.segment_tokens} x rollout.max_staleness={rollout.max_staleness} "
+              f"tokens is less than a sample may sample ({longest}: max_new_tokens x max_turns): with "
+              "rollout.over_stale=requeue a sample that long would be started again forever",
+              f"rollout.segment_tokens={-(-longest // rollout.max_staleness)}")
     for key in ("presence_penalty", "frequency_penalty"):
         if sampling.get(key):
             _fail(f"rollout.train_sampling_params.{key}", "cannot be combined with rollout.inflight=true (a turn "

@@ -1,6 +1,7 @@
 """In-flight rollouts (`rollout.inflight=true`): sequences keep generating across weight updates.
 
-About `rollout.inflight_groups` groups (prompts with their `responses_per_prompt` samples) are always in flight.
+About `rollout.inflight_groups` groups (default: max_staleness x prompts_per_rollout, the most that can finish
+within the bound at one step's worth per step) (prompts with their `responses_per_prompt` samples) are always in flight.
 The rollout side works in **segments**: in one segment every unfinished sample samples at most
 `rollout.segment_tokens` more tokens, or finishes (its env turns and its reward included). Step N trains on the
 first `prompts_per_rollout` groups, in admission order, that are done; the others go on in the next segment, with
@@ -65,8 +66,8 @@ class InflightRollouts(RolloutSource):
         self.k = settings.max_staleness
         self.n = data.responses_per_prompt
         self.per_step = data.prompts_per_rollout // ctx.world_size  # groups this rank trains per step
-        self.budget = settings.segment_tokens or max(1, self.sampling.max_new_tokens // 4)
-        wanted = settings.inflight_groups or 2 * data.prompts_per_rollout
+        self.budget = settings.segment_tokens or default_segment_tokens(self.sampling.max_new_tokens, settings)
+        wanted = settings.inflight_groups or self.k * data.prompts_per_rollout
         self.target = max(self.per_step, math.ceil(wanted / ctx.world_size))  # groups in flight on this rank
         self.requeue = settings.over_stale == "requeue"
         self.groups: list[Group] = []  # admitted, not yet trained, in admission order
@@ -92,8 +93,9 @@ class InflightRollouts(RolloutSource):
             self._admit(step)
             self._add(self._segment(step, trainer_version))
         else:
-            raise RuntimeError(f"step {step}: {MAX_SEGMENTS_PER_STEP} segments and still not "
-                               f"{self.per_step} groups done (a bug in the in-flight rollouts)")
+            raise RuntimeError(f"step {step}: {MAX_SEGMENTS_PER_STEP} segments and still not {self.per_step} groups "
+                               "done: with rollout.over_stale=requeue samples too long for rollout.max_staleness x "
+                               "rollout.segment_tokens tokens start again forever (raise either, or over_stale=finish)")
         taken = [g for g in self.groups if g.done][: self.per_step]
         self.groups = [g for g in self.groups if not any(g is t for t in taken)]
         samples = []
@@ -271,6 +273,18 @@ class InflightRollouts(RolloutSource):
                                       "(a damaged checkpoint: resume from an earlier one)")
             groups += saved["groups"]
         self.groups = sorted(groups, key=lambda g: g.uid)
+
+
+def longest_sample(max_new_tokens: int, settings: RolloutConfig) -> int:
+    """The most tokens one sample can sample: every turn to max_new_tokens (capped by the context, when known)."""
+    longest = max_new_tokens * settings.max_turns
+    return min(longest, settings.max_total_length) if settings.max_total_length else longest
+
+
+def default_segment_tokens(max_new_tokens: int, settings: RolloutConfig) -> int:
+    """rollout.segment_tokens=null: the longest sample fits max_staleness segments, the most a sample may span
+    within the bound, so none has to be requeued only for being long."""
+    return max(1, math.ceil(longest_sample(max_new_tokens, settings) / settings.max_staleness))
 
 
 def read_saved_rank(path: str) -> Callable[[int], dict | None]:

@@ -24,9 +24,9 @@ class RolloutConfig:
     inflight: bool = setting("true: sequences keep generating across weight updates; a step trains the first "
                              "groups done (needs max_staleness >= 1, the bound on each sample's oldest token)")
     segment_tokens: int | None = setting("inflight: tokens each unfinished sample samples per segment (null: "
-                                         "max_new_tokens / 4)", ge=1, example="32")
-    inflight_groups: int | None = setting("inflight: groups kept in flight, all ranks together (null: 2 x "
-                                          "prompts_per_rollout)", ge=1, example="16")
+                                         "max_new_tokens x max_turns / max_staleness)", ge=1, example="32")
+    inflight_groups: int | None = setting("inflight: groups kept in flight, all ranks together (null: "
+                                          "max_staleness x prompts_per_rollout)", ge=1, example="16")
     over_stale: str = setting("inflight: a sample that would be trained older than max_staleness: requeue (start it "
                               "again from its prompt) | finish (train it past the bound)",
                               choices=("requeue", "finish"))
