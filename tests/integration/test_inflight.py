@@ -58,7 +58,8 @@ def saved_groups(folder, rank: int) -> list:
 
 def test_a_sample_paused_by_segments_samples_what_one_pass_samples(tmp_path, stub_tokenizer):
     """Multi-turn samples advanced 3 tokens per segment (each segment tagged with a new weight version, the weights
-    unchanged) give the same tokens, env turns and rewards as one uninterrupted rollout, and log-probs equal to
+    unchanged) give the same tokens, env turns and rewards (collected after the segments) as one uninterrupted
+    rollout, and log-probs equal to
     float32 rounding: a paused turn continues its seeded stream of uniforms, its prefix prefilled again. Every
     sampled token carries the version of its segment; prompt and env tokens carry -1."""
     from train.engines.base import SamplingParams
@@ -78,10 +79,14 @@ def test_a_sample_paused_by_segments_samples_what_one_pass_samples(tmp_path, stu
 
     groups = [Group(g, row, g, [base + (g * n + k) * 7919 for k in range(n)], admitted=1) for g, row in enumerate(rows)]
     segments = 0
-    while not all(g.done for g in groups):
+    while not all(g.generated for g in groups):
         engine.weight_version = segments  # a new version each segment (same weights)
         groups, _ = worker.advance(groups, sampling, budget=3)
         segments += 1
+    # rewards started when each sample was generated and ran past its segment; `scores` collects them
+    keys = [(g.uid, j) for g in groups for j in range(n)]
+    got = worker.scores(keys)
+    assert sorted(got) == keys and all(g.done for g in groups)
     paused = [p.sample for g in groups for p in g.members]
     assert segments >= 4  # 3 turns of up to 10 tokens, 3 per segment
     for one, other in zip(straight, paused):

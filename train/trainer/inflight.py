@@ -86,7 +86,7 @@ class InflightRollouts(RolloutSource):
             self._add(background)
         for _ in range(MAX_SEGMENTS_PER_STEP):
             self._take_over_stale(trainer_version)
-            ready = sum(g.done for g in self.groups)
+            ready = sum(g.generated for g in self.groups)
             fewest, = all_reduce_max_many([-float(ready)], self.ctx.device)
             if -fewest >= self.per_step:  # every rank has a step's worth (collective: all ranks decide alike)
                 break
@@ -96,8 +96,9 @@ class InflightRollouts(RolloutSource):
             raise RuntimeError(f"step {step}: {MAX_SEGMENTS_PER_STEP} segments and still not {self.per_step} groups "
                                "done: with rollout.over_stale=requeue samples too long for rollout.max_staleness x "
                                "rollout.segment_tokens tokens start again forever (raise either, or over_stale=finish)")
-        taken = [g for g in self.groups if g.done][: self.per_step]
+        taken = [g for g in self.groups if g.generated][: self.per_step]
         self.groups = [g for g in self.groups if not any(g is t for t in taken)]
+        self._collect_scores(taken)
         samples = []
         for i, group in enumerate(taken):
             for p in group.members:
@@ -144,8 +145,8 @@ class InflightRollouts(RolloutSource):
     def _segment(self, step: int, trainer_version: int, generated: Callable[[], None] | None = None) -> StepRollout:
         """One segment of every unfinished group; a StepRollout holding only its wall time and engine counters
         (the groups change in place, or come back from a rollout rank)."""
-        self._requeue_or_flag([g for g in self.groups if not g.done], trainer_version)
-        running = [g for g in self.groups if not g.done]
+        self._requeue_or_flag([g for g in self.groups if not g.generated], trainer_version)
+        running = [g for g in self.groups if not g.generated]
         before = self._engine_counters()
         got, seconds = self.rollout.advance(running, self.sampling, self.budget, what=f"step {step}'s segment",
                                             on_generated=generated)
@@ -153,6 +154,24 @@ class InflightRollouts(RolloutSource):
         self.groups = [fresh.get(g.uid, g) for g in self.groups]
         counters = tuple(a - b for a, b in zip(self._engine_counters(), before))
         return StepRollout(step, [], seconds, counters, {})
+
+    def _collect_scores(self, groups: list[Group]) -> None:
+        """The rewards of the generated samples of `groups` not scored yet (their reward calls started when they
+        were generated, in an earlier segment, and may still run: a judge, a sandbox)."""
+        keys = [(g.uid, j) for g in groups for j, p in enumerate(g.members or []) if p is not None and p.generated
+                and not p.done]
+        if not keys:
+            return
+        got = self.rollout.scores(keys)
+        for g in groups:
+            for j, p in enumerate(g.members or []):
+                if (g.uid, j) in got:
+                    p.sample.reward, p.sample.env_error = got[(g.uid, j)]
+                    p.done = True
+        missing = [key for key in keys if key not in got]
+        if missing:
+            raise RuntimeError(f"the rollout side holds no reward for the samples {missing[:5]} (group uid, index): "
+                               "a bug in the in-flight rollouts")
 
     def _add(self, segment: StepRollout) -> None:
         c = self._counters
@@ -199,7 +218,7 @@ class InflightRollouts(RolloutSource):
     def _take_over_stale(self, trainer_version: int) -> None:
         """Done groups waiting to be trained may have grown too old while they waited (requeue: their old samples
         go back in flight; finish: they are trained anyway, counted)."""
-        self._requeue_or_flag([g for g in self.groups if g.done], trainer_version)
+        self._requeue_or_flag([g for g in self.groups if g.generated], trainer_version)
 
     def _count_over_stale(self, tokens: int) -> None:
         self._counters["over_stale"] += 1
@@ -254,6 +273,7 @@ class InflightRollouts(RolloutSource):
             self.prefetch.drain()
             done = self.prefetch.take(self.prefetch.last_finished().step)
             self._add(done)  # trained on at the next step: its time counts there (after a resume: not at all)
+        self._collect_scores(self.groups)  # a checkpoint holds no reward call in flight
         shared = {"world_size": self.ctx.world_size, "admitted_rows": self.admitted_rows,
                   "groups": int(all_reduce_sum([float(len(self.groups))], self.ctx.device)[0])}
         return shared, {"groups": self.groups}

@@ -121,6 +121,11 @@ class RemoteRollout:
             on_generated()
         return reply["groups"], reply["seconds"]
 
+    def scores(self, keys: list[tuple[int, int]]) -> dict[tuple[int, int], tuple[float, str | None]]:
+        """The rewards the rollout rank computed (or is computing) for samples of earlier segments."""
+        return self.engine.request({"kind": "scores", "keys": list(keys)}, "the request for the rewards of "
+                                   f"{len(keys)} samples", f"the rewards of {len(keys)} samples")["scores"]
+
     def _took(self, reply: dict) -> None:
         self.engine.stats["generated_tokens"] += reply["tokens"]
         self.engine.stats["generation_seconds"] += reply["engine_seconds"]

@@ -75,6 +75,7 @@ class Partial:
     shown: list[dict] | None = None  # the conversation as the template renders it (images as placeholders); None: messages
     turn: int = 0  # turns finished
     turn_tokens: int = 0  # tokens sampled so far in the turn in progress
+    generated: bool = False  # its last turn is over (its reward may still be computing)
     done: bool = False  # generated and scored
     paused: bool = False  # stopped by a segment's token budget (goes on in the next segment)
     over_stale: bool = False  # older than rollout.max_staleness allows, trained anyway (rollout.over_stale=finish)
@@ -98,6 +99,11 @@ class Group:
     # (rollout.over_stale=requeue), with its new seed
     members: list[Partial | None] | None = None
     requeued: int = 0  # samples restarted from the prompt for being too old (rollout.over_stale=requeue)
+
+    @property
+    def generated(self) -> bool:
+        """Every sample's last turn is over (rewards may still be computing): the group may be trained."""
+        return self.members is not None and all(p is not None and p.generated for p in self.members)
 
     @property
     def done(self) -> bool:
@@ -148,6 +154,8 @@ class RolloutWorker:
         self.max_env_chars = max_env_chars  # rollout.max_env_chars (None: ENV_CHARS_PER_TOKEN per token left)
         # One loop for the worker's life: the engine's batching task and env clients bind to it.
         self.loop = asyncio.new_event_loop()
+        # Rewards of in-flight samples still computing after their segment ended, by (group uid, sample index).
+        self._scoring: dict[tuple[int, int], asyncio.Future] = {}
 
     def _prompt(self, row: dict) -> tuple[list[int], list[dict], list[ImageInputs]] | ImageError:
         """The row's prompt ids, its messages as the template renders them (images as placeholder text),
@@ -175,7 +183,7 @@ class RolloutWorker:
         if isinstance(prompt, ImageError):
             return Partial(Sample(group, messages, row.get("answer"), [], [], [], finish_reason=BAD_IMAGE, source=source,
                                   events=[{"type": BAD_IMAGE, "row": getattr(row, "where", None), "error": str(prompt)}]),
-                           row, seed, done=True)
+                           row, seed, generated=True, done=True)
         ids, shown, images = prompt
         if prompt_too_long(len(ids), self.max_total_length):
             # No room for one sampled token: nothing to generate, score or train. The trainer drops
@@ -184,7 +192,7 @@ class RolloutWorker:
                                   prompt_length=len(ids), source=source,
                                   events=[{"type": PROMPT_TOO_LONG, "row": getattr(row, "where", None),
                                            "tokens": len(ids), "limit": self.max_total_length}]),
-                           row, seed, done=True)
+                           row, seed, generated=True, done=True)
         sample = Sample(group, messages, row.get("answer"), list(ids), [0] * len(ids), [0.0] * len(ids),
                         prompt_length=len(ids), source=source, images=list(images), token_versions=[-1] * len(ids))
         return Partial(sample, row, seed, shown=shown if self.vision is not None else None)
@@ -193,26 +201,34 @@ class RolloutWorker:
                        generated: Callable[[], None]) -> None:
         """Take `p` on until it is done (generated, then scored) or has sampled `budget` more tokens (None: no
         limit); `generated()` is called once, when this call will not use the engine again (before the reward,
-        which may still take long: a judge, a sandbox). An env call that fails scores the sample
-        rollout.env_error_reward and ends it."""
-        if p.done:
-            generated()
-            return
-        env = self.envs.for_row(p.row)
-        sample = p.sample
+        which may still take long: a judge, a sandbox)."""
         try:
-            try:
-                p.paused = not await self._turns(p, env, sampling, budget)
-            finally:
-                generated()
-            if p.paused:
-                return
-            sample.reward = await env.reward(p.messages, sample.answer)
+            if not p.generated:
+                await self._generate(p, sampling, budget)
+        finally:
+            generated()
+        if p.generated and not p.done:
+            await self._score(p)
+
+    async def _generate(self, p: Partial, sampling: SamplingParams, budget: int | None) -> None:
+        """The sample's turns from where they stand, until its last turn is over (`p.generated`) or `budget` more
+        tokens were sampled (`p.paused`). An env call that fails scores it rollout.env_error_reward and ends it."""
+        try:
+            finished = await self._turns(p, self.envs.for_row(p.row), sampling, budget)
         except EnvCallError as e:
-            sample.reward = self.env_error_reward
-            sample.env_error = str(e)
-            p.paused = False
+            p.sample.reward, p.sample.env_error = self.env_error_reward, str(e)
+            p.paused, p.generated, p.done = False, True, True
+            return
+        p.paused, p.generated = not finished, finished
+
+    async def _score(self, p: Partial) -> tuple[float, str | None]:
+        """The generated sample's reward (an env error scores it rollout.env_error_reward); (reward, error)."""
+        try:
+            p.sample.reward = await self.envs.for_row(p.row).reward(p.messages, p.sample.answer)
+        except EnvCallError as e:
+            p.sample.reward, p.sample.env_error = self.env_error_reward, str(e)
         p.done = True
+        return p.sample.reward, p.sample.env_error
 
     async def _turns(self, p: Partial, env: Environment, sampling: SamplingParams, budget: int | None) -> bool:
         """Generate, let the env answer, again, up to max_turns, from where `p` stands; the sample and its
@@ -352,10 +368,12 @@ class RolloutWorker:
 
     def advance(self, groups: list[Group], sampling: SamplingParams, budget: int, what: str = "a segment",
                 on_generated: Callable[[], None] | None = None) -> tuple[list[Group], float]:
-        """One segment (rollout.inflight): every sample of `groups` not done goes on until it is done or has sampled
-        `budget` more tokens; samples not started yet (a new group, a requeued sample) are templated and started
-        first, seeded by `group.seeds`. The groups (changed in place) and the wall time. `on_generated`: as in
-        `rollout_many`; `what` names the request where it crosses ranks."""
+        """One segment (rollout.inflight): every sample of `groups` not generated yet goes on until its last turn is
+        over or it has sampled `budget` more tokens; samples not started (a new group, a requeued sample) are
+        templated and started first, seeded by `group.seeds`. Returns once no sample uses the engine (the groups,
+        changed in place, and the wall time): the reward of each sample generated meanwhile started the moment it
+        was and runs on (`scores` collects it). `on_generated`: called then; `what` names the request where it
+        crosses ranks."""
         start = time.perf_counter()
         for i, group in enumerate(groups):
             if group.members is None:
@@ -364,22 +382,27 @@ class RolloutWorker:
                 prompt = self._prompt(group.row)
                 group.members = [self.start(group.row, prompt, i, seed) if p is None else p
                                  for p, seed in zip(group.members, group.seeds)]
-        running = [p for group in groups for p in group.members if not p.done]
-        generating = [len(running)]
 
-        def generated() -> None:
-            generating[0] -= 1
-            if generating[0] == 0 and on_generated is not None:
-                on_generated()
+        async def one(key: tuple[int, int], p: Partial) -> None:
+            await self._generate(p, sampling, budget)
+            if p.generated and not p.done:  # scored from now on, past this segment's end
+                self._scoring[key] = asyncio.ensure_future(self._score(p))
+                await asyncio.sleep(0)  # (its env call starts now, not at the loop's next run)
 
-        if not running and on_generated is not None:
+        running = [one((g.uid, j), p) for g in groups for j, p in enumerate(g.members) if not p.generated]
+        if running:
+            self.loop.run_until_complete(_gather(running))
+        if on_generated is not None:
             on_generated()
-
-        async def run_all() -> None:
-            await asyncio.gather(*(self._advance(p, sampling, budget, generated) for p in running))
-
-        self.loop.run_until_complete(run_all())
         return groups, time.perf_counter() - start
+
+    def scores(self, keys: list[tuple[int, int]]) -> dict[tuple[int, int], tuple[float, str | None]]:
+        """The (reward, env error) of the samples `keys` ((group uid, sample index)) generated by earlier segments,
+        waiting for the reward calls still running (each bounded by rollout.env_timeout_s)."""
+        tasks = {key: self._scoring.pop(key) for key in keys if key in self._scoring}
+        if tasks:
+            self.loop.run_until_complete(_gather(list(tasks.values())))
+        return {key: task.result() for key, task in tasks.items()}
 
     def pop_api_calls(self) -> list[dict]:
         """External calls the environments made since the last pop (latency statistics)."""
@@ -400,3 +423,8 @@ class RolloutWorker:
         self.loop.close()
         self.envs.close()
         self.engine.close()
+
+
+async def _gather(awaitables: list) -> list:
+    """asyncio.gather on the loop running it (gathered from outside, futures would look for another loop)."""
+    return list(await asyncio.gather(*awaitables))

@@ -200,6 +200,12 @@ class RolloutServer:
                     self.status.phase = f"serving {last}"
                     replies = self.advance(requests)
                     answer = f"the groups of {last}"
+                elif kind == "scores":
+                    last = "a request for rewards"
+                    self.status.phase = "computing the rewards of samples generated earlier"
+                    every = self.worker.scores([key for r in requests for key in r["keys"]])
+                    replies = [{"scores": {key: every[key] for key in r["keys"] if key in every}} for r in requests]
+                    answer = "the rewards"
                 elif kind == "checksums":
                     last = "a checksum request"
                     self.status.phase = "computing the checksums of the weights pushed"
