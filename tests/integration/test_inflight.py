@@ -129,6 +129,13 @@ def test_tokens_keep_their_versions_within_the_bound(split_run):
         assert metrics[step]["async/segments"] >= 1
     assert spanning > 0 and max(m["async/version_span_max"] for m in metrics.values()) == 2
     assert all(m["actor/sampler_kl"] > 1e-5 for s, m in metrics.items() if s > 1)  # stale tokens, corrected
+    # the KL per version gap: its buckets' token shares add up to 1, their share-weighted KLs to the step's KL
+    for step, m in metrics.items():
+        shares = {j: m[f"actor/tokens_share_lag{j}"] for j in range(5) if f"actor/tokens_share_lag{j}" in m}
+        assert set(shares) <= {0, 1, 2} and sum(shares.values()) == pytest.approx(1.0)
+        mixed = sum(share * m[f"actor/sampler_kl_lag{j}"] for j, share in shares.items())
+        assert mixed == pytest.approx(m["actor/sampler_kl"], rel=1e-4, abs=1e-9)
+    assert any(len([k for k in m if k.startswith("actor/tokens_share_lag")]) == 2 for m in metrics.values())
     # groups trained whole, each once
     uids = [uid for samples in steps.values() for uid, _, _ in samples]
     assert set(Counter(uids).values()) == {4}

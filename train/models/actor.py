@@ -50,6 +50,10 @@ def loss_settings(cfg: ActorConfig) -> LossSettings:
                         cov_high=cfg.cov_high, kl_cov_coef=cfg.kl_cov_coef)
 
 
+# actor/sampler_kl_lag{j}: the sampler-trainer KL of the tokens sampled j weight versions before the trainer's
+# (the last bucket: that many or more), with asynchronous rollouts.
+LAG_BUCKETS = 5
+
 class Actor(Trainable):
     def __init__(self, cfg: ActorConfig, ctx: DistContext, model_path: str, *, pad_token_id: int, train: bool,
                  temperature: float, total_updates: int = 1, layout: Layout | None = None, adapter_seed: int = 0):
@@ -161,6 +165,7 @@ class Actor(Trainable):
         kl_in_loss = cfg.kl.coef > 0 and cfg.kl.reward_estimator is None
         old_logp = batch.fields.get("old_logp")  # None: one update per rollout, ratio = 1
         clipped_loss = POLICY_LOSSES.get(cfg.loss)  # actor.loss: ppo, gspo, ... (train/algorithms/policy_loss.py)
+        lagged = "sampler_lag" in batch.fields  # each token's version gap (asynchronous rollouts)
 
         def loss(mb: PackedMicroBatch, norms: Norms, stats: UpdateStats) -> torch.Tensor:
             coef = self.last_entropy_coef = self.entropy_coef()
@@ -202,6 +207,12 @@ class Actor(Trainable):
             # forward (one update per rollout: nothing has changed the weights yet).
             mismatch = sampler_mismatch_sums(old, sampler, mask)
             stats.add("sampler_kl", mismatch["kl"])
+            if lagged:  # the same, per version gap between each token's sampler and the trainer
+                lag = mb.gather(batch.fields["sampler_lag"], "sampler_lag")
+                for j in range(LAG_BUCKETS):
+                    at = mask * ((lag >= j) if j == LAG_BUCKETS - 1 else (lag == j))
+                    stats.add(f"sampler_kl_lag{j}", sampler_mismatch_sums(old, sampler, at)["kl"])
+                    stats.add(f"tokens_lag{j}", at.sum())
             stats.add("sampler_abs_diff", mismatch["abs_diff"])
             stats.add("tokens", n_mask)
             stats.add("laid_out", float(mb.laid_out))
@@ -247,7 +258,15 @@ class Actor(Trainable):
             sum_keys += ("kl",)
         if self.balance is not None:
             sum_keys += ("router_aux_loss",)  # the routers' load-balancing loss, action-token weighted
+        lagged = "sampler_lag" in batch.fields
+        if lagged:
+            sum_keys += tuple(f"{k}_lag{j}" for j in range(LAG_BUCKETS) for k in ("sampler_kl", "tokens"))
         metrics = self.reduce(stats, "actor", sum_keys, ("ratio_max", "neg_ratio_min", "sampler_ratio_max"))
+        for j in range(LAG_BUCKETS if lagged else 0):  # (both sums were divided by the same token count)
+            share, kl = metrics.pop(f"actor/tokens_lag{j}"), metrics.pop(f"actor/sampler_kl_lag{j}")
+            if share > 0:
+                metrics[f"actor/sampler_kl_lag{j}"] = kl / share
+                metrics[f"actor/tokens_share_lag{j}"] = share
         metrics["actor/entropy_coef"] = self.last_entropy_coef
         # Tokens the update's passes computed per token its samples hold: 1.0 unshared, less when a
         # group's prompt is laid out once (actor.share_prompt).

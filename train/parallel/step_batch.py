@@ -174,12 +174,15 @@ def _all_to_all(send: list[list[torch.Tensor]], recv_sizes: list[int], dtype: to
 def dispatch(index: BatchIndex, ids: list[list[int]], masks: list[list[int]], sampler_logp: list[list[float]],
              layout: Layout, mini_batches: int, device: torch.device, share_prompt: bool = False,
              routing: list[torch.Tensor] | None = None, route_shape: tuple[int, int] = (0, 0),
-             route_dtype: torch.dtype = torch.uint8, images: list[list] | None = None) -> StepBatch:
+             route_dtype: torch.dtype = torch.uint8, images: list[list] | None = None,
+             lags: list[list[float]] | None = None) -> StepBatch:
     """This rank's kept samples (ids, action masks, sampler log-probs: one entry per token) -> the
     StepBatch of its dp group in `layout`. Two all-to-alls (token ids with masks, log-probs); every
     rank takes part. With `routing` (per sample [len - 1, *route_shape] of `route_dtype`, every rank
     passing it), a third carries the sampler's expert choices; with `images` (per sample, a vision-language
-    policy, every rank passing them), `send_images` carries each sample's pixels to the ranks that train it."""
+    policy, every rank passing them), `send_images` carries each sample's pixels to the ranks that train it. With
+    `lags` (per token: how many weight versions older than the trainer's the sampler was, -1 where nothing was
+    sampled; every rank passing them) they travel with the log-probs, into `fields["sampler_lag"]`."""
     rank, world = _world()
     dp, dp_rank = layout.sizes.dp, layout.dp_rank
     group_size, is_leader = layout.sizes.seq * layout.sizes.tp, layout.is_data_leader
@@ -193,6 +196,8 @@ def dispatch(index: BatchIndex, ids: list[list[int]], masks: list[list[int]], sa
         j = index.local[g]
         tokens = torch.tensor([ids[j], masks[j]], dtype=torch.int64)
         logp = torch.tensor(sampler_logp[j], dtype=torch.float32)
+        if lags is not None:
+            logp = torch.cat([logp, torch.tensor(lags[j], dtype=torch.float32)])
         for r in _ranks_of(target[g], group_size):
             send_int[r].append(tokens)
             send_float[r].append(logp)
@@ -201,19 +206,23 @@ def dispatch(index: BatchIndex, ids: list[list[int]], masks: list[list[int]], sa
     # What arrives from rank r: its samples for my group, in its local order (sizes known from the index).
     from_rank = [[g for g in range(index.size) if index.owner[g] == r and target[g] == dp_rank] for r in range(world)]
     got_int = _all_to_all(send_int, [2 * sum(index.length[g] for g in gs) for gs in from_rank], torch.int64, device)
-    got_float = _all_to_all(send_float, [sum(index.length[g] for g in gs) for gs in from_rank], torch.float32,
-                            device)
+    floats = 1 if lags is None else 2  # per token: the log-prob (and the lag)
+    got_float = _all_to_all(send_float, [floats * sum(index.length[g] for g in gs) for gs in from_rank],
+                            torch.float32, device)
     by_global: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for gs, flat_i, flat_f in zip(from_rank, got_int, got_float):
         lens = [index.length[g] for g in gs]
-        for g, tok, lp in zip(gs, torch.split(flat_i, [2 * n for n in lens]), torch.split(flat_f, lens)):
-            by_global[g] = (tok.view(2, -1), lp)
-    batch_ids, batch_mask, batch_logp = [], [], []
+        for g, tok, lp in zip(gs, torch.split(flat_i, [2 * n for n in lens]),
+                              torch.split(flat_f, [floats * n for n in lens])):
+            by_global[g] = (tok.view(2, -1), lp.view(floats, -1))
+    batch_ids, batch_mask, batch_logp, batch_lag = [], [], [], []
     for g in mine:
         tok, lp = by_global[g]
         batch_ids.append(tok[0].clone())
         batch_mask.append(tok[1, 1:].float())  # the shift: entry t is token t + 1
-        batch_logp.append(lp[1:].clone())
+        batch_logp.append(lp[0, 1:].clone())
+        if lags is not None:
+            batch_lag.append(lp[1, 1:].clone())
     batch_routing = None
     if routing is not None:
         width = route_shape[0] * route_shape[1]
@@ -228,7 +237,8 @@ def dispatch(index: BatchIndex, ids: list[list[int]], masks: list[list[int]], sa
                                                                        for g in own}, from_rank, device)
         batch_images = [sent[g] for g in mine]
     return StepBatch(index, dp, dp_rank, group_size, is_leader, mini_batches, mine, batch_ids, batch_mask,
-                     batch_logp, share_prompt=share_prompt, routing=batch_routing, images=batch_images)
+                     batch_logp, share_prompt=share_prompt, routing=batch_routing, images=batch_images,
+                     fields={"sampler_lag": batch_lag} if lags is not None else {})
 
 
 def send_images(images: dict[int, list], targets: dict[int, list[int]], from_rank: list[list[int]],

@@ -421,10 +421,14 @@ class Trainer:
             if key not in batches:
                 replay = m.actor.replay if model is m.actor else None  # the sampler's experts (actor.router_replay)
                 routes = {} if replay is None else dispatch_routes(kept, cfg.actor.router_replay, replay.spec)
+                # asynchronous rollouts: each token's version gap, for actor/sampler_kl_lag{j}
+                lags = ([token_lags(s, self.trainer_version) for s in kept]
+                        if cfg.rollout.max_staleness > 0 and model is m.actor else None)
                 batches[key] = dispatch(index, [s.ids for s in kept], [s.action_mask for s in kept],
                                         [s.sampler_logprobs for s in kept], model.layout, cfg.actor.mini_batches,
                                         device, share_prompt=cfg.actor.share_prompt, **routes,
-                                        images=[s.images for s in kept] if self.vision_of() is not None else None)
+                                        images=[s.images for s in kept] if self.vision_of() is not None else None,
+                                        lags=lags)
             return batches[key]
 
         batch = batch_for(m.actor)
@@ -531,6 +535,16 @@ class Trainer:
         self.log.close()
         if self.run_folder is not None:
             self.run_folder.close()
+
+
+def token_lags(sample: Sample, trainer_version: int) -> list[float]:
+    """Per token of the sample: how many weight versions older than `trainer_version` its sampler was (-1 where
+    nothing was sampled). A sample without per-token versions (kept by an older checkpoint) uses its turns'."""
+    versions = getattr(sample, "token_versions", None) or []
+    if len(versions) != len(sample.ids):
+        oldest = min(sample.turn_versions, default=trainer_version)
+        versions = [oldest if m else -1 for m in sample.action_mask]
+    return [float(trainer_version - v) if v >= 0 else -1.0 for v in versions]
 
 
 def run(cfg: DictConfig) -> None:
