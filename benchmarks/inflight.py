@@ -1,14 +1,15 @@
 """In-flight rollouts against synchronous and one-step-off ones, side by side in one run, on a long-tailed and slow
-environment: most replies short, one prompt in eight answered over 8 turns (8x longer), and a reward that waits
-a fixed latency (a judge, a sandbox).
+environment: most replies short, one prompt in eight answered over 8 turns (8x longer), and every env call (each
+tool turn and the reward: a sandbox, a judge) waiting a fixed latency.
 
-    .venv/bin/python benchmarks/inflight.py                          # throughput: 0 / 100 / 200 ms, 25 steps each
+    .venv/bin/python benchmarks/inflight.py                          # throughput: 0 / 100 / 200 ms, 16 steps each
     .venv/bin/python benchmarks/inflight.py --learn --steps 300      # + training seconds to test reward 0.6
     .venv/bin/python benchmarks/inflight.py --modes sync inflight2 --latency-ms 200 --nproc 1 --rollout-ranks 0
 
 Modes: `sync` (rollout.max_staleness=0), `offstep` (max_staleness=1: the next rollout during the update, the push
-waiting for its generation), `inflightK` (rollout.inflight=true, max_staleness=K: segments of max_new_tokens x
-max_turns / K tokens, K x prompts_per_rollout groups in flight). Default layout: 1 trainer rank + 1 dedicated
+waiting for its generation), `inflightK` (rollout.inflight=true, max_staleness=K: one segment of max_new_tokens x
+max_turns / K tokens per step, K x prompts_per_rollout groups in flight), `continuousK` (the same with
+rollout.inflight_mode=continuous: segments back to back, each at most one env call per sample). Default layout: 1 trainer rank + 1 dedicated
 rollout rank (`--nproc 2 --rollout-ranks 1`).
 
 Per run: samples trained per second (prompts x responses / median step time after `--warmup`), the step's
@@ -39,9 +40,12 @@ def _long(messages) -> bool:  # one prompt in eight, the same every run
     return hashlib.sha256(str(messages[0]["content"]).encode()).digest()[0] % 8 == 0
 
 
-def interact(messages):
+async def interact(messages):
     turns = sum(m["role"] == "assistant" for m in messages)
-    return [{{"role": "user", "content": "Show your work again."}}] if _long(messages) and turns < 8 else []
+    if not _long(messages) or turns >= 8:
+        return []
+    await asyncio.sleep({latency_s!r})  # a tool call's round trip
+    return [{{"role": "user", "content": "Show your work again."}}]
 
 
 async def reward_fn(messages, answer):
@@ -51,7 +55,9 @@ async def reward_fn(messages, answer):
 '''
 
 MODES = {"sync": ["rollout.max_staleness=0"], "offstep": ["rollout.max_staleness=1"],
-         **{f"inflight{k}": ["rollout.inflight=true", f"rollout.max_staleness={k}"] for k in (1, 2, 4)}}
+         **{f"inflight{k}": ["rollout.inflight=true", f"rollout.max_staleness={k}"] for k in (1, 2, 4)},
+         **{f"continuous{k}": ["rollout.inflight=true", "rollout.inflight_mode=continuous", f"rollout.max_staleness={k}"]
+            for k in (1, 2, 4)}}
 
 
 def env_file(work: Path, latency_ms: float) -> str:
@@ -65,6 +71,7 @@ def run(args, work: Path, mode: str, latency_ms: float, steps: int, test_freq: i
     return run_stub(work / name, [f"trainer.total_steps={steps}", f"trainer.test_freq={test_freq or 'null'}",
                                   f"rollout.env_path={env_file(work, latency_ms)}", "rollout.max_turns=8",
                                   "rollout.max_total_length=512", f"rollout.ranks={args.rollout_ranks}",
+                                  "rollout.dynamic_filtering=false",  # every step trains 16 x 8 samples
                                   f"trainer.seed={args.seed}", *MODES[mode]],
                     args.nproc, args.timeout, name)
 
@@ -95,12 +102,13 @@ def kl_by_gap(rows: list[dict]) -> dict[int, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--modes", nargs="+", default=["sync", "offstep", "inflight2", "inflight4", "continuous2",
+                                                  "continuous4"], choices=list(MODES))
     p.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 100.0, 200.0])
     p.add_argument("--nproc", type=int, default=2, help="processes in all (trainer ranks + rollout ranks)")
     p.add_argument("--rollout-ranks", type=int, default=1)
-    p.add_argument("--steps", type=int, default=25, help="steps per throughput run")
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=16, help="steps per throughput run")
+    p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--learn", action="store_true", help="also train each mode to --target (at the first latency)")
     p.add_argument("--learn-steps", type=int, default=300)
     p.add_argument("--test-freq", type=int, default=25)

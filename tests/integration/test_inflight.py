@@ -56,10 +56,11 @@ def saved_groups(folder, rank: int) -> list:
 
 # -- the worker: segments ------------------------------------------------------------------------------------
 
-def test_a_sample_paused_by_segments_samples_what_one_pass_samples(tmp_path, stub_tokenizer):
-    """Multi-turn samples advanced 3 tokens per segment (each segment tagged with a new weight version, the weights
-    unchanged) give the same tokens, env turns and rewards (collected after the segments) as one uninterrupted
-    rollout, and log-probs equal to
+@pytest.mark.parametrize("budget,env_calls", [(3, None), (100, 1)], ids=["3 tokens", "one env call"])
+def test_a_sample_paused_by_segments_samples_what_one_pass_samples(tmp_path, stub_tokenizer, budget, env_calls):
+    """Multi-turn samples advanced 3 tokens per segment, or one env round trip per segment (continuous mode), each
+    segment tagged with a new weight version (the weights unchanged), give the same tokens, env turns and rewards
+    (collected after the segments) as one uninterrupted rollout, and log-probs equal to
     float32 rounding: a paused turn continues its seeded stream of uniforms, its prefix prefilled again. Every
     sampled token carries the version of its segment; prompt and env tokens carry -1."""
     from train.engines.base import SamplingParams
@@ -81,14 +82,16 @@ def test_a_sample_paused_by_segments_samples_what_one_pass_samples(tmp_path, stu
     segments = 0
     while not all(g.generated for g in groups):
         engine.weight_version = segments  # a new version each segment (same weights)
-        groups, _ = worker.advance(groups, sampling, budget=3)
+        groups, _ = worker.advance(groups, sampling, budget=budget, env_calls=env_calls)
         segments += 1
+        if env_calls is not None:  # one env reply per sample per segment at most
+            assert all(sum(e["type"] == "tool" for e in p.sample.events) <= segments for g in groups for p in g.members)
     # rewards started when each sample was generated and ran past its segment; `scores` collects them
     keys = [(g.uid, j) for g in groups for j in range(n)]
     got = worker.scores(keys)
     assert sorted(got) == keys and all(g.done for g in groups)
     paused = [p.sample for g in groups for p in g.members]
-    assert segments >= 4  # 3 turns of up to 10 tokens, 3 per segment
+    assert segments >= 3  # 3 turns, and a segment takes up to 3 tokens or one env reply
     for one, other in zip(straight, paused):
         assert one.ids == other.ids and one.action_mask == other.action_mask and one.messages == other.messages
         assert one.reward == other.reward and one.turn_lengths == other.turn_lengths
@@ -97,7 +100,11 @@ def test_a_sample_paused_by_segments_samples_what_one_pass_samples(tmp_path, stu
         assert len(versions) == len(other.ids)
         assert all((v >= 0) == bool(m) for v, m in zip(versions, other.action_mask))
         sampled = [v for v in versions if v >= 0]
-        assert sampled == sorted(sampled) and len(set(sampled)) > 1  # several versions, in order
+        assert sampled == sorted(sampled)  # in order
+        if env_calls is None:
+            assert len(set(sampled)) > 1  # several versions
+        else:
+            assert len(set(sampled)) == other.n_turns  # each turn in a segment of its own
         assert other.turn_versions == [versions[i] for i in first_token_of_each_turn(other.action_mask)]
     worker.close()
 
@@ -161,6 +168,61 @@ def test_the_colocated_engine_samples_what_the_rollout_rank_samples(split_run, s
     assert trained(local) == {s: straight[s] for s in (1, 2, 3)}
 
 
+SLOW_EQ_ENV = '''
+import importlib.util, os, time
+spec = importlib.util.spec_from_file_location("eq", os.path.join({root!r}, "environments", "eq.py"))
+eq = importlib.util.module_from_spec(spec); spec.loader.exec_module(eq)
+
+def reward_fn(messages, answer):
+    time.sleep(0.3)  # a judge: the run is slow enough to be killed in the middle
+    return eq.reward_fn(messages, answer)
+'''
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_its_checkpoint_resumes_on_the_same_samples(split_run, small_data, tmp_path):
+    """The split run again with a slow judge (the same rewards), SIGKILLed (every process) once step 4 has begun; the
+    resume from its latest checkpoint (step 3) trains steps 4-6 on exactly the straight run's samples and ends with
+    its weights bit for bit."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import trainer_env
+    from train.runtime.checkpoint import find_latest
+
+    env_file = tmp_path / "slow_eq.py"
+    env_file.write_text(SLOW_EQ_ENV.format(root=str(ROOT)))
+    killed = tmp_path / "killed"
+    common = [f"data.train_data_path={small_data}", "trainer.total_steps=6", *INFLIGHT, "trainer.save_freq=3",
+              "rollout.ranks=1", "trainer.num_threads=1", f"rollout.env_path={env_file}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m",
+           "train.trainer.grpo", "--config-name", "stub", "trainer.progress_bar=false", f"trainer.save_dir={killed}",
+           *common]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=trainer_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 240
+    try:
+        while not ((killed / "metrics.jsonl").exists()
+                   and any(m["step"] >= 4 for m in read_jsonl(killed / "metrics.jsonl"))):
+            assert proc.poll() is None and time.time() < deadline, "the run ended before step 4"
+            time.sleep(0.05)
+    finally:
+        subprocess.run(["pkill", "-9", "-f", f"trainer.save_dir={killed}"], check=False)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert not (killed / "step6").exists()
+    latest = find_latest(str(killed))
+    assert latest == str(killed / "step3")
+    resumed = tmp_path / "resumed"
+    run_trainer([f"trainer.save_dir={resumed}", *common, f"trainer.load_ckpt_from={latest}"], nproc=2)
+    straight, again = trained(split_run), trained(resumed)
+    assert sorted(again) == [4, 5, 6] and all(again[s] == straight[s] for s in (4, 5, 6))
+    assert_same(consolidate(str(split_run / "step6")), consolidate(str(resumed / "step6")))
+
+
 @pytest.mark.slow
 def test_a_resume_on_fewer_ranks_loses_and_repeats_no_group(small_data, tmp_path):
     """2 ranks save at step 2 with groups in flight on both; 1 rank resumes: it takes both ranks' groups, and every
@@ -174,6 +236,63 @@ def test_a_resume_on_fewer_ranks_loses_and_repeats_no_group(small_data, tmp_path
     left = {g.uid for g in saved_groups(one / "step5", 0)}
     assert not before & set(after) and set(after.values()) == {4}  # each group once, whole
     assert held <= set(after) | left
+
+
+# -- continuous segments ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def continuous_run(tmp_path_factory, small_data):
+    """8 continuous in-flight steps on 1 trainer rank + 1 rollout rank, a checkpoint at 4 and an evaluation at 4."""
+    return run_inflight(tmp_path_factory.mktemp("continuous"), small_data, 8, "rollout.inflight_mode=continuous",
+                        "trainer.save_freq=4", "trainer.test_freq=4", "rollout.ranks=1", "trainer.num_threads=1",
+                        nproc=2)
+
+
+def test_continuous_segments_keep_the_bound_and_every_group_whole(continuous_run):
+    """Segments run back to back while the trainer trains: every sample within 2 versions when trained, groups
+    trained whole and once, the evaluation and the checkpoint in between."""
+    metrics, steps = metrics_by_step(continuous_run), trained(continuous_run)
+    assert sorted(steps) == list(range(1, 9)) and "rewards/test" in metrics[4] and "rewards/test" in metrics[8]
+    for step, samples in steps.items():
+        assert all(step - 1 - min(v) <= 2 and max(v) <= max(step - 1, 0) for _, _, v in samples)
+        assert metrics[step]["async/staleness_max"] <= 2 and metrics[step]["async/segments"] >= 0
+    uids = Counter(uid for samples in steps.values() for uid, _, _ in samples)
+    assert set(uids.values()) == {4} and len(uids) == 8 * 4
+
+
+def test_a_continuous_resume_continues_every_group_in_flight(continuous_run, small_data, tmp_path):
+    """Resumed from step 4 (groups in flight, generated or not): every group the checkpoint held is trained in
+    steps 5-8 or still in flight at the end; none is trained twice across the two runs."""
+    held = {g.uid for g in saved_groups(continuous_run / "step4", 0)}
+    resumed = run_inflight(tmp_path / "resumed", small_data, 8, "rollout.inflight_mode=continuous",
+                           "trainer.save_freq=4", "rollout.ranks=1", "trainer.num_threads=1",
+                           f"trainer.load_ckpt_from={continuous_run / 'step4'}", nproc=2)
+    before = {uid for s in range(1, 5) for uid, _, _ in trained(continuous_run)[s]}
+    after = Counter(uid for samples in trained(resumed).values() for uid, _, _ in samples)
+    left = {g.uid for g in saved_groups(resumed / "step8", 0)}
+    assert held and not before & set(after) and set(after.values()) == {4}
+    assert held <= set(after) | left
+
+
+STUCK_JUDGE_ENV = '''
+import asyncio
+
+async def reward_fn(messages, answer):
+    await asyncio.sleep(8)  # a judge that does not answer in time
+    return 1.0
+'''
+
+
+def test_a_continuous_wait_for_a_step_s_groups_times_out_naming_it(small_data, tmp_path):
+    """The trainer waits rollout.async_timeout_s for a step's groups, then fails with one line naming the step, what
+    it had and the key."""
+    env_file = tmp_path / "stuck_judge.py"
+    env_file.write_text(STUCK_JUDGE_ENV)
+    out = run_trainer([f"trainer.save_dir={tmp_path / 'run'}", f"data.train_data_path={small_data}",
+                       "trainer.total_steps=2", *INFLIGHT, "rollout.inflight_mode=continuous",
+                       f"rollout.env_path={env_file}", "rollout.async_timeout_s=2"], check=False, timeout=120)
+    assert out.returncode != 0
+    assert "rollout.async_timeout_s" in out.stderr and "step 1's 4 groups (0 generated and scored" in out.stderr
 
 
 # -- the bound -------------------------------------------------------------------------------------------------
@@ -195,6 +314,20 @@ def test_samples_past_the_bound_are_requeued_or_trained_and_counted(policy, smal
     assert worst == 1 if policy == "requeue" else worst >= 2
     uids = Counter(uid for samples in trained(run).values() for uid, _, _ in samples)
     assert set(uids.values()) == {4} and len(uids) == 4 * 5
+
+
+def test_dynamic_sampling_and_a_curriculum_keep_working_in_flight(small_data, tmp_path):
+    """DAPO's dynamic sampling refills from the groups in flight: every step trains exactly its share of informative
+    groups (the others are dropped and counted, never trained); a prioritized curriculum admits prompts with the pass
+    rates recorded so far."""
+    run = run_inflight(tmp_path / "dapo", small_data, 4, "rollout.dynamic_sampling=true",
+                       "data.curriculum.policy=prioritized")
+    for step, m in metrics_by_step(run).items():
+        assert m["batch/groups"] == 4 and m["dynamic_sampling/groups"] == 4
+    trained_uids = Counter(uid for samples in trained(run).values() for uid, _, _ in samples)
+    assert set(trained_uids.values()) == {4}
+    stats = [e for e in read_jsonl(run / "trajectories.jsonl") if e["type"] == "sample"]
+    assert len({s["uid"] for s in stats}) >= 16  # (the logged samples include the dropped groups)
 
 
 def test_inflight_settings_are_checked():

@@ -26,12 +26,12 @@ def test_the_trainer_holds_only_its_parts():
 
 def test_rollout_sources_share_one_interface():
     """The step calls the same methods whatever the source; the prefetching one overrides, never adds."""
-    from train.trainer.inflight import InflightRollouts
+    from train.trainer.inflight import ContinuousRollouts, InflightRollouts
     from train.trainer.rollouts import PrefetchedRollouts, RolloutSource
 
-    step_calls = {"next", "hand_over", "before_push", "settle", "pending", "restore", "inflight_state",
+    step_calls = {"next", "hand_over", "before_push", "after_push", "settle", "pending", "restore", "inflight_state",
                   "resume_inflight", "close"}
     assert step_calls <= set(vars(RolloutSource))
-    for source in (PrefetchedRollouts, InflightRollouts):
+    for source in (PrefetchedRollouts, InflightRollouts, ContinuousRollouts):
         public = {name for name in vars(source) if not name.startswith("_")}
         assert public <= set(vars(RolloutSource)), public - set(vars(RolloutSource))

@@ -103,7 +103,7 @@ def _validate_inflight(run) -> None:
     for key in ("presence_penalty", "frequency_penalty"):
         if sampling.get(key):
             _fail(f"rollout.train_sampling_params.{key}", "cannot be combined with rollout.inflight=true (a turn "
-                  "continued in the next segment counts its earlier tokens as prompt)", f"rollout.inflight=false")
+                  "continued in the next segment counts its earlier tokens as prompt)", "rollout.inflight=false")
     if sampling.get("stop"):
         _fail("rollout.train_sampling_params.stop", "stop strings cannot be combined with rollout.inflight=true (one "
               "could span a segment boundary); stop_token_ids can", "rollout.train_sampling_params.stop=[]")
@@ -199,14 +199,16 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     for section in SAMPLING_SECTIONS:
         sampling_params(run.rollout, section.split(".")[1])
     rollout, data, trainer = run.rollout, run.data, run.trainer
-    if rollout.max_staleness and rollout.dynamic_sampling:
+    if rollout.max_staleness and rollout.dynamic_sampling and not rollout.inflight:
         _fail("rollout.max_staleness", f"{rollout.max_staleness} cannot be combined with rollout.dynamic_sampling=true "
-              "(its refill rounds need all ranks between the rollout and the update)", "rollout.max_staleness=0")
+              "(its refill rounds need all ranks between the rollout and the update; rollout.inflight=true refills "
+              "from the groups in flight)", "rollout.max_staleness=0")
     if rollout.inflight:
         _validate_inflight(run)
-    if data.curriculum.policy != "uniform" and rollout.max_staleness:
+    if data.curriculum.policy != "uniform" and rollout.max_staleness and not rollout.inflight:
         _fail("data.curriculum.policy", f"{data.curriculum.policy} needs rollout.max_staleness=0 (the next batch is "
-              "drawn before this step's pass rates are known)", "data.curriculum.policy=uniform")
+              "drawn before this step's pass rates are known) or rollout.inflight=true (prompts are admitted after "
+              "each step's pass rates are recorded)", "data.curriculum.policy=uniform")
     _validate_algorithms(run)
     _validate_gpu_keys(run, world_size)
 

@@ -398,6 +398,7 @@ class Trainer:
                 wait = self.rollouts.before_push(metrics)  # a rollout in flight keeps the weights it started with
                 with phase_peak(self.ctx.device, "push", metrics):
                     metrics.update(self.sync.after_update(step, metrics, push=not frozen))  # governor, push, verify
+                self.rollouts.after_push()  # generation goes on (rollout.inflight)
             if not frozen and not metrics.get("governor/rollback"):
                 self.trainer_version = step
             if self.probe.due(step, pushed="time/weight_sync_s" in metrics):

@@ -1,41 +1,49 @@
 """In-flight rollouts (`rollout.inflight=true`): sequences keep generating across weight updates.
 
-About `rollout.inflight_groups` groups (default: max_staleness x prompts_per_rollout, the most that can finish
-within the bound at one step's worth per step) (prompts with their `responses_per_prompt` samples) are always in flight.
-The rollout side works in **segments**: in one segment every unfinished sample samples at most
-`rollout.segment_tokens` more tokens, or finishes (its env turns and its reward included). Step N trains on the
-first `prompts_per_rollout` groups, in admission order, that are done; the others go on in the next segment, with
-the weights of the next push. So a long reply no longer holds the step back, and the weights change under
-sequences that are still generating:
-
-    step N:  take the done groups -> segment N+1 starts in the background (weights N-2) -> update N
-             -> wait for segment N+1's generation (at most segment_tokens per sequence, never for the longest
-                reply; rewards may go on) -> push weights N-1... (the engine's next segment samples with them)
+About `rollout.inflight_groups` groups (prompts with their `responses_per_prompt` samples; default max_staleness x
+prompts_per_rollout) are in flight. The rollout side works in **segments**: in one segment every unfinished
+sample samples at most `rollout.segment_tokens` more tokens, its env turns included; its reward starts the moment
+its last turn is over and runs past the segment. A step trains the first `prompts_per_rollout` groups, in
+admission order, that are generated; the others go on in later segments, with the weights of later pushes. So a
+long reply no longer holds the step back, and the weights change under sequences that are still generating.
 
 A segment samples with one weight version, and every token keeps the version and the log-prob it was sampled with
 (`Sample.token_versions`), so the loss corrects each token against its own sampler (actor.tis_cap). At the next
 segment the earlier tokens are prefilled again with the new weights (their KV cache is recomputed, not kept): the
 later tokens are exactly the new policy's samples given the prefix.
 
-Deterministic: segments end by token counts, never by time, and every sample has its own request seed (a turn
-paused and resumed continues its stream of uniforms), so which tokens each version sampled never depends on thread
-timing. A checkpoint holds every group in flight (tokens, versions, log-probs, the conversation, which is the env's
-whole state) and the count of rows admitted, so a resume continues them bit-exactly; on another world size the
-saving ranks' groups are dealt to the new ranks (old rank r's to new rank r mod world): none lost, none twice.
+Two paces (`rollout.inflight_mode`):
+
+- `InflightRollouts`, lockstep: one segment per step, in the background during the update (weights of the step
+  before), and the push waits for it to pause (at most segment_tokens per sequence, never the longest reply):
+
+      step N:  take the generated groups -> segment N+1 starts (weights N-1) -> update N -> segment N+1 pauses
+               -> push (weights N: segment N+2 samples with them)
+
+  Deterministic: segments end by token counts, never by time, and every sample has its own request seed (a turn
+  paused and resumed continues its stream of uniforms), so which tokens each version sampled never depends on
+  thread timing, and a resume from a checkpoint trains on exactly the samples of a straight run.
+- `ContinuousRollouts`: segments back to back on a thread of their own, each at most one env round trip per
+  sample; a push waits for the segment in flight. Faster with a slow environment, not deterministic.
+
+A checkpoint holds every group in flight (tokens, versions, log-probs, the conversation, which is the env's whole
+state; rewards in flight are collected first) and the count of rows admitted; on another world size the saving
+ranks' groups are dealt to the new ranks (old rank r's to new rank r mod world): none lost, none twice.
 
 The staleness bound (`rollout.max_staleness=k`, per sample): trained at step T, whose weights are T-1's, a sample's
-oldest token is at most k versions old. Before each segment of step M a sample whose oldest token would be older
-than that when trained at step M is either started again from its prompt with the newest weights
-(`rollout.over_stale=requeue`: the bound holds strictly) or finished and trained past the bound (`finish`); its
-group is kept either way, and the share and lengths of such samples are logged (`async/over_stale_share`,
-`async/over_stale_tokens_mean` and an `over_stale` event with every length), so a bias towards short replies is
-not hidden. Admission never draws more prompts than keep `inflight_groups` in flight, which keeps the queue of done
-groups short and the lag of the groups in it within the bound.
+oldest token is at most k versions old. Before each segment, and when a group is taken, a sample whose oldest
+token would be older is either started again from its prompt with the newest weights (`rollout.over_stale=requeue`:
+the bound holds strictly) or trained past the bound (`finish`); its group is kept either way, and the share and
+lengths of such samples are logged (`async/over_stale_share`, `async/over_stale_tokens_mean`, an `over_stale`
+event with every length), so a bias towards short replies is not hidden. Admission never draws more prompts than
+keep `inflight_groups` in flight, which keeps the queue of generated groups short and within the bound.
 """
 from __future__ import annotations
 
 import math
 import os
+import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -45,9 +53,9 @@ from train.parallel.collectives import all_reduce_max_many, all_reduce_sum
 from train.parallel.distributed import DistContext
 from train.runtime.checkpoint import CheckpointError
 from train.runtime.watchdog import Watchdog
-from train.trainer.prefetch import RolloutPrefetcher, StepRollout
+from train.trainer.prefetch import RolloutPrefetcher, RolloutTimeout, StepRollout
 from train.trainer.rollouts import RolloutSource, StepSamples
-from train.trainer.step import shape_rewards
+from train.trainer.step import select_groups, shape_rewards
 from train.workers.config import RolloutConfig
 from train.workers.rollout import Group, Sample, sample_seed
 
@@ -84,8 +92,11 @@ class InflightRollouts(RolloutSource):
         background = self.prefetch.take(step)
         if background is not None:
             self._add(background)
+        dropped: list[Group] = []  # rollout.dynamic_sampling: generated groups without signal, not trained
         for _ in range(MAX_SEGMENTS_PER_STEP):
             self._take_over_stale(trainer_version)
+            if self.settings.dynamic_sampling:
+                dropped += self._drop_uninformative()
             ready = sum(g.generated for g in self.groups)
             fewest, = all_reduce_max_many([-float(ready)], self.ctx.device)
             if -fewest >= self.per_step:  # every rank has a step's worth (collective: all ranks decide alike)
@@ -99,19 +110,23 @@ class InflightRollouts(RolloutSource):
         taken = [g for g in self.groups if g.generated][: self.per_step]
         self.groups = [g for g in self.groups if not any(g is t for t in taken)]
         self._collect_scores(taken)
+        return self._hand_out(step, trainer_version, taken, dropped, waited)
+
+    def _hand_out(self, step: int, trainer_version: int, taken: list[Group], dropped: list[Group],
+                  waited: dict[str, float]) -> StepSamples:
+        """The step's samples (the groups taken, scored), with the rollout's metrics."""
+        c, self._counters = self._counters, self._fresh_counters()
         samples = []
-        for i, group in enumerate(taken):
+        for i, group in enumerate(taken + dropped):  # (collect's filter drops the dropped ones again, counted)
             for p in group.members:
                 p.sample.group, p.sample.uid = i, group.uid
                 samples.append(p.sample)
         shape_rewards(samples, self.settings)
-        c = self._counters
         rollout = StepRollout(step, samples, c["seconds"], (c["tokens"], c["engine_s"]), self.loader.state_dict(),
-                              [g.row_index for g in taken])
+                              [g.row_index for g in taken + dropped])
         got = self.collect(step, rollout, trainer_version)
         got.metrics.update(waited)
-        got.metrics.update(self._inflight_metrics(step, samples, trainer_version))
-        self._counters = self._fresh_counters()
+        got.metrics.update(self._inflight_metrics(step, samples, trainer_version, c))
         return got
 
     def hand_over(self, step: int, metrics: dict[str, float]) -> None:
@@ -150,10 +165,30 @@ class InflightRollouts(RolloutSource):
         before = self._engine_counters()
         got, seconds = self.rollout.advance(running, self.sampling, self.budget, what=f"step {step}'s segment",
                                             on_generated=generated)
-        fresh = {g.uid: g for g in got}
-        self.groups = [fresh.get(g.uid, g) for g in self.groups]
+        self._merge(got)
         counters = tuple(a - b for a, b in zip(self._engine_counters(), before))
         return StepRollout(step, [], seconds, counters, {})
+
+    def _merge(self, got: list[Group]) -> None:
+        """Groups back from a segment (the same objects, or a rollout rank's copies) in their places."""
+        fresh = {g.uid: g for g in got}
+        self.groups = [fresh.get(g.uid, g) for g in self.groups]
+
+    def _drop_uninformative(self, scored_only: bool = False, among: list[Group] | None = None) -> list[Group]:
+        """rollout.dynamic_sampling: the generated groups whose shaped rewards are all equal (or whose prompt could
+        not be used) leave the pool: a step counts only informative groups as ready, and segments go on until
+        every rank has its share (DAPO's refill, without rounds: the next prompts are already in flight).
+        `scored_only`: only groups whose rewards are in (no waiting for the others)."""
+        generated = [g for g in (self.groups if among is None else among) if (g.done if scored_only else g.generated)]
+        self._collect_scores(generated)
+        out = []
+        for g in generated:
+            samples = [p.sample for p in g.members]
+            shape_rewards(samples, self.settings)
+            if not select_groups(samples, self.n, True):
+                out.append(g)
+        self.groups = [g for g in self.groups if not any(g is o for o in out)]
+        return out
 
     def _collect_scores(self, groups: list[Group]) -> None:
         """The rewards of the generated samples of `groups` not scored yet (their reward calls started when they
@@ -215,10 +250,10 @@ class InflightRollouts(RolloutSource):
                     else:
                         p.over_stale = True
 
-    def _take_over_stale(self, trainer_version: int) -> None:
+    def _take_over_stale(self, trainer_version: int, among: list[Group] | None = None) -> None:
         """Done groups waiting to be trained may have grown too old while they waited (requeue: their old samples
-        go back in flight; finish: they are trained anyway, counted)."""
-        self._requeue_or_flag([g for g in self.groups if g.generated], trainer_version)
+        go back in flight; finish: they are trained anyway, counted). `among`: these groups only."""
+        self._requeue_or_flag([g for g in (self.groups if among is None else among) if g.generated], trainer_version)
 
     def _count_over_stale(self, tokens: int) -> None:
         self._counters["over_stale"] += 1
@@ -233,14 +268,14 @@ class InflightRollouts(RolloutSource):
     def _staleness_metrics(self, samples: list[Sample], trainer_version: int) -> dict[str, float]:
         return {}  # (in _inflight_metrics, per token version)
 
-    def _inflight_metrics(self, step: int, samples: list[Sample], trainer_version: int) -> dict[str, float]:
+    def _inflight_metrics(self, step: int, samples: list[Sample], trainer_version: int,
+                          c: dict) -> dict[str, float]:
         """Staleness per sample (its oldest token), the versions a sample spans, segments run, groups in flight,
         and the samples past the bound (all ranks)."""
         used = [s for s in samples if s.oldest_version() is not None]
         lags = [trainer_version - s.oldest_version() for s in used]
         spans = [max(v for v in s.token_versions if v >= 0) - min(v for v in s.token_versions if v >= 0) + 1
                  for s in used if any(v >= 0 for v in s.token_versions)]
-        c = self._counters
         worst, widest = all_reduce_max_many([float(max(lags, default=0)), float(max(spans, default=0))],
                                             self.ctx.device)
         total_lag, count, total_span, spanning, over, over_tokens, in_flight = all_reduce_sum(
@@ -293,6 +328,172 @@ class InflightRollouts(RolloutSource):
                                       "(a damaged checkpoint: resume from an earlier one)")
             groups += saved["groups"]
         self.groups = sorted(groups, key=lambda g: g.uid)
+
+
+class ContinuousRollouts(InflightRollouts):
+    """`rollout.inflight_mode=continuous`: segments run back to back on a thread of their own while the trainer
+    trains; a push (and an evaluation, a checkpoint) waits for the segment in flight, then the next ones sample
+    with the new weights. A segment takes each sample at most `segment_tokens` tokens and one env round trip, so
+    the wait stays short even with a slow tool. A step takes the first groups (admission order) that are generated
+    and scored as soon as every rank has its share. Not deterministic: how many segments ran before a push
+    depends on timing, so a resume continues every group in flight (none lost, none twice) but not on the same
+    tokens."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.prefetch.close()  # (the lockstep source's; segments run on this source's own thread)
+        self._cond = threading.Condition()
+        self._paused, self._running, self._stopping = True, False, False
+        self._in_segment: set[int] = set()  # the uids of the groups the segment in flight holds
+        self._failure: BaseException | None = None
+        self._trainer_version = 0  # the trainer's weights as of the step in progress (the bound, before a segment)
+        self._thread = threading.Thread(target=self._loop, name="rollout-continuous", daemon=True)
+        self._thread.start()
+
+    # -- the step's calls ------------------------------------------------------------------
+    def next(self, step: int, trainer_version: int) -> StepSamples:
+        self.engine.wake()
+        self._trainer_version = trainer_version
+        start = time.monotonic()
+        self._resume()
+        dropped: list[Group] = []
+        while True:
+            with self._cond:
+                self._raise_failure()
+                settled = self._settled()
+                self._take_over_stale(trainer_version, settled)
+                if self.settings.dynamic_sampling:
+                    dropped += self._drop_uninformative(scored_only=True, among=settled)
+                ready = sum(g.generated and g.done for g in self._settled())
+            fewest, = all_reduce_max_many([-float(ready)], self.ctx.device)
+            if -fewest >= self.per_step:
+                break
+            self._admit(step)  # (collective: every rank loops as often, each decision all-reduced)
+            if time.monotonic() - start > self.settings.async_timeout_s:
+                raise RolloutTimeout(f"the trainer waited {self.settings.async_timeout_s:.0f} s "
+                                     f"(rollout.async_timeout_s) for step {step}'s {self.per_step} groups "
+                                     f"({ready} generated and scored on rank {self.ctx.rank}): the engine or an env "
+                                     "call is stuck (see the watchdog's stack dump if it fired)")
+            with self._cond:
+                self._cond.notify_all()
+                self._cond.wait(timeout=0.5)  # until a segment ends
+        with self._cond:
+            taken = [g for g in self._settled() if g.generated and g.done][: self.per_step]
+            self.groups = [g for g in self.groups if not any(g is t for t in taken)]
+        return self._hand_out(step, trainer_version, taken, dropped,
+                              {"async/trainer_wait_s": time.monotonic() - start})
+
+    def hand_over(self, step: int, metrics: dict[str, float]) -> None:
+        if step >= self.total_steps:
+            self._pause()
+            self.engine.sleep()
+            return
+        self._admit(step + 1)
+        self._resume()
+
+    def before_push(self, metrics: dict[str, float]) -> float:
+        """The segment in flight ends with the weights it started with; none starts until `after_push`."""
+        with self.watchdog.phase("rollout drain"):
+            wait = self._pause()
+        metrics["async/trainer_wait_s"] = metrics.get("async/trainer_wait_s", 0.0) + wait
+        return wait
+
+    def after_push(self) -> None:
+        self._resume()
+
+    def settle(self, metrics: dict[str, float]) -> float:
+        return self._pause()
+
+    def inflight_state(self) -> tuple[dict, dict]:
+        self._pause()  # (resumed by the next step)
+        return super().inflight_state()
+
+    def _admit(self, step: int) -> None:
+        with self._cond:
+            super()._admit(step)
+            self._cond.notify_all()
+
+    def _idle(self) -> bool:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=60.0)
+        return not self._thread.is_alive()
+
+    # -- the segments' thread --------------------------------------------------------------
+    def _pause(self) -> float:
+        """Stop starting segments and wait for the one in flight; the seconds waited."""
+        start = time.monotonic()
+        with self._cond:
+            self._paused = True
+            while self._running:
+                self._raise_failure()
+                if time.monotonic() - start > self.settings.async_timeout_s:
+                    raise RolloutTimeout(f"the trainer waited {self.settings.async_timeout_s:.0f} s "
+                                         "(rollout.async_timeout_s) for the segment in flight to end; the engine or "
+                                         "an env call is stuck")
+                self._cond.wait(timeout=0.5)
+            self._raise_failure()
+        return time.monotonic() - start
+
+    def _resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def _settled(self) -> list[Group]:
+        """The groups the segment in flight does not hold (the trainer may take, requeue or drop them)."""
+        return [g for g in self.groups if g.uid not in self._in_segment]
+
+    def _work(self) -> list[Group]:
+        """The groups a segment would take on: samples to generate, or rewards to collect."""
+        return [g for g in self.groups if not g.done]
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopping and (self._paused or not self._work()):
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    self._running = True
+                    self._requeue_or_flag([g for g in self.groups if not g.generated], self._trainer_version)
+                    groups = self._work()
+                    self._in_segment = {g.uid for g in groups}
+                try:
+                    self._segment_of(groups)
+                finally:
+                    with self._cond:
+                        self._running, self._in_segment = False, set()
+                        self._cond.notify_all()
+        except BaseException as e:  # the trainer raises it at its next wait
+            with self._cond:
+                self._failure = e
+                self._cond.notify_all()
+
+    def _segment_of(self, groups: list[Group]) -> None:
+        before = self._engine_counters()
+        if any(not g.generated for g in groups):
+            got, seconds = self.rollout.advance(groups, self.sampling, self.budget, what="a segment", env_calls=1)
+        else:  # only rewards still computing: wait for them
+            start = time.monotonic()
+            scored = self.rollout.scores([(g.uid, j) for g in groups for j, p in enumerate(g.members)
+                                          if p.generated and not p.done])
+            for g in groups:
+                for j, p in enumerate(g.members):
+                    if (g.uid, j) in scored:
+                        p.sample.reward, p.sample.env_error = scored[(g.uid, j)]
+                        p.done = True
+            got, seconds = groups, time.monotonic() - start
+        counters = tuple(a - b for a, b in zip(self._engine_counters(), before))
+        with self._cond:
+            self._merge(got)
+            self._add(StepRollout(0, [], seconds, counters, {}))
 
 
 def longest_sample(max_new_tokens: int, settings: RolloutConfig) -> int:

@@ -70,6 +70,9 @@ class RolloutSource:
         """Before a weight push: the seconds waited for a rollout still generating (none here)."""
         return 0.0
 
+    def after_push(self) -> None:
+        """After the weight push (or the update that pushed nothing): generation may go on (rollout.inflight)."""
+
     def settle(self, metrics: dict[str, float]) -> float:
         """Before an evaluation or the run's end: the seconds waited for a rollout in flight (none here)."""
         return 0.0

@@ -23,6 +23,9 @@ class RolloutConfig:
                                  "step N's update, samples k weight versions old)", example="1")
     inflight: bool = setting("true: sequences keep generating across weight updates; a step trains the first "
                              "groups done (needs max_staleness >= 1, the bound on each sample's oldest token)")
+    inflight_mode: str = setting("inflight: lockstep (one segment per step, deterministic: exact resume) | continuous "
+                                 "(segments back to back, the push between two; faster with slow envs, not "
+                                 "deterministic)", choices=("lockstep", "continuous"))
     segment_tokens: int | None = setting("inflight: tokens each unfinished sample samples per segment (null: "
                                          "max_new_tokens x max_turns / max_staleness)", ge=1, example="32")
     inflight_groups: int | None = setting("inflight: groups kept in flight, all ranks together (null: "

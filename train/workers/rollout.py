@@ -210,11 +210,13 @@ class RolloutWorker:
         if p.generated and not p.done:
             await self._score(p)
 
-    async def _generate(self, p: Partial, sampling: SamplingParams, budget: int | None) -> None:
+    async def _generate(self, p: Partial, sampling: SamplingParams, budget: int | None,
+                        env_calls: int | None = None) -> None:
         """The sample's turns from where they stand, until its last turn is over (`p.generated`) or `budget` more
-        tokens were sampled (`p.paused`). An env call that fails scores it rollout.env_error_reward and ends it."""
+        tokens were sampled or `env_calls` env replies taken (`p.paused`). An env call that fails scores it
+        rollout.env_error_reward and ends it."""
         try:
-            finished = await self._turns(p, self.envs.for_row(p.row), sampling, budget)
+            finished = await self._turns(p, self.envs.for_row(p.row), sampling, budget, env_calls)
         except EnvCallError as e:
             p.sample.reward, p.sample.env_error = self.env_error_reward, str(e)
             p.paused, p.generated, p.done = False, True, True
@@ -230,7 +232,8 @@ class RolloutWorker:
         p.done = True
         return p.sample.reward, p.sample.env_error
 
-    async def _turns(self, p: Partial, env: Environment, sampling: SamplingParams, budget: int | None) -> bool:
+    async def _turns(self, p: Partial, env: Environment, sampling: SamplingParams, budget: int | None,
+                     env_calls: int | None = None) -> bool:
         """Generate, let the env answer, again, up to max_turns, from where `p` stands; the sample and its
         conversation grow in place. False when `budget` sampled tokens ran out first (the turn in progress goes
         on in the next call: seeded requests continue their stream of uniforms where they stopped). `p.shown` is
@@ -239,8 +242,10 @@ class RolloutWorker:
         tok, sample, messages = self.tokenizer, p.sample, p.messages
         shown = p.shown if p.shown is not None else messages
         tools = p.row.get("tools")
-        used = 0
+        used = calls = 0
         while p.turn < self.max_turns:
+            if env_calls is not None and calls >= env_calls:
+                return False  # paused before its next turn: one env round trip per segment at most
             turn = p.turn
             room = self.max_total_length - len(sample.ids)
             if room <= 0:
@@ -307,6 +312,7 @@ class RolloutWorker:
             sample.action_mask += [0] * len(extra)
             sample.sampler_logprobs += [0.0] * len(extra)
             sample.token_versions += [-1] * len(extra)
+            calls += 1
         return True
 
     def _shown(self, new: list[dict], turn: int) -> tuple[list[dict], list[ImageInputs]]:
@@ -367,13 +373,15 @@ class RolloutWorker:
         return self.loop.run_until_complete(run_all()), time.perf_counter() - start
 
     def advance(self, groups: list[Group], sampling: SamplingParams, budget: int, what: str = "a segment",
-                on_generated: Callable[[], None] | None = None) -> tuple[list[Group], float]:
+                on_generated: Callable[[], None] | None = None, env_calls: int | None = None,
+                ) -> tuple[list[Group], float]:
         """One segment (rollout.inflight): every sample of `groups` not generated yet goes on until its last turn is
         over or it has sampled `budget` more tokens; samples not started (a new group, a requeued sample) are
         templated and started first, seeded by `group.seeds`. Returns once no sample uses the engine (the groups,
         changed in place, and the wall time): the reward of each sample generated meanwhile started the moment it
-        was and runs on (`scores` collects it). `on_generated`: called then; `what` names the request where it
-        crosses ranks."""
+        was and runs on (`scores` collects it; rewards finished by then are on their samples already). `env_calls`:
+        at most that many env replies per sample in the segment (None: any). `on_generated`: called then; `what`
+        names the request where it crosses ranks."""
         start = time.perf_counter()
         for i, group in enumerate(groups):
             if group.members is None:
@@ -384,7 +392,7 @@ class RolloutWorker:
                                  for p, seed in zip(group.members, group.seeds)]
 
         async def one(key: tuple[int, int], p: Partial) -> None:
-            await self._generate(p, sampling, budget)
+            await self._generate(p, sampling, budget, env_calls)
             if p.generated and not p.done:  # scored from now on, past this segment's end
                 self._scoring[key] = asyncio.ensure_future(self._score(p))
                 await asyncio.sleep(0)  # (its env call starts now, not at the loop's next run)
@@ -392,6 +400,12 @@ class RolloutWorker:
         running = [one((g.uid, j), p) for g in groups for j, p in enumerate(g.members) if not p.generated]
         if running:
             self.loop.run_until_complete(_gather(running))
+        for g in groups:  # rewards that came in meanwhile (on a rollout rank: onto the copies that go back)
+            for j, p in enumerate(g.members):
+                task = self._scoring.get((g.uid, j))
+                if p.generated and not p.done and task is not None and task.done():
+                    p.sample.reward, p.sample.env_error = self._scoring.pop((g.uid, j)).result()
+                    p.done = True
         if on_generated is not None:
             on_generated()
         return groups, time.perf_counter() - start

@@ -157,7 +157,8 @@ class RolloutServer:
         engine.weight_version = requests[0]["version"]
         before = (float(engine.stats["generated_tokens"]), float(engine.stats["generation_seconds"]))
         every = [g for r in requests for g in r["groups"]]
-        _, seconds = self.worker.advance(every, requests[0]["sampling"], requests[0]["budget"], requests[0]["what"])
+        _, seconds = self.worker.advance(every, requests[0]["sampling"], requests[0]["budget"], requests[0]["what"],
+                                         env_calls=requests[0].get("env_calls"))
         tokens = float(engine.stats["generated_tokens"]) - before[0]
         engine_seconds = float(engine.stats["generation_seconds"]) - before[1]
         calls, stuck = self.worker.pop_api_calls(), self.worker.stuck_calls
