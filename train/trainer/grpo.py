@@ -373,8 +373,7 @@ class Trainer:
 
     # -- one step --------------------------------------------------------------------------
     def train_step(self, step: int, boundary: bool = True) -> dict[str, float]:
-        """Rollout, update, push. With `boundary` (an evaluation or the run's end follows) nothing is left
-        in flight; otherwise the next rollout may still be computing rewards when it returns."""
+        """Rollout, update, push; with `boundary` (an evaluation or the run's end follows) nothing left in flight."""
         t0 = time.perf_counter()
         with self.watchdog.phase("rollout"), phase_peak(self.ctx.device, "rollout", peaks := {}):  # memory/*: CUDA
             got = self.rollouts.next(step, self.trainer_version)  # made now, made ahead, or on a rollout rank
@@ -398,11 +397,11 @@ class Trainer:
                 wait = self.rollouts.before_push(metrics)  # a rollout in flight keeps the weights it started with
                 with phase_peak(self.ctx.device, "push", metrics):
                     metrics.update(self.sync.after_update(step, metrics, push=not frozen))  # governor, push, verify
-                self.rollouts.after_push()  # generation goes on (rollout.inflight)
-            if not frozen and not metrics.get("governor/rollback"):
-                self.trainer_version = step
+            pushed = not frozen and not metrics.get("governor/rollback")
+            self.trainer_version = step if pushed else self.trainer_version
             if self.probe.due(step, pushed="time/weight_sync_s" in metrics):
                 metrics["engine/probe_abs_diff"] = self.probe(self.engine, self.models.actor, step, self.ctx)
+            self.rollouts.after_push()  # generation goes on (rollout.inflight), after the probe's use of the engine
         if boundary:  # an evaluation (it uses the engine) or the run's end follows
             wait += self.rollouts.settle(metrics)
         metrics["time/update_s"] = time.perf_counter() - t1 - metrics.get("time/weight_sync_s", 0.0) - wait
