@@ -56,9 +56,10 @@ def saved_groups(folder, rank: int) -> list:
 
 # -- the worker: segments ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("budget,env_calls", [(3, None), (100, 1)], ids=["3 tokens", "one env call"])
-def test_a_sample_paused_by_segments_samples_what_one_pass_samples(tmp_path, stub_tokenizer, budget, env_calls):
-    """Multi-turn samples advanced 3 tokens per segment, or one env round trip per segment (continuous mode), each
+@pytest.mark.parametrize("budget,defer_env", [(3, False), (100, True)], ids=["3 tokens", "to each env call"])
+def test_a_sample_paused_by_segments_samples_what_one_pass_samples(tmp_path, stub_tokenizer, budget, defer_env):
+    """Multi-turn samples advanced 3 tokens per segment, or to each env call, which runs on past the segment
+    (continuous mode), each
     segment tagged with a new weight version (the weights unchanged), give the same tokens, env turns and rewards
     (collected after the segments) as one uninterrupted rollout, and log-probs equal to
     float32 rounding: a paused turn continues its seeded stream of uniforms, its prefix prefilled again. Every
@@ -82,14 +83,14 @@ def test_a_sample_paused_by_segments_samples_what_one_pass_samples(tmp_path, stu
     segments = 0
     while not all(g.generated for g in groups):
         engine.weight_version = segments  # a new version each segment (same weights)
-        groups, _ = worker.advance(groups, sampling, budget=budget, env_calls=env_calls)
+        groups, _ = worker.advance(groups, sampling, budget=budget, defer_env=defer_env)
         segments += 1
-        if env_calls is not None:  # one env reply per sample per segment at most
+        if defer_env:  # one env reply per sample per segment at most
             assert all(sum(e["type"] == "tool" for e in p.sample.events) <= segments for g in groups for p in g.members)
     # rewards started when each sample was generated and ran past its segment; `scores` collects them
     keys = [(g.uid, j) for g in groups for j in range(n)]
-    got = worker.scores(keys)
-    assert sorted(got) == keys and all(g.done for g in groups)
+    got = worker.scores(keys)  # (those already in are on their samples)
+    assert set(got) <= set(keys) and all(g.done for g in groups)
     paused = [p.sample for g in groups for p in g.members]
     assert segments >= 3  # 3 turns, and a segment takes up to 3 tokens or one env reply
     for one, other in zip(straight, paused):
@@ -101,7 +102,7 @@ def test_a_sample_paused_by_segments_samples_what_one_pass_samples(tmp_path, stu
         assert all((v >= 0) == bool(m) for v, m in zip(versions, other.action_mask))
         sampled = [v for v in versions if v >= 0]
         assert sampled == sorted(sampled)  # in order
-        if env_calls is None:
+        if not defer_env:
             assert len(set(sampled)) > 1  # several versions
         else:
             assert len(set(sampled)) == other.n_turns  # each turn in a segment of its own

@@ -23,8 +23,9 @@ Two paces (`rollout.inflight_mode`):
   Deterministic: segments end by token counts, never by time, and every sample has its own request seed (a turn
   paused and resumed continues its stream of uniforms), so which tokens each version sampled never depends on
   thread timing, and a resume from a checkpoint trains on exactly the samples of a straight run.
-- `ContinuousRollouts`: segments back to back on a thread of their own, each at most one env round trip per
-  sample; a push waits for the segment in flight. Faster with a slow environment, not deterministic.
+- `ContinuousRollouts`: segments back to back on a thread of their own; a sample pauses at each env call, which
+  runs on past the segment, so a push waits for generation only. Faster with a slow environment, not
+  deterministic.
 
 A checkpoint holds every group in flight (tokens, versions, log-probs, the conversation, which is the env's whole
 state; rewards in flight are collected first) and the count of rows admitted; on another world size the saving
@@ -333,8 +334,8 @@ class InflightRollouts(RolloutSource):
 class ContinuousRollouts(InflightRollouts):
     """`rollout.inflight_mode=continuous`: segments run back to back on a thread of their own while the trainer
     trains; a push (and an evaluation, a checkpoint) waits for the segment in flight, then the next ones sample
-    with the new weights. A segment takes each sample at most `segment_tokens` tokens and one env round trip, so
-    the wait stays short even with a slow tool. A step takes the first groups (admission order) that are generated
+    with the new weights. A segment takes each sample at most `segment_tokens` tokens or to its next env call,
+    which runs on past the segment (the next segment takes its reply), so no push waits for a tool. A step takes the first groups (admission order) that are generated
     and scored as soon as every rank has its share. Not deterministic: how many segments ran before a push
     depends on timing, so a resume continues every group in flight (none lost, none twice) but not on the same
     tokens."""
@@ -478,18 +479,8 @@ class ContinuousRollouts(InflightRollouts):
 
     def _segment_of(self, groups: list[Group]) -> None:
         before = self._engine_counters()
-        if any(not g.generated for g in groups):
-            got, seconds = self.rollout.advance(groups, self.sampling, self.budget, what="a segment", env_calls=1)
-        else:  # only rewards still computing: wait for them
-            start = time.monotonic()
-            scored = self.rollout.scores([(g.uid, j) for g in groups for j, p in enumerate(g.members)
-                                          if p.generated and not p.done])
-            for g in groups:
-                for j, p in enumerate(g.members):
-                    if (g.uid, j) in scored:
-                        p.sample.reward, p.sample.env_error = scored[(g.uid, j)]
-                        p.done = True
-            got, seconds = groups, time.monotonic() - start
+        # (a segment with nothing to generate waits for the first env reply or reward: no busy loop)
+        got, seconds = self.rollout.advance(groups, self.sampling, self.budget, what="a segment", defer_env=True)
         counters = tuple(a - b for a, b in zip(self._engine_counters(), before))
         with self._cond:
             self._merge(got)

@@ -109,12 +109,12 @@ class RemoteRollout:
         return reply["samples"], reply["seconds"]
 
     def advance(self, groups: list, sampling: SamplingParams, budget: int, what: str = "a segment",
-                on_generated=None, env_calls: int | None = None) -> tuple[list, float]:
+                on_generated=None, defer_env: bool = False) -> tuple[list, float]:
         """One in-flight segment of `groups` (rollout.inflight) on the rollout rank: they travel there and back
         (tokens, versions, log-probs, conversations); the groups as they came back and the wall time."""
         reply = self.engine.request(
             {"kind": "advance", "what": what, "groups": groups, "sampling": sampling, "budget": budget,
-             "env_calls": env_calls, "version": self.engine.weight_version},
+             "defer_env": defer_env, "version": self.engine.weight_version},
             f"the request for {what}", f"the groups of {what}")
         self._took(reply)
         if on_generated is not None:

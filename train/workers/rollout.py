@@ -79,6 +79,7 @@ class Partial:
     done: bool = False  # generated and scored
     paused: bool = False  # stopped by a segment's token budget (goes on in the next segment)
     over_stale: bool = False  # older than rollout.max_staleness allows, trained anyway (rollout.over_stale=finish)
+    awaiting_env: bool = False  # its turn is over and the env's reply to it not yet taken
 
     @property
     def messages(self) -> list[dict]:
@@ -154,8 +155,10 @@ class RolloutWorker:
         self.max_env_chars = max_env_chars  # rollout.max_env_chars (None: ENV_CHARS_PER_TOKEN per token left)
         # One loop for the worker's life: the engine's batching task and env clients bind to it.
         self.loop = asyncio.new_event_loop()
-        # Rewards of in-flight samples still computing after their segment ended, by (group uid, sample index).
+        # Rewards of in-flight samples still computing after their segment ended, and env calls of continuous
+        # segments still running, by (group uid, sample index).
         self._scoring: dict[tuple[int, int], asyncio.Future] = {}
+        self._env_calls: dict[tuple[int, int], asyncio.Future] = {}
 
     def _prompt(self, row: dict) -> tuple[list[int], list[dict], list[ImageInputs]] | ImageError:
         """The row's prompt ids, its messages as the template renders them (images as placeholder text),
@@ -211,41 +214,37 @@ class RolloutWorker:
             await self._score(p)
 
     async def _generate(self, p: Partial, sampling: SamplingParams, budget: int | None,
-                        env_calls: int | None = None) -> None:
-        """The sample's turns from where they stand, until its last turn is over (`p.generated`) or `budget` more
-        tokens were sampled or `env_calls` env replies taken (`p.paused`). An env call that fails scores it
-        rollout.env_error_reward and ends it."""
+                        env_key: tuple[int, int] | None = None) -> None:
+        """The sample's turns from where they stand, until its last turn is over (`p.generated`) or it pauses
+        (`p.paused`: `budget` more tokens sampled, or with `env_key` an env call started). An env call that fails
+        scores it rollout.env_error_reward and ends it."""
         try:
-            finished = await self._turns(p, self.envs.for_row(p.row), sampling, budget, env_calls)
+            finished = await self._turns(p, self.envs.for_row(p.row), sampling, budget, env_key)
         except EnvCallError as e:
             p.sample.reward, p.sample.env_error = self.env_error_reward, str(e)
-            p.paused, p.generated, p.done = False, True, True
+            p.paused, p.generated, p.done, p.awaiting_env = False, True, True, False
             return
         p.paused, p.generated = not finished, finished
 
-    async def _score(self, p: Partial) -> tuple[float, str | None]:
-        """The generated sample's reward (an env error scores it rollout.env_error_reward); (reward, error)."""
-        try:
-            p.sample.reward = await self.envs.for_row(p.row).reward(p.messages, p.sample.answer)
-        except EnvCallError as e:
-            p.sample.reward, p.sample.env_error = self.env_error_reward, str(e)
-        p.done = True
-        return p.sample.reward, p.sample.env_error
-
     async def _turns(self, p: Partial, env: Environment, sampling: SamplingParams, budget: int | None,
-                     env_calls: int | None = None) -> bool:
+                     env_key: tuple[int, int] | None = None) -> bool:
         """Generate, let the env answer, again, up to max_turns, from where `p` stands; the sample and its
-        conversation grow in place. False when `budget` sampled tokens ran out first (the turn in progress goes
-        on in the next call: seeded requests continue their stream of uniforms where they stopped). `p.shown` is
-        the conversation as the template renders it (with images: their placeholder text), which the env never
-        sees."""
+        conversation grow in place. False when it paused: `budget` sampled tokens ran out first (the turn in
+        progress goes on in the next call: seeded requests continue their stream of uniforms where they stopped),
+        or, with `env_key` (continuous segments), an env call started: it runs on past this call (the next one
+        takes its reply), so no segment waits for a tool. `p.shown` is the conversation as the template renders it
+        (with images: their placeholder text), which the env never sees."""
         tok, sample, messages = self.tokenizer, p.sample, p.messages
-        shown = p.shown if p.shown is not None else messages
-        tools = p.row.get("tools")
-        used = calls = 0
-        while p.turn < self.max_turns:
-            if env_calls is not None and calls >= env_calls:
-                return False  # paused before its next turn: one env round trip per segment at most
+        used = 0
+        while True:
+            if p.awaiting_env:  # the reply of the env call an earlier segment started (or, after a resume, anew)
+                task = self._env_calls.pop(env_key, None) if env_key is not None else None
+                new = await (task if task is not None else env.interact(messages))
+                p.awaiting_env = False
+                if not self._take_reply(p, new):
+                    return True
+            if p.turn >= self.max_turns:
+                return True
             turn = p.turn
             room = self.max_total_length - len(sample.ids)
             if room <= 0:
@@ -282,37 +281,57 @@ class RolloutWorker:
             ended_with_eos = bool(turn_ids) and turn_ids[-1] == tok.eos_token_id
             text_ids = turn_ids[:-1] if ended_with_eos else turn_ids
             messages.append({"role": "assistant", "content": tok.decode(text_ids, skip_special_tokens=True)})
-            if shown is not messages:
-                shown.append(messages[-1])
+            if p.shown is not None:
+                p.shown.append(messages[-1])
             if gen.finish_reason != "stop" or turn == self.max_turns - 1:
                 return True
-            new = await env.interact(messages)
-            if not new:
-                return True
-            # Bounded in characters before tokenization (a 1 MB reply would take seconds of BPE to
-            # find it does not fit); what is kept still has to fit the context below.
-            new, chars, kept = bound_messages(new, self.env_char_budget(self.max_total_length - len(sample.ids)))
-            if kept < chars:
-                sample.events += [{"type": "env_truncated", "turn": turn, "chars": chars, "kept": kept}]
-            new_shown, new_images = self._shown(new, turn)
-            extra = continuation_ids(tok, shown, new_shown, tools, ended_with_eos=ended_with_eos)
-            if len(sample.ids) + len(extra) >= self.max_total_length:
-                # The env's messages do not fit the context (with room for one more token): the
-                # episode ends here and is scored without them, never holding more than the context.
-                sample.finish_reason = "context"
-                sample.events += [{"type": "context_overflow", "turn": turn, "env_tokens": len(extra),
-                                   "room": self.max_total_length - len(sample.ids)}]
-                return True
-            sample.events += [{"type": "tool", "turn": turn, "messages": new}]
-            messages += new
-            if shown is not messages:
-                shown += new_shown
-                sample.images += new_images
-            sample.ids += extra
-            sample.action_mask += [0] * len(extra)
-            sample.sampler_logprobs += [0.0] * len(extra)
-            sample.token_versions += [-1] * len(extra)
-            calls += 1
+            p.awaiting_env = True
+            if env_key is not None:
+                self._env_calls[env_key] = asyncio.ensure_future(env.interact(list(messages)))
+                await asyncio.sleep(0)  # (its call starts now)
+                return False
+
+    async def _score(self, p: Partial) -> tuple[float, str | None]:
+        """The generated sample's reward (an env error scores it rollout.env_error_reward); (reward, error)."""
+        try:
+            p.sample.reward = await self.envs.for_row(p.row).reward(p.messages, p.sample.answer)
+        except EnvCallError as e:
+            p.sample.reward, p.sample.env_error = self.env_error_reward, str(e)
+        p.done = True
+        return p.sample.reward, p.sample.env_error
+
+    def _take_reply(self, p: Partial, new: list[dict]) -> bool:
+        """The env's reply to turn `p.turn - 1` into the sample (bounded, templated, its images processed); False
+        when the episode ends instead: no reply, or one that does not fit the context."""
+        tok, sample, messages = self.tokenizer, p.sample, p.messages
+        shown = p.shown if p.shown is not None else messages
+        turn = p.turn - 1
+        if not new:
+            return False
+        # Bounded in characters before tokenization (a 1 MB reply would take seconds of BPE to
+        # find it does not fit); what is kept still has to fit the context below.
+        new, chars, kept = bound_messages(new, self.env_char_budget(self.max_total_length - len(sample.ids)))
+        if kept < chars:
+            sample.events += [{"type": "env_truncated", "turn": turn, "chars": chars, "kept": kept}]
+        new_shown, new_images = self._shown(new, turn)
+        ended_with_eos = sample.ids[-1] == tok.eos_token_id  # (the turn's last token: it just ended)
+        extra = continuation_ids(tok, shown, new_shown, p.row.get("tools"), ended_with_eos=ended_with_eos)
+        if len(sample.ids) + len(extra) >= self.max_total_length:
+            # The env's messages do not fit the context (with room for one more token): the
+            # episode ends here and is scored without them, never holding more than the context.
+            sample.finish_reason = "context"
+            sample.events += [{"type": "context_overflow", "turn": turn, "env_tokens": len(extra),
+                               "room": self.max_total_length - len(sample.ids)}]
+            return False
+        sample.events += [{"type": "tool", "turn": turn, "messages": new}]
+        messages += new
+        if shown is not messages:
+            shown += new_shown
+            sample.images += new_images
+        sample.ids += extra
+        sample.action_mask += [0] * len(extra)
+        sample.sampler_logprobs += [0.0] * len(extra)
+        sample.token_versions += [-1] * len(extra)
         return True
 
     def _shown(self, new: list[dict], turn: int) -> tuple[list[dict], list[ImageInputs]]:
@@ -373,15 +392,16 @@ class RolloutWorker:
         return self.loop.run_until_complete(run_all()), time.perf_counter() - start
 
     def advance(self, groups: list[Group], sampling: SamplingParams, budget: int, what: str = "a segment",
-                on_generated: Callable[[], None] | None = None, env_calls: int | None = None,
+                on_generated: Callable[[], None] | None = None, defer_env: bool = False,
                 ) -> tuple[list[Group], float]:
         """One segment (rollout.inflight): every sample of `groups` not generated yet goes on until its last turn is
         over or it has sampled `budget` more tokens; samples not started (a new group, a requeued sample) are
         templated and started first, seeded by `group.seeds`. Returns once no sample uses the engine (the groups,
         changed in place, and the wall time): the reward of each sample generated meanwhile started the moment it
-        was and runs on (`scores` collects it; rewards finished by then are on their samples already). `env_calls`:
-        at most that many env replies per sample in the segment (None: any). `on_generated`: called then; `what`
-        names the request where it crosses ranks."""
+        was and runs on (`scores` collects it; rewards in by then are on their samples already). `defer_env`
+        (continuous segments): a sample pauses at each env call, which runs on past the segment; a segment with
+        nothing to generate waits for the first env reply or reward to come in. `on_generated`: called once no
+        sample uses the engine; `what` names the request where it crosses ranks."""
         start = time.perf_counter()
         for i, group in enumerate(groups):
             if group.members is None:
@@ -392,14 +412,26 @@ class RolloutWorker:
                                  for p, seed in zip(group.members, group.seeds)]
 
         async def one(key: tuple[int, int], p: Partial) -> None:
-            await self._generate(p, sampling, budget, env_calls)
+            await self._generate(p, sampling, budget, key if defer_env else None)
             if p.generated and not p.done:  # scored from now on, past this segment's end
                 self._scoring[key] = asyncio.ensure_future(self._score(p))
                 await asyncio.sleep(0)  # (its env call starts now, not at the loop's next run)
 
-        running = [one((g.uid, j), p) for g in groups for j, p in enumerate(g.members) if not p.generated]
-        if running:
-            self.loop.run_until_complete(_gather(running))
+        def replied(key: tuple[int, int], p: Partial) -> bool:  # its env reply is in (or must be asked again)
+            task = self._env_calls.get(key)
+            return not p.awaiting_env or not defer_env or task is None or task.done()
+
+        members = [((g.uid, j), p) for g in groups for j, p in enumerate(g.members) if not p.generated]
+        runnable = [(key, p) for key, p in members if replied(key, p)]
+        if defer_env and not runnable:  # only env calls and rewards running: wait for the first to come in
+            pending = [self._env_calls[key] for key, p in members if key in self._env_calls]
+            pending += [self._scoring[(g.uid, j)] for g in groups for j, p in enumerate(g.members)
+                        if p.generated and not p.done and (g.uid, j) in self._scoring]
+            if pending:
+                self.loop.run_until_complete(_first_of(pending))
+            runnable = [(key, p) for key, p in members if replied(key, p)]
+        if runnable:
+            self.loop.run_until_complete(_gather([one(key, p) for key, p in runnable]))
         for g in groups:  # rewards that came in meanwhile (on a rollout rank: onto the copies that go back)
             for j, p in enumerate(g.members):
                 task = self._scoring.get((g.uid, j))
@@ -442,3 +474,8 @@ class RolloutWorker:
 async def _gather(awaitables: list) -> list:
     """asyncio.gather on the loop running it (gathered from outside, futures would look for another loop)."""
     return list(await asyncio.gather(*awaitables))
+
+
+async def _first_of(futures: list) -> None:
+    """Until the first of `futures` is done."""
+    await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)

@@ -158,7 +158,7 @@ class RolloutServer:
         before = (float(engine.stats["generated_tokens"]), float(engine.stats["generation_seconds"]))
         every = [g for r in requests for g in r["groups"]]
         _, seconds = self.worker.advance(every, requests[0]["sampling"], requests[0]["budget"], requests[0]["what"],
-                                         env_calls=requests[0].get("env_calls"))
+                                         defer_env=bool(requests[0].get("defer_env")))
         tokens = float(engine.stats["generated_tokens"]) - before[0]
         engine_seconds = float(engine.stats["generation_seconds"]) - before[1]
         calls, stuck = self.worker.pop_api_calls(), self.worker.stuck_calls
