@@ -9,8 +9,8 @@ tool turn and the reward: a sandbox, a judge) waiting a fixed latency.
 Modes: `sync` (rollout.max_staleness=0), `offstep` (max_staleness=1: the next rollout during the update, the push
 waiting for its generation), `inflightK` (rollout.inflight=true, max_staleness=K: one segment of max_new_tokens x
 max_turns / K tokens per step, K x prompts_per_rollout groups in flight), `continuousK` (the same with
-rollout.inflight_mode=continuous: segments back to back, each at most one env call per sample). Default layout: 1 trainer rank + 1 dedicated
-rollout rank (`--nproc 2 --rollout-ranks 1`).
+rollout.inflight_mode=continuous: segments back to back, env calls running on across them). Default layout:
+1 trainer rank + 1 dedicated rollout rank (`--nproc 2 --rollout-ranks 1`).
 
 Per run: samples trained per second (prompts x responses / median step time after `--warmup`), the step's
 phases, and with several latencies the share of the environment's time hidden: 1 - (env cost of the mode) /

@@ -171,9 +171,17 @@ class InflightRollouts(RolloutSource):
         return StepRollout(step, [], seconds, counters, {})
 
     def _merge(self, got: list[Group]) -> None:
-        """Groups back from a segment (the same objects, or a rollout rank's copies) in their places."""
+        """Groups back from a segment (the same objects, or a rollout rank's copies) in their places, with the
+        rewards that came in meanwhile for samples generated earlier (onto those generated and not scored)."""
         fresh = {g.uid: g for g in got}
         self.groups = [fresh.get(g.uid, g) for g in self.groups]
+        scores = self.rollout.finished_scores()
+        if scores:
+            for g in self.groups:
+                for j, p in enumerate(g.members or []):
+                    if p is not None and p.generated and not p.done and (g.uid, j) in scores:
+                        p.sample.reward, p.sample.env_error = scores[(g.uid, j)]
+                        p.done = True
 
     def _drop_uninformative(self, scored_only: bool = False, among: list[Group] | None = None) -> list[Group]:
         """rollout.dynamic_sampling: the generated groups whose shaped rewards are all equal (or whose prompt could
@@ -451,14 +459,18 @@ class ContinuousRollouts(InflightRollouts):
         return [g for g in self.groups if g.uid not in self._in_segment]
 
     def _work(self) -> list[Group]:
-        """The groups a segment would take on: samples to generate, or rewards to collect."""
-        return [g for g in self.groups if not g.done]
+        """The groups a segment takes on: those with samples to generate or env replies to take (the generated
+        ones stay here; their rewards come back with the segments)."""
+        return [g for g in self.groups if not g.generated]
+
+    def _scoring(self) -> bool:
+        return any(g.generated and not g.done for g in self.groups)
 
     def _loop(self) -> None:
         try:
             while True:
                 with self._cond:
-                    while not self._stopping and (self._paused or not self._work()):
+                    while not self._stopping and (self._paused or not (self._work() or self._scoring())):
                         self._cond.wait()
                     if self._stopping:
                         return

@@ -92,6 +92,7 @@ class RemoteRollout:
         self.engine = engine
         self._calls: list[dict] = []
         self._stuck = 0
+        self.arrived_scores: dict[tuple[int, int], tuple[float, str | None]] = {}  # rewards sent with segments
         reply = engine.request({"kind": "hello", **setup}, "the set-up request",
                                "the rollout rank to load its engine and environment")
         engine.dtype = reply["dtype"]
@@ -117,9 +118,15 @@ class RemoteRollout:
              "defer_env": defer_env, "version": self.engine.weight_version},
             f"the request for {what}", f"the groups of {what}")
         self._took(reply)
+        self.arrived_scores.update(reply.get("scores", {}))
         if on_generated is not None:
             on_generated()
         return reply["groups"], reply["seconds"]
+
+    def finished_scores(self) -> dict[tuple[int, int], tuple[float, str | None]]:
+        """Rewards the rollout rank sent with the last segments (each handed out once)."""
+        out, self.arrived_scores = self.arrived_scores, {}
+        return out
 
     def scores(self, keys: list[tuple[int, int]]) -> dict[tuple[int, int], tuple[float, str | None]]:
         """The rewards the rollout rank computed (or is computing) for samples of earlier segments."""

@@ -104,6 +104,8 @@ class RolloutServer:
         self.clients = ctx.split.clients_of(ctx.rank)
         self.timeout_s = float(settings.async_timeout_s)
         self.worker: RolloutWorker | None = None
+        # in-flight group uid -> [the index (in `clients`) of the trainer rank it is of, rewards not handed out yet]
+        self.owners: dict[int, list[int]] = {}
         self.status = StatusBeacon(self.bridge)
 
     def receive(self, after: str) -> list[dict]:
@@ -157,14 +159,24 @@ class RolloutServer:
         engine.weight_version = requests[0]["version"]
         before = (float(engine.stats["generated_tokens"]), float(engine.stats["generation_seconds"]))
         every = [g for r in requests for g in r["groups"]]
+        for i, r in enumerate(requests):  # whose groups they are: rewards that come in later go back to them
+            for g in r["groups"]:
+                self.owners.setdefault(g.uid, [i, len(g.seeds)])
         _, seconds = self.worker.advance(every, requests[0]["sampling"], requests[0]["budget"], requests[0]["what"],
                                          defer_env=bool(requests[0].get("defer_env")))
+        scores: list[dict] = [{} for _ in requests]
+        for key, value in self.worker.finished_scores().items():
+            owner = self.owners.get(key[0], [0, 1])  # (a requeued sample's old reward: its trainer rank ignores it)
+            scores[owner[0]][key] = value
+            owner[1] -= 1
+            if owner[1] <= 0:  # every sample's reward handed out: forget the group
+                self.owners.pop(key[0], None)
         tokens = float(engine.stats["generated_tokens"]) - before[0]
         engine_seconds = float(engine.stats["generation_seconds"]) - before[1]
         calls, stuck = self.worker.pop_api_calls(), self.worker.stuck_calls
         # the tokens, the env's calls and stuck threads are reported once, to the first trainer rank (the trainer
         # sums tokens over its ranks and averages the seconds, as for `rollout`)
-        return [{"groups": r["groups"], "seconds": seconds, "engine_seconds": engine_seconds,
+        return [{"groups": r["groups"], "scores": scores[i], "seconds": seconds, "engine_seconds": engine_seconds,
                  "tokens": tokens if i == 0 else 0.0, "api_calls": calls if i == 0 else [],
                  "stuck_calls": stuck if i == 0 else 0} for i, r in enumerate(requests)]
 
