@@ -2,7 +2,7 @@
 environment: most replies short, one prompt in eight answered over 8 turns (8x longer), and every env call (each
 tool turn and the reward: a sandbox, a judge) waiting a fixed latency.
 
-    .venv/bin/python benchmarks/inflight.py                          # throughput: 0 / 100 / 200 ms, 16 steps each
+    .venv/bin/python benchmarks/inflight.py                          # throughput: 0 / 100 / 200 ms, 30 steps each
     .venv/bin/python benchmarks/inflight.py --learn --steps 300      # + training seconds to test reward 0.6
     .venv/bin/python benchmarks/inflight.py --modes sync inflight2 --latency-ms 200 --nproc 1 --rollout-ranks 0
 
@@ -107,8 +107,8 @@ def main() -> None:
     p.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 100.0, 200.0])
     p.add_argument("--nproc", type=int, default=2, help="processes in all (trainer ranks + rollout ranks)")
     p.add_argument("--rollout-ranks", type=int, default=1)
-    p.add_argument("--steps", type=int, default=16, help="steps per throughput run")
-    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--steps", type=int, default=30, help="steps per throughput run")
+    p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--learn", action="store_true", help="also train each mode to --target (at the first latency)")
     p.add_argument("--learn-steps", type=int, default=300)
     p.add_argument("--test-freq", type=int, default=25)
