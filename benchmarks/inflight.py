@@ -56,8 +56,8 @@ async def reward_fn(messages, answer):
 
 MODES = {"sync": ["rollout.max_staleness=0"], "offstep": ["rollout.max_staleness=1"],
          **{f"inflight{k}": ["rollout.inflight=true", f"rollout.max_staleness={k}"] for k in (1, 2, 4)},
-         **{f"continuous{k}": ["rollout.inflight=true", "rollout.inflight_mode=continuous", f"rollout.max_staleness={k}"]
-            for k in (1, 2, 4)}}
+         **{f"continuous{k}": ["rollout.inflight=true", "rollout.inflight_mode=continuous",
+                               f"rollout.max_staleness={k}"] for k in (1, 2, 4)}}
 
 
 def env_file(work: Path, latency_ms: float) -> str:
@@ -128,9 +128,9 @@ def main() -> None:
             if args.learn:
                 rows = run(args, work, mode, args.latency_ms[0], args.learn_steps, args.test_freq)
                 curve = test_curve(rows)
+                steps = [r["time/step_s"] for r in rows if "time/step_s" in r]  # (step 0: an evaluation only)
                 results["learn"][mode] = {"curve": curve, "hit": first_at(curve, args.target),
-                                          "step_s": statistics.mean(r["time/step_s"] for r in rows),
-                                          "kl_by_gap": kl_by_gap(rows)}
+                                          "step_s": statistics.mean(steps), "kl_by_gap": kl_by_gap(rows)}
                 print(mode, "learn", json.dumps(results["learn"][mode]["hit"]), flush=True)
     layout = f"{args.nproc - args.rollout_ranks} trainer rank(s) + {args.rollout_ranks} rollout rank(s)"
     print(f"\nlong-tailed env (1 prompt in 8 answered over 8 turns), {layout}, median step of steps "

@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/same_numbers.py --base 865f534            # base vs the work tree
     .venv/bin/python benchmarks/same_numbers.py --base 865f534 --steps 20 --runs demo ppo
+    .venv/bin/python benchmarks/same_numbers.py --base 865f534 --new-keys actor/sampler_kl_lag actor/tokens_share_lag
 
 The base commit is checked out with `git worktree` into a temporary folder and run with this
 checkout's `.venv`, so both sides share the machine and the libraries: float roundings depend on
@@ -51,13 +52,15 @@ def run(checkout: Path, save: Path, overrides: list[str], steps: int, python: st
     return [json.loads(line) for line in open(save / "metrics.jsonl")]
 
 
-def differences(base: list[dict], new: list[dict], limit: int = 10) -> list[str]:
-    """Human-readable differences between two metrics files, timing keys ignored."""
+def differences(base: list[dict], new: list[dict], limit: int = 10, new_keys: tuple[str, ...] = ()) -> list[str]:
+    """Human-readable differences between two metrics files, timing keys ignored (and keys that only the new run
+    has, when they start with one of `new_keys`: metrics a change adds)."""
     out = []
     if len(base) != len(new):
         out.append(f"{len(base)} rows in the base, {len(new)} now")
     for i, (a, b) in enumerate(zip(base, new)):
-        keys = {k for k in a.keys() | b.keys() if not is_timing(k)}
+        keys = {k for k in a.keys() | b.keys() if not is_timing(k)
+                and not (k not in a and k.startswith(new_keys) and new_keys)}
         for k in sorted(keys):
             if k not in a or k not in b:
                 out.append(f"row {i} (step {a.get('step')}): key {k!r} only in the {'base' if k in a else 'new'} run")
@@ -74,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--runs", nargs="+", choices=sorted(RUNS), default=list(RUNS))
     p.add_argument("--keep", help="keep the runs in this folder (default: a temporary one, removed)")
+    p.add_argument("--new-keys", nargs="+", default=[], help="metric prefixes the change adds (only in the new run)")
     args = p.parse_args(argv)
     python = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv").exists() else sys.executable
     with tempfile.TemporaryDirectory(prefix="same_numbers_") as tmp:
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in args.runs:
                 a = run(base_tree, work / f"base_{name}", RUNS[name], args.steps, python)
                 b = run(REPO, work / f"new_{name}", RUNS[name], args.steps, python)
-                diff = differences(a, b)
+                diff = differences(a, b, new_keys=tuple(args.new_keys))
                 compared = sum(1 for r in a for k in r if not is_timing(k))
                 print(f"{name:13s} {'identical' if not diff else 'DIFFERENT'}: {len(a)} rows, {compared} values compared"
                       + "".join(f"\n    {d}" for d in diff))

@@ -70,6 +70,26 @@ def run_trainer(overrides: list[str], nproc: int = 1, config: str = "stub", time
     return proc
 
 
+def kill_when(cmd: list[str], save_dir: Path, ready, what: str, env: dict | None = None, timeout: float = 240) -> None:
+    """Run the trainer command `cmd` (writing into `save_dir`) in a session of its own and SIGKILL every process of
+    it as soon as `ready()` holds; an AssertionError naming `what` if the run ends (or `timeout` passes) first."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or trainer_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + timeout
+    try:
+        while not ready():
+            assert proc.poll() is None and time.time() < deadline, f"the run ended before {what}"
+            time.sleep(0.05)
+    finally:
+        # every process of the run: torchrun puts its ranks in sessions of their own
+        subprocess.run(["pkill", "-9", "-f", f"trainer.save_dir={save_dir}"], check=False)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
 def launch_check(nproc: int, out: Path, *args: str, timeout: int = 300) -> dict:
     """Run tests/dist_checks.py `args` on `nproc` ranks (torchrun, gloo); what rank 0 saved to `out` ({} when the
     check saves per-rank files)."""

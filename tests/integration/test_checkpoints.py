@@ -6,15 +6,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from conftest import ROOT, STUB_MODEL, read_jsonl, run_torchrun, run_trainer, slow, tiny_model, trainer_env
+from conftest import ROOT, STUB_MODEL, kill_when, read_jsonl, run_torchrun, run_trainer, slow, tiny_model, trainer_env
 from train.runtime.checkpoint import consolidate
 
 SMALL = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",
@@ -134,19 +131,9 @@ def test_sigkill_while_a_checkpoint_is_written_leaves_the_previous_one(fsdp2_run
            "train.trainer.grpo", "--config-name", "stub", "trainer.progress_bar=false", f"trainer.save_dir={run}",
            "trainer.total_steps=4", "trainer.save_freq=2", f"trainer.async_save={str(async_save).lower()}", *SMALL]
     env = {**trainer_env(), "INFINITE_RL_TEST_CHECKPOINT_DELAY_S": "3"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
     marker = run / "step4.tmp" / "dcp" / ".metadata"
-    deadline = time.time() + 240
-    try:
-        while not marker.exists():  # every shard of step 4 is on disk; the completion marker is not
-            assert proc.poll() is None and time.time() < deadline, "the run ended before step 4's save"
-            time.sleep(0.05)
-    finally:
-        # every process of the run: torchrun puts its ranks in sessions of their own
-        subprocess.run(["pkill", "-9", "-f", f"trainer.save_dir={run}"], check=False)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+    # killed once every shard of step 4 is on disk and before the completion marker is
+    kill_when(cmd, run, marker.exists, "step 4's save", env=env)
     from train.runtime.checkpoint import find_latest
 
     assert find_latest(str(run)) == str(run / "step2")

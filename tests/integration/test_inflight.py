@@ -118,7 +118,8 @@ def first_token_of_each_turn(mask: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def split_run(tmp_path_factory, small_data):
-    """6 in-flight steps (bound 2, 3-token segments: the stub's answers take 5-6 tokens) on 1 trainer rank + 1 rollout rank, checkpoints at 3 and 6."""
+    """6 in-flight steps (bound 2, 3-token segments: the stub's answers take 5-6 tokens) on 1 trainer rank + 1
+    rollout rank, checkpoints at 3 and 6."""
     return run_inflight(tmp_path_factory.mktemp("inflight"), small_data, 6, "trainer.save_freq=3", "rollout.ranks=1",
                         "trainer.num_threads=1", nproc=2)
 
@@ -185,13 +186,9 @@ def test_a_run_killed_after_its_checkpoint_resumes_on_the_same_samples(split_run
     """The split run again with a slow judge (the same rewards), SIGKILLed (every process) once step 4 has begun; the
     resume from its latest checkpoint (step 3) trains steps 4-6 on exactly the straight run's samples and ends with
     its weights bit for bit."""
-    import os
-    import signal
-    import subprocess
     import sys
-    import time
 
-    from conftest import trainer_env
+    from conftest import kill_when
     from train.runtime.checkpoint import find_latest
 
     env_file = tmp_path / "slow_eq.py"
@@ -202,18 +199,8 @@ def test_a_run_killed_after_its_checkpoint_resumes_on_the_same_samples(split_run
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m",
            "train.trainer.grpo", "--config-name", "stub", "trainer.progress_bar=false", f"trainer.save_dir={killed}",
            *common]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=trainer_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.time() + 240
-    try:
-        while not ((killed / "metrics.jsonl").exists()
-                   and any(m["step"] >= 4 for m in read_jsonl(killed / "metrics.jsonl"))):
-            assert proc.poll() is None and time.time() < deadline, "the run ended before step 4"
-            time.sleep(0.05)
-    finally:
-        subprocess.run(["pkill", "-9", "-f", f"trainer.save_dir={killed}"], check=False)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+    kill_when(cmd, killed, lambda: (killed / "metrics.jsonl").exists()
+              and any(m["step"] >= 4 for m in read_jsonl(killed / "metrics.jsonl")), "step 4")
     assert not (killed / "step6").exists()
     latest = find_latest(str(killed))
     assert latest == str(killed / "step3")
@@ -231,7 +218,8 @@ def test_a_resume_on_fewer_ranks_loses_and_repeats_no_group(small_data, tmp_path
     two = run_inflight(tmp_path / "two", small_data, 2, "trainer.save_freq=2", "trainer.num_threads=1", nproc=2)
     held = {g.uid for r in (0, 1) for g in saved_groups(two / "step2", r)}
     assert held and all(saved_groups(two / "step2", r) for r in (0, 1))
-    one = run_inflight(tmp_path / "one", small_data, 5, "trainer.save_freq=5", f"trainer.load_ckpt_from={two / 'step2'}")
+    one = run_inflight(tmp_path / "one", small_data, 5, "trainer.save_freq=5",
+                       f"trainer.load_ckpt_from={two / 'step2'}")
     before = {uid for samples in trained(two).values() for uid, _, _ in samples}
     after = Counter(uid for samples in trained(one).values() for uid, _, _ in samples)
     left = {g.uid for g in saved_groups(one / "step5", 0)}

@@ -343,8 +343,8 @@ class ContinuousRollouts(InflightRollouts):
     """`rollout.inflight_mode=continuous`: segments run back to back on a thread of their own while the trainer
     trains; a push (and an evaluation, a checkpoint) waits for the segment in flight, then the next ones sample
     with the new weights. A segment takes each sample at most `segment_tokens` tokens or to its next env call,
-    which runs on past the segment (the next segment takes its reply), so no push waits for a tool. A step takes the first groups (admission order) that are generated
-    and scored as soon as every rank has its share. Not deterministic: how many segments ran before a push
+    which runs on past the segment (the next segment takes its reply), so no push waits for a tool. A step
+    takes the first groups (admission order) that are generated and scored as soon as every rank has its share. Not deterministic: how many segments ran before a push
     depends on timing, so a resume continues every group in flight (none lost, none twice) but not on the same
     tokens."""
 

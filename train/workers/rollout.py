@@ -72,7 +72,8 @@ class Partial:
     sample: Sample
     row: dict  # the training row (its environment, answer and tools)
     seed: int  # the sample's request seed; turn t draws from seed + t
-    shown: list[dict] | None = None  # the conversation as the template renders it (images as placeholders); None: messages
+    # the conversation as the template renders it (images as placeholders); None: `messages` itself
+    shown: list[dict] | None = None
     turn: int = 0  # turns finished
     turn_tokens: int = 0  # tokens sampled so far in the turn in progress
     generated: bool = False  # its last turn is over (its reward may still be computing)
@@ -184,8 +185,9 @@ class RolloutWorker:
         source = row.get("source")
         source = None if source is None else str(source)
         if isinstance(prompt, ImageError):
-            return Partial(Sample(group, messages, row.get("answer"), [], [], [], finish_reason=BAD_IMAGE, source=source,
-                                  events=[{"type": BAD_IMAGE, "row": getattr(row, "where", None), "error": str(prompt)}]),
+            event = {"type": BAD_IMAGE, "row": getattr(row, "where", None), "error": str(prompt)}
+            return Partial(Sample(group, messages, row.get("answer"), [], [], [], finish_reason=BAD_IMAGE,
+                                  source=source, events=[event]),
                            row, seed, generated=True, done=True)
         ids, shown, images = prompt
         if prompt_too_long(len(ids), self.max_total_length):
