@@ -79,7 +79,7 @@ def test_a_sample_paused_by_segments_samples_what_one_pass_samples(tmp_path, stu
     sampling, n, base = SamplingParams(max_new_tokens=10, temperature=1.0), 2, 1234
     straight, _ = worker.rollout(rows, n, sampling, base)
 
-    groups = [Group(g, row, g, [base + (g * n + k) * 7919 for k in range(n)], admitted=1) for g, row in enumerate(rows)]
+    groups = [Group(g, row, g, [base + (g * n + k) * 7919 for k in range(n)]) for g, row in enumerate(rows)]
     segments = 0
     while not all(g.generated for g in groups):
         engine.weight_version = segments  # a new version each segment (same weights)

@@ -24,7 +24,7 @@ from train.engines import engine_sampling_keys
 from train.engines.base import SamplingError, SamplingParams, sampling_from_mapping
 from train.models.config import ActorConfig, CriticConfig
 from train.runtime.config import TrainerConfig
-from train.workers.config import RolloutConfig
+from train.workers.config import RolloutConfig, longest_sample
 from train.trainer.data_check import check_data, context_length
 from train.trainer.schema import RunConfig, load
 from train.utils import hub
@@ -91,9 +91,7 @@ def _validate_inflight(run) -> None:
               f"{data.prompts_per_rollout}: a step trains that many groups", f"rollout.inflight_groups="
               f"{2 * data.prompts_per_rollout}")
     sampling = rollout.train_sampling_params or {}
-    longest = sampling.get("max_new_tokens", 128) * rollout.max_turns
-    if rollout.max_total_length:
-        longest = min(longest, rollout.max_total_length)
+    longest = longest_sample(rollout, sampling.get("max_new_tokens", SamplingParams.max_new_tokens))
     if (rollout.over_stale == "requeue" and rollout.segment_tokens is not None
             and rollout.segment_tokens * rollout.max_staleness < longest):
         _fail("rollout.segment_tokens", f"{rollout.segment_tokens} x rollout.max_staleness={rollout.max_staleness} "

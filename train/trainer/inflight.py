@@ -57,7 +57,7 @@ from train.runtime.watchdog import Watchdog
 from train.trainer.prefetch import RolloutPrefetcher, RolloutTimeout, StepRollout
 from train.trainer.rollouts import RolloutSource, StepSamples
 from train.trainer.step import select_groups, shape_rewards
-from train.workers.config import RolloutConfig
+from train.workers.config import RolloutConfig, longest_sample
 from train.workers.rollout import Group, Sample, sample_seed
 
 # The most segments one step may need before enough groups are done (each segment samples at least one token of
@@ -102,7 +102,7 @@ class InflightRollouts(RolloutSource):
             fewest, = all_reduce_max_many([-float(ready)], self.ctx.device)
             if -fewest >= self.per_step:  # every rank has a step's worth (collective: all ranks decide alike)
                 break
-            self._admit(step)
+            self._admit()
             self._add(self._segment(step, trainer_version))
         else:
             raise RuntimeError(f"step {step}: {MAX_SEGMENTS_PER_STEP} segments and still not {self.per_step} groups "
@@ -136,7 +136,7 @@ class InflightRollouts(RolloutSource):
         if step >= self.total_steps:
             self.engine.sleep()
             return
-        self._admit(step + 1)
+        self._admit()
         self.prefetch.start(step + 1)
 
     def before_push(self, metrics: dict[str, float]) -> float:
@@ -175,13 +175,17 @@ class InflightRollouts(RolloutSource):
         rewards that came in meanwhile for samples generated earlier (onto those generated and not scored)."""
         fresh = {g.uid: g for g in got}
         self.groups = [fresh.get(g.uid, g) for g in self.groups]
-        scores = self.rollout.finished_scores()
-        if scores:
-            for g in self.groups:
-                for j, p in enumerate(g.members or []):
-                    if p is not None and p.generated and not p.done and (g.uid, j) in scores:
-                        p.sample.reward, p.sample.env_error = scores[(g.uid, j)]
-                        p.done = True
+        self._apply_scores(self.groups, self.rollout.finished_scores())
+
+    @staticmethod
+    def _apply_scores(groups: list[Group], scores: dict[tuple[int, int], tuple[float, str | None]]) -> None:
+        """(reward, env error) by (group uid, sample index) onto the generated samples not scored yet (a requeued
+        sample's old reward finds its sample not generated and is ignored)."""
+        for g in groups:
+            for j, p in enumerate(g.members or []):
+                if p is not None and p.generated and not p.done and (g.uid, j) in scores:
+                    p.sample.reward, p.sample.env_error = scores[(g.uid, j)]
+                    p.done = True
 
     def _drop_uninformative(self, scored_only: bool = False, among: list[Group] | None = None) -> list[Group]:
         """rollout.dynamic_sampling: the generated groups whose shaped rewards are all equal (or whose prompt could
@@ -207,11 +211,7 @@ class InflightRollouts(RolloutSource):
         if not keys:
             return
         got = self.rollout.scores(keys)
-        for g in groups:
-            for j, p in enumerate(g.members or []):
-                if (g.uid, j) in got:
-                    p.sample.reward, p.sample.env_error = got[(g.uid, j)]
-                    p.done = True
+        self._apply_scores(groups, got)
         missing = [key for key in keys if key not in got]
         if missing:
             raise RuntimeError(f"the rollout side holds no reward for the samples {missing[:5]} (group uid, index): "
@@ -224,7 +224,7 @@ class InflightRollouts(RolloutSource):
         c["engine_s"] += segment.engine_counters[1]
         c["segments"] += 1
 
-    def _admit(self, step: int) -> None:
+    def _admit(self) -> None:
         """Draw whole loader batches until `target` groups are in flight (the same number of batches on every
         rank: the loader's position is global). Collective."""
         deficit, = all_reduce_max_many([float(self.target - len(self.groups))], self.ctx.device)
@@ -235,7 +235,7 @@ class InflightRollouts(RolloutSource):
             for i, (row, index) in enumerate(zip(rows, self.loader.last_indices)):
                 uid = self.admitted_rows + self.ctx.rank + i * world
                 seeds = [sample_seed(self.seed, 0, uid * self.n + j) for j in range(self.n)]
-                self.groups.append(Group(uid, row, index, seeds, admitted=step))
+                self.groups.append(Group(uid, row, index, seeds))
             self.admitted_rows += len(rows) * world
 
     # -- the staleness bound ---------------------------------------------------------------
@@ -255,7 +255,6 @@ class InflightRollouts(RolloutSource):
                     if self.requeue:
                         group.members[j] = None  # started again at the next segment, with a new seed
                         group.seeds[j] = sample_seed(group.seeds[j], 1, group.uid * self.n + j)
-                        group.requeued += 1
                     else:
                         p.over_stale = True
 
@@ -281,10 +280,10 @@ class InflightRollouts(RolloutSource):
                           c: dict) -> dict[str, float]:
         """Staleness per sample (its oldest token), the versions a sample spans, segments run, groups in flight,
         and the samples past the bound (all ranks)."""
-        used = [s for s in samples if s.oldest_version() is not None]
-        lags = [trainer_version - s.oldest_version() for s in used]
-        spans = [max(v for v in s.token_versions if v >= 0) - min(v for v in s.token_versions if v >= 0) + 1
-                 for s in used if any(v >= 0 for v in s.token_versions)]
+        oldest = [v for v in (s.oldest_version() for s in samples) if v is not None]
+        lags = [trainer_version - v for v in oldest]
+        sampled = [[v for v in s.token_versions if v >= 0] for s in samples]
+        spans = [max(vs) - min(vs) + 1 for vs in sampled if vs]
         worst, widest = all_reduce_max_many([float(max(lags, default=0)), float(max(spans, default=0))],
                                             self.ctx.device)
         total_lag, count, total_span, spanning, over, over_tokens, in_flight = all_reduce_sum(
@@ -344,9 +343,9 @@ class ContinuousRollouts(InflightRollouts):
     trains; a push (and an evaluation, a checkpoint) waits for the segment in flight, then the next ones sample
     with the new weights. A segment takes each sample at most `segment_tokens` tokens or to its next env call,
     which runs on past the segment (the next segment takes its reply), so no push waits for a tool. A step
-    takes the first groups (admission order) that are generated and scored as soon as every rank has its share. Not deterministic: how many segments ran before a push
-    depends on timing, so a resume continues every group in flight (none lost, none twice) but not on the same
-    tokens."""
+    takes the first groups (admission order) that are generated and scored as soon as every rank has its share.
+    Not deterministic: how many segments ran before a push depends on timing, so a resume continues every group
+    in flight (none lost, none twice) but not on the same tokens."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -377,7 +376,7 @@ class ContinuousRollouts(InflightRollouts):
             fewest, = all_reduce_max_many([-float(ready)], self.ctx.device)
             if -fewest >= self.per_step:
                 break
-            self._admit(step)  # (collective: every rank loops as often, each decision all-reduced)
+            self._admit()  # (collective: every rank loops as often, each decision all-reduced)
             if time.monotonic() - start > self.settings.async_timeout_s:
                 raise RolloutTimeout(f"the trainer waited {self.settings.async_timeout_s:.0f} s "
                                      f"(rollout.async_timeout_s) for step {step}'s {self.per_step} groups "
@@ -397,7 +396,7 @@ class ContinuousRollouts(InflightRollouts):
             self._pause()
             self.engine.sleep()
             return
-        self._admit(step + 1)
+        self._admit()
         self._resume()
 
     def before_push(self, metrics: dict[str, float]) -> float:
@@ -417,9 +416,9 @@ class ContinuousRollouts(InflightRollouts):
         self._pause()  # (resumed by the next step)
         return super().inflight_state()
 
-    def _admit(self, step: int) -> None:
+    def _admit(self) -> None:
         with self._cond:
-            super()._admit(step)
+            super()._admit()
             self._cond.notify_all()
 
     def _idle(self) -> bool:
@@ -499,16 +498,10 @@ class ContinuousRollouts(InflightRollouts):
             self._add(StepRollout(0, [], seconds, counters, {}))
 
 
-def longest_sample(max_new_tokens: int, settings: RolloutConfig) -> int:
-    """The most tokens one sample can sample: every turn to max_new_tokens (capped by the context, when known)."""
-    longest = max_new_tokens * settings.max_turns
-    return min(longest, settings.max_total_length) if settings.max_total_length else longest
-
-
 def default_segment_tokens(max_new_tokens: int, settings: RolloutConfig) -> int:
     """rollout.segment_tokens=null: the longest sample fits max_staleness segments, the most a sample may span
     within the bound, so none has to be requeued only for being long."""
-    return max(1, math.ceil(longest_sample(max_new_tokens, settings) / settings.max_staleness))
+    return max(1, math.ceil(longest_sample(settings, max_new_tokens) / settings.max_staleness))
 
 
 def read_saved_rank(path: str) -> Callable[[int], dict | None]:

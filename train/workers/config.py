@@ -79,3 +79,9 @@ class RolloutConfig:
                                                   expect="a token count or a fraction in (0, 1), or null",
                                                   example="0.2")
     overlong_penalty: float = setting("the penalty at the length limit", ge=0, example="1.0")
+
+
+def longest_sample(settings: RolloutConfig, max_new_tokens: int) -> int:
+    """The most tokens one sample can sample: every turn to max_new_tokens (capped by the context, when known)."""
+    longest = max_new_tokens * settings.max_turns
+    return min(longest, settings.max_total_length) if settings.max_total_length else longest

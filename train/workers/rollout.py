@@ -78,7 +78,6 @@ class Partial:
     turn_tokens: int = 0  # tokens sampled so far in the turn in progress
     generated: bool = False  # its last turn is over (its reward may still be computing)
     done: bool = False  # generated and scored
-    paused: bool = False  # stopped by a segment's token budget (goes on in the next segment)
     over_stale: bool = False  # older than rollout.max_staleness allows, trained anyway (rollout.over_stale=finish)
     awaiting_env: bool = False  # its turn is over and the env's reply to it not yet taken
 
@@ -96,11 +95,9 @@ class Group:
     row: dict
     row_index: int  # the row's index in the training data (curriculum statistics)
     seeds: list[int]
-    admitted: int  # the step whose rollout admitted it
     # None until its first segment templates the prompt and starts them; a None member: a sample to start again
     # (rollout.over_stale=requeue), with its new seed
     members: list[Partial | None] | None = None
-    requeued: int = 0  # samples restarted from the prompt for being too old (rollout.over_stale=requeue)
 
     @property
     def generated(self) -> bool:
@@ -218,15 +215,15 @@ class RolloutWorker:
     async def _generate(self, p: Partial, sampling: SamplingParams, budget: int | None,
                         env_key: tuple[int, int] | None = None) -> None:
         """The sample's turns from where they stand, until its last turn is over (`p.generated`) or it pauses
-        (`p.paused`: `budget` more tokens sampled, or with `env_key` an env call started). An env call that fails
+        (`budget` more tokens sampled, or with `env_key` an env call started). An env call that fails
         scores it rollout.env_error_reward and ends it."""
         try:
             finished = await self._turns(p, self.envs.for_row(p.row), sampling, budget, env_key)
         except EnvCallError as e:
             p.sample.reward, p.sample.env_error = self.env_error_reward, str(e)
-            p.paused, p.generated, p.done, p.awaiting_env = False, True, True, False
+            p.generated, p.done, p.awaiting_env = True, True, False
             return
-        p.paused, p.generated = not finished, finished
+        p.generated = finished
 
     async def _turns(self, p: Partial, env: Environment, sampling: SamplingParams, budget: int | None,
                      env_key: tuple[int, int] | None = None) -> bool:

@@ -146,12 +146,9 @@ class RolloutServer:
         before = float(engine.stats["generation_seconds"])
         outs, seconds = self.worker.rollout_many([(r["rows"], r["n"], r["sampling"], r["seed"]) for r in requests])
         engine_seconds = float(engine.stats["generation_seconds"]) - before
-        calls, stuck = self.worker.pop_api_calls(), self.worker.stuck_calls
-        # the shared environment's calls and stuck threads are reported once, to the first trainer rank
         return [{"samples": samples, "seconds": seconds, "engine_seconds": engine_seconds,
-                 "tokens": float(sum(sum(s.turn_lengths) for s in samples)),
-                 "api_calls": calls if i == 0 else [], "stuck_calls": stuck if i == 0 else 0}
-                for i, samples in enumerate(outs)]
+                 "tokens": float(sum(sum(s.turn_lengths) for s in samples)), **env}
+                for samples, env in zip(outs, self.env_reports(len(requests)))]
 
     def advance(self, requests: list[dict]) -> list[dict]:
         """One in-flight segment of every trainer rank's groups, in one engine batch; each gets its own back."""
@@ -173,12 +170,17 @@ class RolloutServer:
                 self.owners.pop(key[0], None)
         tokens = float(engine.stats["generated_tokens"]) - before[0]
         engine_seconds = float(engine.stats["generation_seconds"]) - before[1]
-        calls, stuck = self.worker.pop_api_calls(), self.worker.stuck_calls
-        # the tokens, the env's calls and stuck threads are reported once, to the first trainer rank (the trainer
-        # sums tokens over its ranks and averages the seconds, as for `rollout`)
+        # the tokens are reported to the first trainer rank only (the trainer sums tokens over its ranks and
+        # averages the seconds, as for `rollout`)
         return [{"groups": r["groups"], "scores": scores[i], "seconds": seconds, "engine_seconds": engine_seconds,
-                 "tokens": tokens if i == 0 else 0.0, "api_calls": calls if i == 0 else [],
-                 "stuck_calls": stuck if i == 0 else 0} for i, r in enumerate(requests)]
+                 "tokens": tokens if i == 0 else 0.0, **env}
+                for i, (r, env) in enumerate(zip(requests, self.env_reports(len(requests))))]
+
+    def env_reports(self, count: int) -> list[dict]:
+        """Per trainer rank served, the env's external calls and stuck threads since the last report: the shared
+        environment's, reported once, to the first trainer rank."""
+        calls, stuck = self.worker.pop_api_calls(), self.worker.stuck_calls
+        return [{"api_calls": calls if i == 0 else [], "stuck_calls": stuck if i == 0 else 0} for i in range(count)]
 
     def serve(self) -> None:
         requests = self.receive("start-up (the trainer ranks' set-up)")
