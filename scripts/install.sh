@@ -27,3 +27,5 @@ fi
 # above are its dependencies already (pyproject.toml lists the same): pip fetches only setuptools to build it.
 [ -x .venv/bin/infinite-rl-plot ] || PYTHONWARNINGS=ignore pipq --no-deps -e .  # ignore: setuptools' notes on editable installs
 if [ "${INSTALL_BENCH:-0}" = 1 ]; then pipq -r requirements-bench.txt; fi
+# tinker-cookbook for benchmarks/tinker_cookbook_*.py (docs/tinker.md): its own requirements, then it without them.
+if [ "${INSTALL_COOKBOOK:-0}" = 1 ]; then pipq -r requirements-cookbook.txt && pipq --no-deps tinker-cookbook==0.6.1; fi
