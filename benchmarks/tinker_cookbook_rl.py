@@ -1,8 +1,12 @@
 """Run tinker-cookbook's own RL loop, unchanged, against a local Tinker server with the stub model.
 
-    .venv/bin/python benchmarks/tinker_cookbook_rl.py --base-url http://127.0.0.1:8000
-    .venv/bin/python benchmarks/tinker_cookbook_rl.py --base-url ... --steps 150 --eval-every 10
-    .venv/bin/python benchmarks/tinker_cookbook_rl.py --base-url ... --loop rl_loop --steps 3   # plumbing only
+    # 1. the Tinker server (its own terminal; the cookbook sends base_model = the stub's absolute path)
+    .venv/bin/python -m train.tinker_service --base-model stub=stub/model --port 8100 \
+        --root /tmp/tinker_service --api-key tml-local
+    # 2. the cookbook's loop against it (the script sets TINKER_API_KEY=tml-local unless set)
+    .venv/bin/python benchmarks/tinker_cookbook_rl.py --base-url http://127.0.0.1:8100 --steps 6 --eval-every 3
+    .venv/bin/python benchmarks/tinker_cookbook_rl.py --base-url http://127.0.0.1:8100 --steps 200 --eval-every 20
+    .venv/bin/python benchmarks/tinker_cookbook_rl.py --base-url http://127.0.0.1:8100 --loop rl_loop --steps 3
 
 `--loop train` (default) calls `tinker_cookbook.rl.train.main(Config)` (the loop behind every cookbook
 RL recipe) with the README demo's task expressed as a cookbook env: stub/data/math (two-digit
@@ -39,7 +43,6 @@ for _k, _v in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("TRANSFOR
     os.environ.setdefault(_k, _v)
 
 import chz  # noqa: E402
-import tinker  # noqa: E402
 from tinker_cookbook import renderers  # noqa: E402
 from tinker_cookbook.completers import TinkerTokenCompleter  # noqa: E402
 from tinker_cookbook.rl import train  # noqa: E402
@@ -56,19 +59,6 @@ _spec = importlib.util.spec_from_file_location("eq_env", REPO / "environments" /
 eq_env = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(eq_env)
 
-
-def run_tolerating_missing_finish(coro) -> None:
-    """asyncio.run(coro), but survive a server without POST /api/v1/sessions/{id}/finish.
-
-    The cookbook ends with `with ServiceClient(...)`, whose __exit__ posts that call after all training
-    and the final checkpoint are done; a server that answers 404 there costs nothing, so say so and go on.
-    """
-    try:
-        asyncio.run(coro)
-    except tinker.NotFoundError as e:
-        if "/finish" not in str(e):
-            raise
-        print(f"note: the server lacks the session-finish call (training had finished): {e}", flush=True)
 
 
 def read_rows(path: str) -> list[dict]:
@@ -172,7 +162,7 @@ def run_train_loop(args) -> None:
         save_every=args.save_every,
         num_groups_to_log=1,
     )
-    run_tolerating_missing_finish(train.main(config))
+    asyncio.run(train.main(config))
 
 
 def run_rl_loop(args) -> None:
@@ -218,6 +208,26 @@ def print_metrics(log_path: str) -> None:
             print(f"step {m.get('step', m.get('progress/batch', '?'))}: " + " ".join(shown))
 
 
+def plot_curve(log_path: str, png: str) -> None:
+    """The training reward per step and the greedy test accuracy at each eval, from the cookbook's metrics."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (Path(log_path) / "metrics.jsonl").read_text().splitlines()]
+    train_pts = [(m["step"], m["env/all/correct"]) for m in rows if "env/all/correct" in m]
+    test_pts = [(m["step"], m["test_greedy/env/all/correct"]) for m in rows if "test_greedy/env/all/correct" in m]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*zip(*train_pts), lw=0.8, alpha=0.6, label="train reward (temperature 1)")
+    ax.plot(*zip(*test_pts), "o-", label="greedy test accuracy")
+    ax.set(xlabel="step", ylabel="exact match", title="tinker-cookbook rl/train.py on train.tinker_service (stub)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", required=True, help="the local Tinker server, e.g. http://127.0.0.1:8000")
@@ -232,18 +242,21 @@ def main() -> None:
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--loss-fn", default="importance_sampling",
                    help="train loop: importance_sampling | ppo | cispo | dro | stable_reinforce")
-    p.add_argument("--rl-loop-loss-fn", default="stable_reinforce",
+    p.add_argument("--rl-loop-loss-fn", default="importance_sampling",  # stable_reinforce: not served here
                    choices=["importance_sampling", "cispo", "gspo", "stable_reinforce"])
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--n-test", type=int, default=64)
     p.add_argument("--log-path", default=None, help="fresh dir (a dir with checkpoints.jsonl resumes)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write the reward and greedy test curve here")
     args = p.parse_args()
     args.log_path = args.log_path or tempfile.mkdtemp(prefix=f"cookbook_{args.loop}_")
     print(f"log_path={args.log_path}", flush=True)
     (run_train_loop if args.loop == "train" else run_rl_loop)(args)
     print_metrics(args.log_path)
+    if args.plot:
+        plot_curve(args.log_path, args.plot)
 
 
 if __name__ == "__main__":

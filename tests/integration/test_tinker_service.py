@@ -343,3 +343,65 @@ def test_sdk_grpo_loop_equals_the_same_loop_run_natively(service, client):
     for k in served:  # float32 sums in two processes: Adam turns ~1e-8 gradient noise on a near-zero gradient
         torch.testing.assert_close(served[k], native[k], atol=2e-4, rtol=1e-2)  # into < 1% of a 2e-2 step
         assert not torch.equal(served[k], torch.zeros_like(served[k])) or "lora_B" not in k
+
+
+def test_lora_models_on_one_base_hold_it_once_and_train_apart():
+    """Two LoRA models on one rank share the base model's tensors (memory per model: its adapter and Adam state);
+    training one leaves the other's outputs as they were."""
+    from train.tinker_service.ranks import Operations
+    from train.tinker_service.trainee import AdamStep
+    from train.tinker_service.wire import Datum
+
+    ops = Operations(torch.device("cpu"), None)
+    for model_id, seed in (("a", 1), ("b", 2)):
+        ops.create(model_id, str(STUB), {"rank": 4}, seed)
+    a, b = ops.models["a"].model, ops.models["b"].model
+    base = dict(a.named_parameters())
+    shared = [n for n, p in b.named_parameters() if not p.requires_grad]
+    assert shared and all(base[n].data_ptr() == p.data_ptr() for n, p in b.named_parameters() if n in shared)
+    adapters = [n for n, p in b.named_parameters() if p.requires_grad]
+    assert adapters and all(base[n].data_ptr() != dict(b.named_parameters())[n].data_ptr() for n in adapters)
+    ids = list(range(5, 25))
+    data = [Datum(ids[:-1], {"target_tokens": np.array(ids[1:]), "weights": np.ones(len(ids) - 1, np.float32)})]
+    before = ops.forward_backward("b", data, "cross_entropy", {}, True)[0][0]["logprobs"]
+    for _ in range(2):
+        ops.forward_backward("a", data, "cross_entropy", {}, False)
+        ops.optim_step("a", AdamStep(learning_rate=1e-1).__dict__)
+    assert not np.allclose(ops.forward_backward("a", data, "cross_entropy", {}, True)[0][0]["logprobs"], before)
+    np.testing.assert_array_equal(ops.forward_backward("b", data, "cross_entropy", {}, True)[0][0]["logprobs"],
+                                  before)
+
+
+def test_closing_a_client_finishes_its_session(service):
+    c = tinker.ServiceClient(base_url=service["url"], api_key=KEY)
+    tc = c.create_lora_training_client(base_model="stub", rank=4).result()
+    assert tc.get_info().model_data.model_name == "stub"
+    c.close("success")  # POST /api/v1/sessions/{id}/finish, which tinker-cookbook sends at the end of a run
+
+
+def test_a_fully_trained_model_samples_with_its_new_weights():
+    """lora_config None (create_model without an adapter; the SDK itself only asks for LoRA): every weight
+    trains, and a sampler of it runs the "full" engine, whose log-probs are the trained model's."""
+    import asyncio
+
+    from train.tinker_service.ranks import Operations
+    from train.tinker_service.sampler import SamplerPool, Snapshot
+    from train.tinker_service.trainee import AdamStep
+    from train.tinker_service.wire import Datum
+
+    ops = Operations(torch.device("cpu"), None)
+    ops.create("full", str(STUB), None, 0)
+    model = ops.models["full"]
+    assert model.lora is None and all(p.requires_grad for p in model.model.parameters())
+    ids = list(range(5, 25))
+    data = [Datum(ids[:-1], {"target_tokens": np.array(ids[1:]), "weights": np.ones(len(ids) - 1, np.float32)})]
+    ops.forward_backward("full", data, "cross_entropy", {}, False)
+    ops.optim_step("full", AdamStep(learning_rate=1e-2).__dict__)
+    tensors = ops.sampler_weights("full")
+    assert "model.embed_tokens.weight" in tensors  # every weight, not an adapter
+    pool = SamplerPool(torch.device("cpu"))
+    seqs, scored = asyncio.run(pool.sample(Snapshot("full-1", str(STUB), None, tensors), ids[:5], 1,
+                                           {"max_tokens": 4, "seed": 3}, prompt_logprobs=True))
+    pool.close()
+    trained = ops.forward_backward("full", data, "cross_entropy", {}, True)[0][0]["logprobs"]
+    np.testing.assert_allclose(scored[1:], trained[:4], atol=1e-4)  # the prompt, scored by the new weights

@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--request-timeout-s", type=float, default=600.0,
                     help="a training request that waited this long in its model's queue fails instead of running")
     ap.add_argument("--queue-limit", type=int, default=64, help="waiting requests per model before 429")
+    ap.add_argument("--sample-gather-ms", type=float, default=20.0,
+                    help="a sampling request waits this long so requests sent together share one engine batch")
     args = ap.parse_args(argv)
     bases = parse_bases(args.base_model)
 
@@ -54,7 +56,8 @@ def main(argv: list[str] | None = None) -> None:
 
         ranks = RankGroup(ops)
         service = TinkerService(bases, ranks, args.root, api_key=args.api_key, device=ctx.device,
-                                request_timeout_s=args.request_timeout_s, queue_limit=args.queue_limit)
+                                request_timeout_s=args.request_timeout_s, queue_limit=args.queue_limit,
+                                sample_gather_s=args.sample_gather_ms / 1000)
         print(f"tinker service: {', '.join(f'{k}={v}' for k, v in bases.items())} on http://{args.host}:{args.port} "
               f"({ctx.world_size} rank(s))", flush=True)
         try:

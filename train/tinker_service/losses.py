@@ -30,10 +30,7 @@ import torch
 from torch import Tensor
 
 from train.algorithms.policy_loss import LossSettings, cispo_loss, dro_loss, ppo_clip_loss
-
-
-class LossInputError(ValueError):
-    """A datum or loss_fn_config the named loss cannot take; the message names the field."""
+from train.tinker_service.errors import ClientError
 
 
 @dataclass(frozen=True)
@@ -63,21 +60,21 @@ UNSUPPORTED = {
 
 
 def check_request(loss_fn: str, config: dict[str, float | str]) -> LossSpec:
-    """The loss's spec, or a LossInputError naming what is wrong with `loss_fn` / `loss_fn_config`."""
+    """The loss's spec, or a ClientError naming what is wrong with `loss_fn` / `loss_fn_config`."""
     if loss_fn in UNSUPPORTED:
-        raise LossInputError(f"loss_fn={loss_fn!r} is not supported by this service: {UNSUPPORTED[loss_fn]}")
+        raise ClientError(f"loss_fn={loss_fn!r} is not supported by this service: {UNSUPPORTED[loss_fn]}")
     spec = LOSSES.get(loss_fn)
     if spec is None:
-        raise LossInputError(f"unknown loss_fn {loss_fn!r}; built in: {', '.join(LOSSES)}")
+        raise ClientError(f"unknown loss_fn {loss_fn!r}; built in: {', '.join(LOSSES)}")
     unknown = [k for k in config if k not in spec.config]
     if unknown:
-        raise LossInputError(f"loss_fn_config keys {unknown} mean nothing to {loss_fn!r} "
+        raise ClientError(f"loss_fn_config keys {unknown} mean nothing to {loss_fn!r} "
                              f"(it reads: {', '.join(spec.config) or 'none'})")
     for key, value in config.items():
         if isinstance(value, str):
-            raise LossInputError(f"loss_fn_config[{key!r}] must be a number, got {value!r}")
+            raise ClientError(f"loss_fn_config[{key!r}] must be a number, got {value!r}")
     if loss_fn == "dro" and "beta" not in config:
-        raise LossInputError("loss_fn='dro' needs loss_fn_config={'beta': ...} (e.g. 0.05)")
+        raise ClientError("loss_fn='dro' needs loss_fn_config={'beta': ...} (e.g. 0.05)")
     return spec
 
 
@@ -111,7 +108,7 @@ def datum_loss(loss_fn: str, logp: Tensor, inputs: dict[str, Tensor], config: di
     ratio_mask = inputs.get("sequence_ratio_mask")
     inside = torch.ones_like(logp, dtype=torch.bool) if ratio_mask is None else ratio_mask != 0
     if not inside.any():
-        raise LossInputError("loss_fn='gspo': sequence_ratio_mask marks no token of a datum")
+        raise ClientError("loss_fn='gspo': sequence_ratio_mask marks no token of a datum")
     seq_log_ratio = (logp.detach() - q)[inside].mean()
     shifted = logp.detach() - seq_log_ratio
     return ppo_clip_loss(row(logp), row(shifted), row(adv), everywhere, settings)[0].sum()

@@ -12,10 +12,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
-from train.tinker_service.losses import LossInputError
-from train.tinker_service.trainee import AdamStep, TrainedModel, lora_settings
+from train.tinker_service.errors import ClientError
+from train.tinker_service.trainee import AdamStep, TrainedModel, load_base, lora_of
 
 
 class Operations:
@@ -24,17 +25,23 @@ class Operations:
     def __init__(self, device, mesh) -> None:
         self.device, self.mesh = device, mesh
         self.models: dict[str, TrainedModel] = {}
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.bases: dict[str, torch.nn.Module] = {}  # base models LoRA models share (one rank: see create)
 
     def model(self, model_id: str) -> TrainedModel:
         found = self.models.get(model_id)
         if found is None:
-            raise LossInputError(f"model {model_id!r} is not loaded here (unloaded, or the service restarted)")
+            raise ClientError(f"model {model_id!r} is not loaded here (unloaded, or the service restarted)")
         return found
 
     def create(self, model_id: str, base_path: str, lora: dict | None, seed: int) -> None:
-        settings = None if lora is None else lora_settings(lora["rank"], lora.get("train_attn", True),
-                                                            lora.get("train_mlp", True))
-        self.models[model_id] = TrainedModel(base_path, settings, seed, self.device, self.mesh)
+        settings = lora_of(lora)
+        shared = None
+        if settings is not None and self.world == 1:  # under FSDP every model shards its own parameters
+            if base_path not in self.bases:
+                self.bases[base_path] = load_base(base_path, self.device).requires_grad_(False)
+            shared = self.bases[base_path]
+        self.models[model_id] = TrainedModel(base_path, settings, seed, self.device, self.mesh, shared=shared)
 
     def forward_backward(self, model_id: str, data, loss_fn: str, config: dict, forward_only: bool):
         return self.model(model_id).forward_backward(data, loss_fn, config, forward_only)

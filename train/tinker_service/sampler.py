@@ -19,11 +19,8 @@ import torch
 from train.engines.base import SamplingParams
 from train.engines.hf import HFEngine
 from train.models.lora import LoraSettings
+from train.tinker_service.errors import ClientError
 from train.tinker_service.wire import Sequence
-
-
-class SamplingInputError(ValueError):
-    """A sampling request this service cannot serve; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -53,8 +50,10 @@ class _EngineSlot:
 
 
 class SamplerPool:
-    def __init__(self, device: torch.device, max_batch_size: int = 256) -> None:
-        self.device, self.max_batch_size = device, max_batch_size
+    def __init__(self, device: torch.device, max_batch_size: int = 256, gather_s: float = 0.02) -> None:
+        """`gather_s`: how long a request waits before it goes to the engine, so requests sent together (the
+        cookbook sends one per sample) arrive in one engine batch instead of a first batch of one."""
+        self.device, self.max_batch_size, self.gather_s = device, max_batch_size, gather_s
         self._slots: dict[tuple, _EngineSlot] = {}
 
     def _slot(self, snap: Snapshot) -> _EngineSlot:
@@ -78,6 +77,8 @@ class SamplerPool:
                 slot.holds = snap.snapshot_id
             slot.running += 1
         try:
+            if self.gather_s > 0:
+                await asyncio.sleep(self.gather_s)
             seeds = [None if sampling.seed is None else sampling.seed + i for i in range(num_samples)]
             gens = await asyncio.gather(*(slot.engine.generate(prompt, _with_seed(sampling, s)) for s in seeds))
             scored = None
@@ -108,15 +109,15 @@ class SamplerPool:
             elif all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
                 token_ids = tuple(stop)
             else:
-                raise SamplingInputError("sampling_params.stop: give strings or token ids, not both")
+                raise ClientError("sampling_params.stop: give strings or token ids, not both")
         room = (engine.max_positions or 1 << 30) - len(prompt)
         max_tokens = params.get("max_tokens")
         if max_tokens is None:
             max_tokens = room
         if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise SamplingInputError(f"sampling_params.max_tokens must be >= 1, got {max_tokens!r}")
+            raise ClientError(f"sampling_params.max_tokens must be >= 1, got {max_tokens!r}")
         if max_tokens > room:
-            raise SamplingInputError(f"sampling_params.max_tokens={max_tokens} with a {len(prompt)}-token prompt "
+            raise ClientError(f"sampling_params.max_tokens={max_tokens} with a {len(prompt)}-token prompt "
                                      f"exceeds the model's context of {engine.max_positions}")
         top_k = params.get("top_k", -1)
         return SamplingParams(max_new_tokens=max_tokens, temperature=float(params.get("temperature", 1.0)),

@@ -21,14 +21,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from train.tinker_service.futures import ModelQueue, QueueFull, RequestBook
-from train.tinker_service.losses import LossInputError
+from train.tinker_service.errors import ClientError
 from train.tinker_service.ranks import RankGroup
-from train.tinker_service.sampler import SamplerPool, SamplingInputError, Snapshot
-from train.tinker_service.trainee import AdamStep, lora_settings
-from train.tinker_service.wire import WireError, decode_forward_backward, encode_forward_backward, encode_sample
+from train.tinker_service.sampler import SamplerPool, Snapshot
+from train.tinker_service.trainee import AdamStep, lora_of
+from train.tinker_service.wire import decode_forward_backward, encode_forward_backward, encode_sample
 
 PROTO = "application/x-protobuf"
-USER_ERRORS = (LossInputError, WireError, SamplingInputError, ValueError, KeyError)
+USER_ERRORS = (ClientError, ValueError, KeyError)  # engine sampling checks raise ValueError; a missing JSON key
 
 
 class ApiError(Exception):
@@ -49,14 +49,14 @@ class ModelRecord:
 class TinkerService:
     def __init__(self, bases: dict[str, str], ranks: RankGroup, root: str, *, api_key: str | None = None,
                  request_timeout_s: float = 600.0, queue_limit: int = 64, hold_s: float = 10.0,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, sample_gather_s: float = 0.02) -> None:
         self.bases, self.ranks, self.root, self.api_key = bases, ranks, root, api_key
         self.request_timeout_s, self.queue_limit, self.hold_s = request_timeout_s, queue_limit, hold_s
         self.book = RequestBook()
         self.sessions: dict[str, dict] = {}
         self.models: dict[str, ModelRecord] = {}
         self.samplers: dict[str, Snapshot] = {}
-        self.pool = SamplerPool(device or torch.device("cpu"))
+        self.pool = SamplerPool(device or torch.device("cpu"), gather_s=sample_gather_s)
         os.makedirs(root, exist_ok=True)
 
     # ------------------------------------------------------------------ lookups
@@ -113,8 +113,7 @@ class TinkerService:
         base_model = body.get("base_model")
         path = self.base_path(base_model)
         lora = body.get("lora_config")
-        if lora is not None:
-            lora_settings(int(lora.get("rank", 0)), lora.get("train_attn", True), lora.get("train_mlp", True))
+        lora_of(lora)  # checked here, so a bad lora_config is a 400 at once
         opt = (body.get("optimizer_config") or {}).get("type", "adamw")
         if opt != "adamw":
             raise ApiError(400, f"optimizer_config.type={opt!r}: this service trains with adamw only")
@@ -196,8 +195,7 @@ class TinkerService:
         rec = self.record(model_id)
         name = body.get("path")
         base_path = self.base_path(rec.base_model)
-        settings = None if rec.lora is None else lora_settings(int(rec.lora["rank"]), rec.lora.get("train_attn", True),
-                                                               rec.lora.get("train_mlp", True))
+        settings = lora_of(rec.lora)
 
         async def work():
             tensors = await self.run("sampler_weights", model_id=model_id)
@@ -219,9 +217,7 @@ class TinkerService:
 
         with open(os.path.join(folder, "meta.json")) as f:
             meta = json.load(f)
-        lora = meta["lora_config"]
-        settings = None if lora is None else lora_settings(int(lora["rank"]), lora.get("train_attn", True),
-                                                           lora.get("train_mlp", True))
+        settings = lora_of(meta["lora_config"])
         tensors = load_file(os.path.join(folder, "weights.safetensors"))
         return Snapshot(path, self.base_path(meta["base_model"]), settings, tensors, meta["base_model"])
 
@@ -338,9 +334,7 @@ def build_app(service: TinkerService) -> FastAPI:
     async def api_error(request: Request, e: ApiError):
         return JSONResponse({"detail": str(e)}, status_code=e.status)
 
-    @app.exception_handler(WireError)
-    @app.exception_handler(LossInputError)
-    @app.exception_handler(ValueError)
+    @app.exception_handler(ValueError)  # ClientError among them
     @app.exception_handler(KeyError)
     async def bad_request(request: Request, e: Exception):
         # 400 is final for the SDK (no retry): the client's request is what is wrong.
@@ -382,6 +376,15 @@ def build_app(service: TinkerService) -> FastAPI:
         if body.get("session_id") in service.sessions:
             service.sessions[body["session_id"]]["heartbeat"] = time.time()
         return ok({"type": "session_heartbeat"})
+
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish_session(session_id: str, request: Request):
+        # ServiceClient.close(): the session ends; its models and samplers stay until unloaded (a client may
+        # resume from them), as its checkpoints do.
+        service.sessions.pop(session_id, None)  # finishing twice, or after a restart, is not an error
+        reason = ((await request.json()) or {}).get("reason", {})
+        print(f"tinker service: session {session_id} finished ({reason.get('type', '?')})", flush=True)
+        return Response(status_code=204)
 
     @app.post("/api/v1/telemetry")
     async def telemetry():

@@ -10,6 +10,7 @@ gradient and Adam's two moments (LoRA), or the full model's / N (full fine-tunin
 """
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ import torch.distributed as dist
 from train.algorithms.logits import logprobs_from_logits
 from train.models.lora import LoraSettings, apply_lora, is_adapter
 from train.models.optim import clip_grad_norm
-from train.tinker_service.losses import LOSSES, LossInputError, check_request, datum_loss
+from train.tinker_service.errors import ClientError
+from train.tinker_service.losses import LOSSES, check_request, datum_loss
 from train.tinker_service.wire import Datum
 
 LORA_ALPHA = 32.0  # Tinker's LoRA scaling is alpha / rank with a fixed alpha
@@ -46,8 +48,15 @@ def lora_settings(rank: int, train_attn: bool = True, train_mlp: bool = True) ->
     trainer's output head takes no adapter (train.models.lora refuses lm_head)."""
     targets = (ATTN if train_attn else ()) + (MLP if train_mlp else ())
     if rank < 1 or not targets:
-        raise LossInputError(f"lora_config: rank must be >= 1 and train_attn or train_mlp true, got rank={rank}")
+        raise ClientError(f"lora_config: rank must be >= 1 and train_attn or train_mlp true, got rank={rank}")
     return LoraSettings(rank=rank, alpha=LORA_ALPHA, target_modules=targets)
+
+
+def lora_of(config: dict | None) -> LoraSettings | None:
+    """A CreateModelRequest's `lora_config` (as JSON; None: every weight trains) as the trainer's settings."""
+    if config is None:
+        return None
+    return lora_settings(int(config.get("rank", 0)), config.get("train_attn", True), config.get("train_mlp", True))
 
 
 def load_base(path: str, device: torch.device) -> torch.nn.Module:
@@ -59,11 +68,19 @@ def load_base(path: str, device: torch.device) -> torch.nn.Module:
     return model.to(device)
 
 
+def share_base(base: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `base` whose weights are `base`'s own tensors (not copies): every LoRA model on one base model
+    holds the frozen base once, and only its adapter (and Adam's state for it) on its own."""
+    return copy.deepcopy(base, memo={id(t): t for t in [*base.parameters(), *base.buffers()]})
+
+
 class TrainedModel:
     def __init__(self, base_path: str, lora: LoraSettings | None, seed: int, device: torch.device,
-                 mesh: Any = None, max_tokens: int | None = None) -> None:
+                 mesh: Any = None, max_tokens: int | None = None, shared: torch.nn.Module | None = None) -> None:
+        """`shared`: the base model already loaded, to share its weights (LoRA on one rank only: under FSDP each
+        model shards its own parameters)."""
         self.base_path, self.lora, self.device = base_path, lora, device
-        self.model = load_base(base_path, device)
+        self.model = share_base(shared) if shared is not None else load_base(base_path, device)
         self.max_tokens = max_tokens or getattr(self.model.config, "max_position_embeddings", None)
         if lora is not None:
             with torch.random.fork_rng(devices=[]):
@@ -119,23 +136,23 @@ class TrainedModel:
     def _check_datum(self, i: int, d: Datum, loss_fn: str) -> None:
         n = len(d.tokens)
         if n == 0:
-            raise LossInputError(f"data[{i}].model_input is empty")
+            raise ClientError(f"data[{i}].model_input is empty")
         if self.max_tokens is not None and n > self.max_tokens:
-            raise LossInputError(f"data[{i}].model_input has {n} tokens, more than the model's context of "
+            raise ClientError(f"data[{i}].model_input has {n} tokens, more than the model's context of "
                                  f"{self.max_tokens}")
         vocab = self.model.config.get_text_config().vocab_size
         for name in ("target_tokens", *LOSSES[loss_fn].inputs):
             if name not in d.inputs:
-                raise LossInputError(f"data[{i}].loss_fn_inputs lacks {name!r}, which loss_fn={loss_fn!r} needs")
+                raise ClientError(f"data[{i}].loss_fn_inputs lacks {name!r}, which loss_fn={loss_fn!r} needs")
         for name, value in d.inputs.items():
             if value.shape != (n,):
-                raise LossInputError(f"data[{i}].loss_fn_inputs[{name!r}] has shape {list(value.shape)}; "
+                raise ClientError(f"data[{i}].loss_fn_inputs[{name!r}] has shape {list(value.shape)}; "
                                      f"model_input has {n} tokens, so it must be [{n}]")
             if not np.isfinite(value).all():
-                raise LossInputError(f"data[{i}].loss_fn_inputs[{name!r}] holds NaN or infinity")
+                raise ClientError(f"data[{i}].loss_fn_inputs[{name!r}] holds NaN or infinity")
         ids = np.asarray(d.tokens + d.inputs["target_tokens"].astype(np.int64).tolist())
         if ids.min() < 0 or ids.max() >= vocab:
-            raise LossInputError(f"data[{i}]: token id {int(ids.max() if ids.max() >= vocab else ids.min())} is "
+            raise ClientError(f"data[{i}]: token id {int(ids.max() if ids.max() >= vocab else ids.min())} is "
                                  f"outside the vocabulary [0, {vocab})")
 
     def _logprobs(self, data: list[Datum]) -> list[torch.Tensor]:

@@ -13,11 +13,9 @@ import numpy as np
 
 from tinker.proto import tinker_public_pb2 as pb
 
+from train.tinker_service.errors import ClientError
+
 _NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
-
-
-class WireError(ValueError):
-    """A request the service cannot read; the message names the datum and field."""
 
 
 @dataclass
@@ -39,7 +37,7 @@ class ForwardBackwardCall:
 def _dense(msg: pb.Tensor, where: str) -> np.ndarray:
     dtype = _NUMPY.get(msg.dtype)
     if dtype is None:
-        raise WireError(f"{where}: unsupported tensor dtype {msg.dtype}")
+        raise ClientError(f"{where}: unsupported tensor dtype {msg.dtype}")
     shape = list(msg.shape)
     if msg.HasField("sparse_csr"):
         csr = msg.sparse_csr
@@ -52,14 +50,14 @@ def _dense(msg: pb.Tensor, where: str) -> np.ndarray:
         else:
             squeeze = False
         if len(shape) != 2 or len(crow) != shape[0] + 1:
-            raise WireError(f"{where}: sparse tensor of shape {list(msg.shape)} has {len(crow)} row pointers")
+            raise ClientError(f"{where}: sparse tensor of shape {list(msg.shape)} has {len(crow)} row pointers")
         out = np.zeros(shape, dtype=dtype)
         for r in range(shape[0]):
             out[r, col[crow[r]:crow[r + 1]]] = values[crow[r]:crow[r + 1]]
         return out[0] if squeeze else out
     values = np.frombuffer(msg.dense, dtype=dtype)
     if shape and int(np.prod(shape)) != values.size:
-        raise WireError(f"{where}: shape {shape} holds {int(np.prod(shape))} values, the data has {values.size}")
+        raise ClientError(f"{where}: shape {shape} holds {int(np.prod(shape))} values, the data has {values.size}")
     return values.reshape(shape) if shape else values
 
 
@@ -68,7 +66,7 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
     try:
         msg.ParseFromString(body)
     except Exception as e:  # noqa: BLE001 - protobuf raises its own DecodeError
-        raise WireError(f"forward_backward: the body is not a ForwardBackwardRequest protobuf ({e})") from e
+        raise ClientError(f"forward_backward: the body is not a ForwardBackwardRequest protobuf ({e})") from e
     config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for key, value in msg.loss_fn_config_v2.items():
         config[key] = value.text if value.WhichOneof("value") == "text" else float(value.number)
@@ -78,7 +76,7 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
         for chunk in d.model_input:
             kind = chunk.WhichOneof("chunk")
             if kind != "encoded_text":
-                raise WireError(f"data[{i}].model_input: {kind} chunks are not supported by this service "
+                raise ClientError(f"data[{i}].model_input: {kind} chunks are not supported by this service "
                                 "(text models; send encoded_text)")
             tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
         inputs = {name: _dense(t, f"data[{i}].loss_fn_inputs[{name!r}]") for name, t in d.loss_fn_inputs.items()}
