@@ -21,10 +21,10 @@ STUB = ROOT / "stub" / "model"
 KEY = "tml-local-test"
 
 
-def start(tmp: Path, nproc: int = 1):
+def start(tmp: Path, nproc: int = 1, *extra: str):
     port = free_port()
     serve = ["-m", "train.tinker_service", "--base-model", f"stub={STUB}", "--port", str(port),
-             "--root", str(tmp / "root"), "--api-key", KEY]
+             "--root", str(tmp / "root"), "--api-key", KEY, *extra]
     if nproc == 1:
         cmd = [sys.executable, *serve]
     else:
@@ -253,8 +253,9 @@ def test_concurrent_clients_get_the_results_each_gets_alone(client):
 
 def test_two_ranks_train_what_one_rank_trains(service, client, tmp_path):
     """The service under torchrun: FSDP2 over 2 ranks, rank 0 serving and driving rank 1. The datums of a call
-    are split over the ranks (3 datums: 2 and 1), and the loss and the update equal the 1-rank service's."""
-    port, ctx = start(tmp_path, nproc=2)
+    are split over the ranks (3 datums: 2 and 1) and each runs alone (--micro-batch-tokens 8): rank 0 runs two
+    micro-batches, rank 1 one and a zero-loss one. The loss and the update equal the 1-rank service's."""
+    port, ctx = start(tmp_path, 2, "--micro-batch-tokens", "8")
     with ctx:
         two = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=KEY)
         results = []
@@ -343,6 +344,30 @@ def test_sdk_grpo_loop_equals_the_same_loop_run_natively(service, client):
     for k in served:  # float32 sums in two processes: Adam turns ~1e-8 gradient noise on a near-zero gradient
         torch.testing.assert_close(served[k], native[k], atol=2e-4, rtol=1e-2)  # into < 1% of a 2e-2 step
         assert not torch.equal(served[k], torch.zeros_like(served[k])) or "lora_B" not in k
+
+
+def test_micro_batches_sum_to_the_gradient_of_one_batch():
+    """A call's datums in micro-batches (here one each) give the loss, log-probs and gradient of one batch."""
+    from train.tinker_service.trainee import TrainedModel, lora_settings
+    from train.tinker_service.wire import Datum
+
+    rows = batch(__import__("transformers").AutoTokenizer.from_pretrained(STUB), seed=2)
+    data = [Datum(r["input"], {k: np.asarray(r[k]) for k in ("target_tokens", "logprobs", "advantages")})
+            for r in rows]
+    results = []
+    for budget in (1, 1 << 20):
+        model = TrainedModel(str(STUB), lora_settings(4), 7, torch.device("cpu"), micro_batch_tokens=budget)
+        assert len(model._micro_batches(data, [0, 1])) == (2 if budget == 1 else 1)
+        outs, metrics = model.forward_backward(data, "ppo", {}, False)
+        results.append((outs, metrics, {n: p.grad.clone() for n, p in model.model.named_parameters()
+                                        if p.grad is not None}))
+    (o1, m1, g1), (o2, m2, g2) = results
+    assert m1["loss:sum"] == pytest.approx(m2["loss:sum"], rel=1e-5)
+    for a, b in zip(o1, o2):
+        np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=1e-5)
+    assert g1.keys() == g2.keys() and g1
+    for k in g1:  # float32: another padding is another matmul shape
+        torch.testing.assert_close(g1[k], g2[k], atol=1e-4 * g2[k].abs().max().item(), rtol=1e-3)
 
 
 def test_lora_models_on_one_base_hold_it_once_and_train_apart():

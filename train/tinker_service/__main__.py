@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--request-timeout-s", type=float, default=600.0,
                     help="a training request that waited this long in its model's queue fails instead of running")
     ap.add_argument("--queue-limit", type=int, default=64, help="waiting requests per model before 429")
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384,
+                    help="a forward_backward runs its datums in micro-batches of at most this many padded tokens")
     ap.add_argument("--sample-gather-ms", type=float, default=20.0,
                     help="a sampling request waits this long so requests sent together share one engine batch")
     args = ap.parse_args(argv)
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     from train.tinker_service.ranks import Operations, RankGroup, follow
 
     ctx = init_distributed()
-    ops = Operations(ctx.device, ctx.mesh)
+    ops = Operations(ctx.device, ctx.mesh, args.micro_batch_tokens)
     try:
         if ctx.rank != 0:
             follow(ops)

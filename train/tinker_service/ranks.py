@@ -22,8 +22,8 @@ from train.tinker_service.trainee import AdamStep, TrainedModel, load_base, lora
 class Operations:
     """The model operations, by name; the same object on every rank, keyed by model id."""
 
-    def __init__(self, device, mesh) -> None:
-        self.device, self.mesh = device, mesh
+    def __init__(self, device, mesh, micro_batch_tokens: int = 16384) -> None:
+        self.device, self.mesh, self.micro_batch_tokens = device, mesh, micro_batch_tokens
         self.models: dict[str, TrainedModel] = {}
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.bases: dict[str, torch.nn.Module] = {}  # base models LoRA models share (one rank: see create)
@@ -41,7 +41,8 @@ class Operations:
             if base_path not in self.bases:
                 self.bases[base_path] = load_base(base_path, self.device).requires_grad_(False)
             shared = self.bases[base_path]
-        self.models[model_id] = TrainedModel(base_path, settings, seed, self.device, self.mesh, shared=shared)
+        self.models[model_id] = TrainedModel(base_path, settings, seed, self.device, self.mesh, shared=shared,
+                                             micro_batch_tokens=self.micro_batch_tokens)
 
     def forward_backward(self, model_id: str, data, loss_fn: str, config: dict, forward_only: bool):
         return self.model(model_id).forward_backward(data, loss_fn, config, forward_only)

@@ -76,9 +76,11 @@ def share_base(base: torch.nn.Module) -> torch.nn.Module:
 
 class TrainedModel:
     def __init__(self, base_path: str, lora: LoraSettings | None, seed: int, device: torch.device,
-                 mesh: Any = None, max_tokens: int | None = None, shared: torch.nn.Module | None = None) -> None:
+                 mesh: Any = None, max_tokens: int | None = None, shared: torch.nn.Module | None = None,
+                 micro_batch_tokens: int = 16384) -> None:
         """`shared`: the base model already loaded, to share its weights (LoRA on one rank only: under FSDP each
-        model shards its own parameters)."""
+        model shards its own parameters). `micro_batch_tokens`: see `_micro_batches`."""
+        self.micro_batch_tokens = micro_batch_tokens
         self.base_path, self.lora, self.device = base_path, lora, device
         self.model = share_base(shared) if shared is not None else load_base(base_path, device)
         self.max_tokens = max_tokens or getattr(self.model.config, "max_position_embeddings", None)
@@ -106,32 +108,62 @@ class TrainedModel:
         for i, d in enumerate(data):
             self._check_datum(i, d, loss_fn)
         mine = list(range(self.rank, len(data), self.world))
+        parts = self._micro_batches(data, mine)
+        count = len(parts)
+        if self.world > 1:  # FSDP's collectives need every rank to run as many forwards (and backwards)
+            n = torch.tensor([count], device=self.device)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX)
+            count = int(n)
         self.model.eval()  # no dropout: a forward_backward is a deterministic function of the weights
-        with torch.set_grad_enabled(not forward_only):
-            logps = self._logprobs([data[i] for i in mine])
-            total = torch.zeros((), device=self.device)
-            outputs: dict[int, dict[str, np.ndarray]] = {}
-            for i, logp in zip(mine, logps):
-                inputs = {k: torch.as_tensor(v, dtype=torch.float32, device=self.device)
-                          for k, v in data[i].inputs.items() if k != "target_tokens"}
-                loss = datum_loss(loss_fn, logp, inputs, config)
-                total = total + loss
-                out = {"logprobs": logp.detach().float().cpu().numpy()}
-                if loss_fn == "cross_entropy":
-                    w = inputs.get("weights")
-                    out["elementwise_loss"] = (-(logp.detach() * (w if w is not None else 1.0))).cpu().numpy()
-                outputs[i] = out
-            anchor = self._anchor() if not mine else 0.0
-            if not forward_only:
-                # FSDP averages gradients over ranks; Tinker's loss is a sum over every datum.
-                (total * self.world + anchor).backward()
-        loss_sum = float(total.detach())
+        loss_sum = 0.0
+        outputs: dict[int, dict[str, np.ndarray]] = {}
+        for part in [*parts, *[[] for _ in range(count - len(parts))]]:
+            with torch.set_grad_enabled(not forward_only):
+                total = self._part(data, part, loss_fn, config, outputs)
+                if not forward_only:
+                    # FSDP averages gradients over ranks; Tinker's loss is a sum over every datum.
+                    (total * self.world).backward()
+            loss_sum += float(total.detach())
         if self.world > 1:
             gathered: list[Any] = [None] * self.world
             dist.all_gather_object(gathered, (outputs, loss_sum))
             outputs = {k: v for part, _ in gathered for k, v in part.items()}
             loss_sum = sum(s for _, s in gathered)
         return [outputs[i] for i in range(len(data))], {"loss:sum": loss_sum}
+
+    def _micro_batches(self, data: list[Datum], mine: list[int]) -> list[list[int]]:
+        """This rank's datums in consecutive groups whose padded size (rows x longest) stays within
+        `micro_batch_tokens`, so a forward's activations are bounded whatever a request holds (Tinker sends up
+        to 1024 datums per call); a longer datum goes alone."""
+        parts: list[list[int]] = []
+        longest = 0
+        for i in mine:
+            n = len(data[i].tokens)
+            if parts and max(longest, n) * (len(parts[-1]) + 1) <= self.micro_batch_tokens:
+                parts[-1].append(i)
+                longest = max(longest, n)
+            else:
+                parts.append([i])
+                longest = n
+        return parts
+
+    def _part(self, data: list[Datum], part: list[int], loss_fn: str, config: dict,
+              outputs: dict[int, dict[str, np.ndarray]]) -> torch.Tensor:
+        """One micro-batch's summed loss; each datum's outputs go to `outputs`. An empty part (a rank with fewer
+        micro-batches than another) runs a zero-loss forward so every rank issues the same collectives."""
+        if not part:
+            return self._anchor()
+        total = torch.zeros((), device=self.device)
+        for i, logp in zip(part, self._logprobs([data[i] for i in part])):
+            inputs = {k: torch.as_tensor(v, dtype=torch.float32, device=self.device)
+                      for k, v in data[i].inputs.items() if k != "target_tokens"}
+            total = total + datum_loss(loss_fn, logp, inputs, config)
+            out = {"logprobs": logp.detach().float().cpu().numpy()}
+            if loss_fn == "cross_entropy":
+                w = inputs.get("weights")
+                out["elementwise_loss"] = (-(logp.detach() * (w if w is not None else 1.0))).cpu().numpy()
+            outputs[i] = out
+        return total
 
     def _check_datum(self, i: int, d: Datum, loss_fn: str) -> None:
         n = len(d.tokens)
