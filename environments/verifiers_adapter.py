@@ -45,6 +45,7 @@ from typing import Any, Callable
 from train.datasets.verifiers_source import (TASK_FIELD, ensure_import_paths, list_tool_schemas,
                                              load_taskset, run_coroutine, task_messages, toolset_specs)
 from train.utils.api_stats import ApiCallRecorder, describe
+from train.workers.rubric import RubricScore
 
 CONVERSATION_FIELD = "verifiers_conversation"
 TOOL_TIMEOUT_S = float(os.environ.get("VERIFIERS_TOOL_TIMEOUT_S", "30"))
@@ -346,12 +347,13 @@ class VerifiersAdapter:
                              error="the tool returned an error" if result.is_error else None)
         return _result_text(result)
 
-    async def reward_fn(self, messages: list[dict], answer: Any) -> float:
+    async def reward_fn(self, messages: list[dict], answer: Any) -> RubricScore:
         try:
             task = self.task_from(messages)
             trace = self.build_trace(task, messages)
             await task.score(trace)
-            return float(trace.reward)
+            # The taskset's rubric, criterion by criterion (rubric/<name> in the metrics; train/workers/rubric.py).
+            return RubricScore(float(trace.reward), {name: float(r.score) for name, r in trace.rewards.items()})
         finally:
             await asyncio.shield(self.free(_conversation_id(messages)))
 

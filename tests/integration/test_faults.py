@@ -290,6 +290,29 @@ def test_a_huge_learning_rate_is_reported_or_rolled_back(tmp_path, governor):
         assert "trainer.governor.enable=true rolls such updates back" in out
 
 
+@pytest.mark.parametrize("escalate", [False, True], ids=["warn", "governor"])
+def test_a_health_alarm_names_step_rule_and_value_and_can_hold_the_update(tmp_path, escalate):
+    """A rule made to hold on every step (an entropy floor of 1000 nats): the run names it in a warning once it held
+    `patience` steps; escalated, the governor holds that update and rolls it back (min_panics=1) before a push."""
+    run = tmp_path / "run"
+    gate = ["trainer.health.escalate=governor", "trainer.governor.enable=true"] if escalate else []
+    proc = launch([f"trainer.save_dir={run}", "trainer.total_steps=3", "trainer.health.entropy_floor=1000",
+                   "trainer.health.patience=2", *gate, *SMALL], nproc=1)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    rows = {r["step"]: r for r in read_jsonl(run / "metrics.jsonl")}
+    assert [rows[s]["health/alarms"] for s in (1, 2, 3)] == [0.0, 1.0, 0.0]
+    assert "step 2: health: entropy: actor/entropy" in out and "< 1000 for 2 steps" in out, out[-3000:]
+    event = next(e for e in read_jsonl(run / "trajectories.jsonl") if e["type"] == "health.alarm")
+    assert event["step"] == 2 and event["rule"] == "entropy"
+    if escalate:
+        assert rows[2]["governor/rollback"] == 1.0 and "time/weight_sync_s" not in rows[2]
+        assert rows[1]["governor/rollback"] == 0.0 and rows[3]["governor/rollback"] == 0.0
+        assert "step 2: governor rolled back (health: entropy:" in out
+    else:
+        assert "time/weight_sync_s" in rows[2]
+
+
 def test_a_group_of_one_with_a_group_baseline_is_flagged():
     from conftest import compose_config
     from train.trainer.config import useless_settings

@@ -145,6 +145,46 @@ def test_all_groups_filtered_skips_the_update_on_every_rank(tmp_path):
     assert all(m["dynamic_filtering_ratio"] == 1.0 for m in metrics)
 
 
+RUBRIC_ENV = """
+import sys
+sys.path.insert(0, {env_dir!r})
+from eq import extract_answer, normalize
+from train.workers.rubric import Criterion, Rubric, regex
+
+def correct(messages, answer, state):
+    return float(normalize(extract_answer(messages[-1]["content"])) == normalize(answer))
+
+def flaky(messages, answer, state):
+    if len(messages[-1]["content"]) % 2:
+        raise ConnectionError("judge down")
+    return 1.0
+
+RUBRIC = Rubric([regex("format", r"<answer>.*?</answer>", weight=1.0), Criterion("correct", correct, weight=3.0),
+                 Criterion("judge", flaky, weight=0.0)])
+reward_fn = RUBRIC.reward_fn
+"""
+
+
+def test_a_rubric_reward_logs_each_criterion_and_a_failing_one_costs_only_itself(tmp_path):
+    """Two ranks, a rubric env: rubric/<name> per step; the reward is the weighted mean of the criteria (so its
+    batch mean is too); a criterion that raises on half the replies scores 0 there and the run goes on."""
+    env = tmp_path / "rubric_env.py"
+    env.write_text(RUBRIC_ENV.format(env_dir=str(ROOT / "environments")))
+    run = tmp_path / "run"
+    run_trainer([f"trainer.save_dir={run}", f"rollout.env_path={env}", "trainer.total_steps=2", *SMALL], nproc=2)
+    metrics = read_jsonl(run / "metrics.jsonl")
+    for m in metrics:
+        assert m["env/errors"] == 0
+        assert m["rewards/train"] == pytest.approx((m["rubric/format"] + 3 * m["rubric/correct"]) / 4)
+        assert 0.0 <= m["rubric/judge"] < 1.0
+    rows = [r for r in read_jsonl(run / "trajectories.jsonl") if "criteria" in r]
+    assert rows and all(set(r["criteria"]) == {"format", "correct", "judge"} for r in rows)
+    failed = [ev for r in rows for ev in r["events"] if ev["type"] == "rubric_error"]
+    assert all(ev == {"type": "rubric_error", "criterion": "judge", "error": "ConnectionError: judge down"}
+               for ev in failed)
+    assert bool(failed) == any(r["criteria"]["judge"] == 0.0 for r in rows)
+
+
 MULTI_TURN_ENV = """
 import time
 

@@ -30,6 +30,26 @@ class GovernorConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class HealthConfig:
+    """`trainer.health.*`: the training-health detector (train/trainer/health.py)."""
+    enable: bool = setting("warn when a rule over the step's metrics holds `patience` steps in a row")
+    escalate: str = setting("warn | governor: an alarm is also a governor panic (needs trainer.governor.enable)",
+                            choices=("warn", "governor"))
+    patience: int = setting("steps in a row a rule must hold before it alarms", ge=1)
+    window: int = setting("steps the grad_norm and length rules look back", ge=1)
+    warmup: int = setting("steps before the rules that compare with the past judge", ge=0)
+    ratio_max: float = setting("actor/ratio_max above this alarms", gt=1, example="10")
+    ratio_min: float = setting("actor/ratio_min below this alarms", ge=0, lt=1, example="0.1")
+    clip_fraction: float = setting("actor/clip_fraction above this alarms", ge=0, le=1, example="0.3")
+    entropy_floor: float = setting("actor/entropy below this alarms (collapse)", ge=0, example="0.001")
+    explained_variance_floor: float = setting("critic/explained_variance below this alarms", example="-1")
+    grad_norm_factor: float = setting("actor/grad_norm above this multiple of its median alarms", gt=1, example="10")
+    length_growth: float = setting("response_length/train this many times its value `window` steps ago ...", gt=1,
+                                   example="2")
+    flat_reward: float = setting("... while rewards/train rose by less than this, alarms", example="0.02")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainerConfig:
     """`trainer.*`: the run."""
     project: str = setting("the wandb project")
@@ -63,3 +83,4 @@ class TrainerConfig:
     log_samples: int = setting("sampled conversations per rank written to trajectories.jsonl each step", ge=0)
     progress_bar: bool = setting("show the progress bar")
     governor: GovernorConfig = setting("roll back catastrophic updates (NaN/inf, k-sigma spikes)")
+    health: HealthConfig = setting("rules over each step's metrics that warn when a run degrades")

@@ -38,8 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--queue-limit", type=int, default=64, help="waiting requests per model before 429")
     ap.add_argument("--micro-batch-tokens", type=int, default=16384,
                     help="a forward_backward runs its datums in micro-batches of at most this many padded tokens")
-    ap.add_argument("--sample-gather-ms", type=float, default=20.0,
-                    help="a sampling request waits this long so requests sent together share one engine batch")
+    ap.add_argument("--sample-gather-ms", type=float, default=10.0,
+                    help="sampling requests go to the engine together once none came for this long (at most "
+                         "100 ms), so requests sent together share one batch; 0: each at once")
     args = ap.parse_args(argv)
     bases = parse_bases(args.base_model)
 

@@ -47,13 +47,18 @@ class _EngineSlot:
         self.holds: str | None = None  # the snapshot whose weights are in the engine
         self.running = 0
         self.changed = asyncio.Condition()
+        self.wave: asyncio.Event | None = None  # requests gathering to go to the engine together
+        self.last_arrival = 0.0
 
 
 class SamplerPool:
-    def __init__(self, device: torch.device, max_batch_size: int = 256, gather_s: float = 0.02) -> None:
-        """`gather_s`: how long a request waits before it goes to the engine, so requests sent together (the
-        cookbook sends one per sample) arrive in one engine batch instead of a first batch of one."""
-        self.device, self.max_batch_size, self.gather_s = device, max_batch_size, gather_s
+    def __init__(self, device: torch.device, max_batch_size: int = 256, gather_s: float = 0.01,
+                 max_gather_s: float = 0.1) -> None:
+        """Requests sent together (the cookbook sends one per sample, and they reach the server over tens of
+        milliseconds) go to the engine as one batch: the first waits until no request came for `gather_s`
+        (at most `max_gather_s`), then releases them all at once; 0 sends each at once."""
+        self.device, self.max_batch_size = device, max_batch_size
+        self.gather_s, self.max_gather_s = gather_s, max_gather_s
         self._slots: dict[tuple, _EngineSlot] = {}
 
     def _slot(self, snap: Snapshot) -> _EngineSlot:
@@ -77,8 +82,7 @@ class SamplerPool:
                 slot.holds = snap.snapshot_id
             slot.running += 1
         try:
-            if self.gather_s > 0:
-                await asyncio.sleep(self.gather_s)
+            await self._gathered(slot)
             seeds = [None if sampling.seed is None else sampling.seed + i for i in range(num_samples)]
             gens = await asyncio.gather(*(slot.engine.generate(prompt, _with_seed(sampling, s)) for s in seeds))
             scored = None
@@ -93,6 +97,23 @@ class SamplerPool:
                 slot.running -= 1
                 slot.changed.notify_all()
         return [Sequence(g.token_ids, g.logprobs, g.finish_reason != "length") for g in gens], scored
+
+    async def _gathered(self, slot: _EngineSlot) -> None:
+        if self.gather_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        slot.last_arrival = loop.time()
+        if slot.wave is not None:  # a wave is gathering: go with it
+            await slot.wave.wait()
+            return
+        wave = slot.wave = asyncio.Event()
+        start = loop.time()
+        while (quiet := slot.last_arrival + self.gather_s - loop.time()) > 0:
+            if loop.time() - start >= self.max_gather_s:
+                break
+            await asyncio.sleep(quiet)
+        slot.wave = None
+        wave.set()  # every waiter calls generate before the engine's loop next runs: one batch
 
     @staticmethod
     def _sampling_params(engine: HFEngine, prompt: list[int], params: dict[str, Any]) -> SamplingParams:

@@ -49,7 +49,7 @@ class ModelRecord:
 class TinkerService:
     def __init__(self, bases: dict[str, str], ranks: RankGroup, root: str, *, api_key: str | None = None,
                  request_timeout_s: float = 600.0, queue_limit: int = 64, hold_s: float = 10.0,
-                 device: torch.device | None = None, sample_gather_s: float = 0.02) -> None:
+                 device: torch.device | None = None, sample_gather_s: float = 0.01) -> None:
         self.bases, self.ranks, self.root, self.api_key = bases, ranks, root, api_key
         self.request_timeout_s, self.queue_limit, self.hold_s = request_timeout_s, queue_limit, hold_s
         self.book = RequestBook()

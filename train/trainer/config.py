@@ -214,6 +214,9 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     if ppr % world_size != 0:
         _fail("data.prompts_per_rollout", f"{ppr} is not divisible by the {world_size} data-parallel ranks",
               f"data.prompts_per_rollout={max(world_size, ppr - ppr % world_size)}")
+    if trainer.health.enable and trainer.health.escalate == "governor" and not trainer.governor.enable:
+        _fail("trainer.health.escalate", "governor needs trainer.governor.enable=true (the governor holds and rolls "
+              "back what an alarm flags)", "trainer.governor.enable=true")
     if trainer.test_freq is not None and data.test_data_path is None:
         _fail("data.test_data_path", "is required when trainer.test_freq is set",
               "data.test_data_path=stub/data/math/test.jsonl (or trainer.test_freq=null)")

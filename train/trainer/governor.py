@@ -62,8 +62,10 @@ class Governor:
                                    self.min_history, self.rel_std_floor, self.max_weight_change))]
         return "; ".join(reasons) or None
 
-    def observe(self, metrics: dict[str, float]) -> Verdict:
-        reason = self.check(metrics)
+    def observe(self, metrics: dict[str, float], extra: list[str] | tuple[str, ...] = ()) -> Verdict:
+        """Judge a finished update; `extra`: reasons found elsewhere (the health detector's escalated alarms)
+        that count as panics too."""
+        reason = "; ".join([r for r in (self.check(metrics), *extra) if r]) or None
         if reason is None:
             self.panics = 0
             for name in self.watch:

@@ -68,6 +68,7 @@ from train.trainer.config import (ConfigError, collective_timeout_s, data_source
 from train.trainer.data_check import PromptOverflowLog, check_data, context_length
 from train.trainer.evaluation import Evaluator
 from train.trainer.governor import Governor
+from train.trainer.health import HealthDetector
 from train.trainer.policy_sync import PolicySync
 from train.trainer.prefetch import RolloutTimeout, StepRollout
 from train.trainer.report import RunReport
@@ -186,9 +187,10 @@ class Trainer:
                                        seed=seed_of(train_sampling), curriculum=curriculum, report=self.report,
                                        sources=source_names(train_rows))
         # What a checkpoint holds besides the models, by name (each has state_dict / load_state_dict).
+        health = HealthDetector.from_config(cfg.trainer.health)
         self.state = {"test_history": self.evaluate, "reward_moments": RunningMoments(),
                       **({"governor": governor} if governor is not None else {}), "curriculum": curriculum,
-                      "dataloader": loader}
+                      **({"health": health} if health is not None else {}), "dataloader": loader}
         if saved is not None:
             self._restore(*saved)
         if moved:
@@ -197,7 +199,8 @@ class Trainer:
             self.report.warn(self.start_step, warning)
         self.sync = PolicySync(self.models.actor.model, self.engine, cfg.rollout.bucket_size_mb, governor,
                                self.models.trained, self.log, verify=cfg.trainer.verify_push, watchdog=self.watchdog,
-                               push_timeout_s=cfg.rollout.push_timeout_s, device=ctx.device, rank=ctx.rank)
+                               push_timeout_s=cfg.rollout.push_timeout_s, device=ctx.device, rank=ctx.rank,
+                               health=health)
         # The sync probe: a fixed sequence both sides score (trainer.sync_probe_every).
         self.probe = SyncProbe(encode(rollout_tokenizer, PROBE_TEXT), cfg.trainer.sync_probe_every,
                                probe_tolerance(cfg.trainer.sync_probe_tol, getattr(self.engine, "dtype", torch.float32),

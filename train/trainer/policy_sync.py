@@ -21,6 +21,7 @@ from train.parallel.weight_sync import gather_full_tensors, unique_state
 from train.runtime.logging import RunLogger
 from train.runtime.watchdog import Watchdog
 from train.trainer.governor import Governor, Snapshot
+from train.trainer.health import HealthDetector
 from train.trainer.sync_check import PushRecord, verify_push
 
 MB = 1 << 20
@@ -38,8 +39,10 @@ class PolicySync:
     def __init__(self, model: torch.nn.Module, engine: RolloutEngine, bucket_mb: float,
                  governor: Governor | None, workers: dict, log: RunLogger, *, verify: bool = True,
                  watchdog: Watchdog | None = None, push_timeout_s: float | None = None,
-                 device: torch.device = torch.device("cpu"), rank: int = 0) -> None:
+                 device: torch.device = torch.device("cpu"), rank: int = 0,
+                 health: HealthDetector | None = None) -> None:
         self.model, self.engine, self.governor, self.workers, self.log = model, engine, governor, workers, log
+        self.health = health
         self.bucket_bytes = max(1, int(bucket_mb * MB))
         self.verify, self.watchdog, self.push_timeout_s = verify, watchdog, push_timeout_s
         self.device, self.rank = device, rank
@@ -88,12 +91,27 @@ class PolicySync:
             pass
         return acc[0]
 
+    def check_health(self, step: int, metrics: dict[str, float]) -> list:
+        """The health detector's alarms for this step, each a warning line and a `health.alarm` event."""
+        if self.health is None:
+            return []
+        alarms = self.health.observe(metrics)
+        for a in alarms:
+            self.log.write(f"step {step}: health: {a.rule}: {a.message}")
+            self.log.event("health.alarm", step, {"rule": a.rule, "message": a.message})
+        return alarms
+
     def after_update(self, step: int, metrics: dict[str, float], push: bool) -> dict[str, float]:
         """Push (and with the governor, judge) a finished update; metrics of what happened."""
+        alarms = self.check_health(step, metrics)
         if self.governor is None:
-            return {"time/weight_sync_s": self.push(step)} if push else {}
-        verdict = self.governor.observe(metrics)  # all-reduced metrics: every rank takes the same branch
+            out = {"time/weight_sync_s": self.push(step)} if push else {}
+            return {**out, **({"health/alarms": float(len(alarms))} if self.health is not None else {})}
+        escalated = [f"health: {a.rule}: {a.message}" for a in alarms if self.health.escalate == "governor"]
+        verdict = self.governor.observe(metrics, escalated)  # global metrics: every rank takes the same branch
         out = {"governor/panic": float(verdict.action != "accept"), "governor/rollback": 0.0}
+        if self.health is not None:
+            out["health/alarms"] = float(len(alarms))
         if verdict.action == "accept":
             self.snapshot = Snapshot(self.workers)
             if push:

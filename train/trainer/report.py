@@ -89,6 +89,7 @@ class RunReport:
         shown = [{"messages": loggable(s.messages), "answer": s.answer, "source": s.source, "reward": s.reward,
                   "finish_reason": s.finish_reason,
                   "n_turns": s.n_turns, "turn_versions": s.turn_versions, "events": s.events,
+                  **({"criteria": s.criteria} if getattr(s, "criteria", None) else {}),
                   **({"uid": s.uid, "versions": sorted({v for v in s.token_versions if v >= 0})}
                      if s.uid is not None else {})}
                  for s in samples[:self.log_samples]]

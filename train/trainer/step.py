@@ -84,6 +84,7 @@ def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, rollo
             out[f"rewards/train/{source}"] = reward_sum / n
             out[f"response_length/train/{source}"] = length_sum / n
             out[f"env/errors/{source}"] = n_errors  # samples whose env call failed (scored env_error_reward)
+    out.update(rubric_metrics(samples, sources, ctx))
     if max_turns > 1:
         out["tools/calls_per_sample"] = tool_calls / count
         out["tools/call_rate"] = with_tools / count  # share of samples that called a tool at least once
@@ -92,6 +93,31 @@ def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, rollo
         for k in range(max_turns):
             if per_turn[2 * k + 1] > 0:
                 out[f"turn_length/turn{k + 1}"] = per_turn[2 * k] / per_turn[2 * k + 1]
+    return out
+
+
+def rubric_metrics(samples: list[Sample], sources: Sequence[str], ctx: DistContext) -> dict[str, float]:
+    """`rubric/<criterion>`: each rubric criterion's mean over the samples it scored (train/workers/rubric.py), and
+    `rubric/<criterion>/<source>` with several sources. The criteria's names are gathered first (one small
+    object gather per step), so every rank reduces the same list."""
+    names = sorted({n for s in samples for n in (getattr(s, "criteria", None) or {})})
+    if ctx.world_size > 1 and torch.distributed.is_initialized():
+        every: list = [None] * ctx.world_size
+        torch.distributed.all_gather_object(every, names)
+        names = sorted({n for part in every for n in part})
+    if not names:
+        return {}
+    keys = [(n, None) for n in names] + [(n, src) for n in names for src in sources]
+    values = []
+    for name, source in keys:
+        scored = [s.criteria[name] for s in samples if name in (getattr(s, "criteria", None) or {})
+                  and (source is None or s.source == source)]
+        values += [float(sum(scored)), float(len(scored))]
+    sums = all_reduce_sum(values, ctx.device)
+    out = {}
+    for (name, source), total, n in zip(keys, sums[0::2], sums[1::2]):
+        if n > 0:
+            out[f"rubric/{name}" if source is None else f"rubric/{name}/{source}"] = total / n
     return out
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from train.workers.rubric import RubricScore
+
 
 class EnvLoadError(ValueError):
     pass
@@ -149,7 +151,9 @@ class Environment:
         return out
 
     async def reward(self, messages: list[dict], answer: Any) -> float:
+        """The reward; a rubric's (train/workers/rubric.py) comes back as a RubricScore, its criteria with it."""
         value = await self._call("reward_fn", self.reward_fn, messages, answer)
+        criteria, errors = getattr(value, "criteria", None), getattr(value, "errors", None)
         try:
             value = float(value)
         except (TypeError, ValueError):
@@ -157,7 +161,7 @@ class Environment:
         if not math.isfinite(value):  # NaN or inf would poison the advantages of the whole group
             raise self.error("reward_fn", "exception",
                              f"returned {'NaN' if value != value else value} (rewards must be finite)")
-        return value
+        return RubricScore(value, criteria, errors) if isinstance(criteria, dict) else value
 
     def pop_api_calls(self) -> list[dict]:
         """Records of external calls made since the last pop, if the module keeps them

@@ -52,6 +52,7 @@ class Sample:
     # order of their placeholder runs in `ids` (train/datasets/vision.py); empty for text.
     images: list[ImageInputs] = field(default_factory=list)
     uid: int | None = None  # its group's admission number (rollout.inflight; trajectories.jsonl)
+    criteria: dict[str, float] = field(default_factory=dict)  # a rubric reward's per-criterion scores (rubric.py)
 
     @property
     def n_action_tokens(self) -> int:
@@ -294,6 +295,10 @@ class RolloutWorker:
         """The generated sample's reward (an env error scores it rollout.env_error_reward); (reward, error)."""
         try:
             p.sample.reward = await self.envs.for_row(p.row).reward(p.messages, p.sample.answer)
+            p.sample.criteria = dict(getattr(p.sample.reward, "criteria", {}))
+            for name, error in getattr(p.sample.reward, "errors", {}).items():  # the criterion scored 0
+                p.sample.events += [{"type": "rubric_error", "criterion": name, "error": error}]
+            p.sample.reward = float(p.sample.reward)
         except EnvCallError as e:
             p.sample.reward, p.sample.env_error = self.env_error_reward, str(e)
         p.done = True
