@@ -20,7 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("workers",),        # rollout and its environments, the rollout ranks
     ("runtime",),        # checkpoints, export, run folder, watchdog, logging
     ("trainer",),        # the step loop and its config
-    ("launch", "serve", "tinker_service"),  # entry points (tinker_service: the Tinker API over the parts below)
+    ("launch", "serve", "tinker_service", "eval"),  # entry points (tinker_service: the Tinker API)
 )
 
 
