@@ -32,8 +32,8 @@ def test_a_healthy_run_raises_no_alarm():
 
 
 @pytest.mark.parametrize("rule,plant,expect", [
-    ("ratio", lambda s, m: {**m, "actor/ratio_max": 40.0} if s >= 50 else m, "actor/ratio_max 40 > 10"),
-    ("ratio", lambda s, m: {**m, "actor/ratio_min": 0.01} if s >= 50 else m, "actor/ratio_min 0.01 < 0.1"),
+    ("ratio", lambda s, m: {**m, "actor/ratio_max": 40.0} if s >= 50 else m, "actor/ratio_max 40 > 20"),
+    ("ratio", lambda s, m: {**m, "actor/ratio_min": 0.001} if s >= 50 else m, "actor/ratio_min 0.001 < 0.01"),
     ("clip", lambda s, m: {**m, "actor/clip_fraction": 0.6} if s >= 50 else m, "actor/clip_fraction 0.6 > 0.3"),
     ("entropy", lambda s, m: {**m, "actor/entropy": 1e-5} if s >= 50 else m, "actor/entropy 1e-05 < 0.001"),
     ("critic", lambda s, m: {**m, "critic/explained_variance": -3.0} if s >= 50 else m,

@@ -37,7 +37,7 @@ class Alarm:
 
 class HealthDetector:
     def __init__(self, *, escalate: str = "warn", patience: int = 3, window: int = 20, warmup: int = 5,
-                 ratio_max: float = 10.0, ratio_min: float = 0.1, clip_fraction: float = 0.3,
+                 ratio_max: float = 20.0, ratio_min: float = 0.01, clip_fraction: float = 0.3,
                  entropy_floor: float = 1e-3, explained_variance_floor: float = -1.0,
                  grad_norm_factor: float = 10.0, length_growth: float = 2.0, flat_reward: float = 0.02) -> None:
         self.escalate, self.patience, self.window, self.warmup = escalate, patience, window, warmup
