@@ -11,6 +11,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from conftest import ROOT, can_mount_in_a_namespace, read_jsonl, slow, trainer_env
 
@@ -311,6 +312,32 @@ def test_a_health_alarm_names_step_rule_and_value_and_can_hold_the_update(tmp_pa
         assert "step 2: governor rolled back (health: entropy:" in out
     else:
         assert "time/weight_sync_s" in rows[2]
+
+
+@pytest.mark.parametrize("action", ["warn", "rollback"])
+def test_a_forgotten_held_out_set_is_said_and_can_be_rolled_back(tmp_path, action):
+    """actor.lr=1e3 wrecks the stub at step 1: its held-out test reward falls from 0.27 to ~0. The forgetting gate
+    names the metric and the drop; with action=rollback the weights of the step-0 evaluation come back (the
+    final export equals the stub model itself, tensor for tensor) and are pushed."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    proc = launch([f"trainer.save_dir={run}", "actor.lr=1e3", "trainer.total_steps=1", "trainer.test_freq=1",
+                   "trainer.forgetting.watch=[rewards/test]", f"trainer.forgetting.action={action}",
+                   "data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",
+                   "trainer.progress_bar=false"], nproc=1)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    rows = {r["step"]: r for r in read_jsonl(run / "metrics.jsonl")}
+    assert rows[0]["forgetting/alarm"] == 0.0 and rows[1]["forgetting/alarm"] == 1.0
+    assert "warning: step 1: forgetting: rewards/test" in out and "below its first evaluation's" in out
+    exported, stub = load_file(run / "latest" / "model.safetensors"), load_file(ROOT / "stub/model/model.safetensors")
+    same = all(torch.equal(exported[k], stub[k]) for k in stub)
+    if action == "rollback":
+        assert rows[1]["forgetting/rollback"] == 1.0 and "rolled back to step 0's evaluation" in out
+        assert same
+    else:
+        assert "forgetting/rollback" not in rows[1] and not same
 
 
 def test_a_group_of_one_with_a_group_baseline_is_flagged():

@@ -50,6 +50,21 @@ class HealthConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ForgettingConfig:
+    """`trainer.forgetting.*`: held-out test sets guarded against forgetting (train/trainer/forgetting.py)."""
+    watch: list[str] = setting("evaluation metrics guarded (rewards/test, rewards/test/<source>); []: off")
+    max_drop: float = setting("a watched metric this far below its first evaluation is forgetting", ge=0,
+                              example="0.05")
+    action: str = setting("warn | rollback: also restore and push the last passing evaluation's weights",
+                          choices=("warn", "rollback"))
+
+    def check(self) -> None:
+        bad = [m for m in self.watch if m != "rewards/test" and not m.startswith("rewards/test/")]
+        if bad:
+            raise SectionError("watch", f"{bad} are not evaluation metrics", "[rewards/test]")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainerConfig:
     """`trainer.*`: the run."""
     project: str = setting("the wandb project")
@@ -84,3 +99,4 @@ class TrainerConfig:
     progress_bar: bool = setting("show the progress bar")
     governor: GovernorConfig = setting("roll back catastrophic updates (NaN/inf, k-sigma spikes)")
     health: HealthConfig = setting("rules over each step's metrics that warn when a run degrades")
+    forgetting: ForgettingConfig = setting("held-out test sets guarded against forgetting")

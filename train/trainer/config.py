@@ -217,6 +217,9 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     if trainer.health.enable and trainer.health.escalate == "governor" and not trainer.governor.enable:
         _fail("trainer.health.escalate", "governor needs trainer.governor.enable=true (the governor holds and rolls "
               "back what an alarm flags)", "trainer.governor.enable=true")
+    if trainer.forgetting.watch and trainer.test_freq is None:
+        _fail("trainer.forgetting.watch", "guards evaluation metrics: it needs trainer.test_freq (and "
+              "data.test_data_path)", "trainer.test_freq=10")
     if trainer.test_freq is not None and data.test_data_path is None:
         _fail("data.test_data_path", "is required when trainer.test_freq is set",
               "data.test_data_path=stub/data/math/test.jsonl (or trainer.test_freq=null)")

@@ -67,6 +67,7 @@ from train.trainer.config import (ConfigError, collective_timeout_s, data_source
                                   sampling_params, useless_settings, validate)
 from train.trainer.data_check import PromptOverflowLog, check_data, context_length
 from train.trainer.evaluation import Evaluator
+from train.trainer.forgetting import ForgettingGate
 from train.trainer.governor import Governor
 from train.trainer.health import HealthDetector
 from train.trainer.policy_sync import PolicySync
@@ -188,9 +189,11 @@ class Trainer:
                                        sources=source_names(train_rows))
         # What a checkpoint holds besides the models, by name (each has state_dict / load_state_dict).
         health = HealthDetector.from_config(cfg.trainer.health)
+        forgetting = ForgettingGate.from_config(cfg.trainer.forgetting)
+        guards = {"health": health, "forgetting": forgetting}
         self.state = {"test_history": self.evaluate, "reward_moments": RunningMoments(),
                       **({"governor": governor} if governor is not None else {}), "curriculum": curriculum,
-                      **({"health": health} if health is not None else {}), "dataloader": loader}
+                      **{k: v for k, v in guards.items() if v is not None}, "dataloader": loader}
         if saved is not None:
             self._restore(*saved)
         if moved:
@@ -200,7 +203,7 @@ class Trainer:
         self.sync = PolicySync(self.models.actor.model, self.engine, cfg.rollout.bucket_size_mb, governor,
                                self.models.trained, self.log, verify=cfg.trainer.verify_push, watchdog=self.watchdog,
                                push_timeout_s=cfg.rollout.push_timeout_s, device=ctx.device, rank=ctx.rank,
-                               health=health)
+                               health=health, forgetting=forgetting)
         # The sync probe: a fixed sequence both sides score (trainer.sync_probe_every).
         self.probe = SyncProbe(encode(rollout_tokenizer, PROBE_TEXT), cfg.trainer.sync_probe_every,
                                probe_tolerance(cfg.trainer.sync_probe_tol, getattr(self.engine, "dtype", torch.float32),
@@ -475,6 +478,7 @@ class Trainer:
         test_freq, save_freq = cfg.trainer.test_freq, cfg.trainer.save_freq
         if test_freq and self.start_step == 0:
             scores = self.evaluate(0)
+            scores.update(self.sync.after_evaluation(0, scores))  # the forgetting gate's baselines
             self.log.log_metrics(0, scores)
             self.log.write(f"step 0: {test_line(scores)}")
         for step in range(self.start_step + 1, self.total_steps + 1):
@@ -487,6 +491,7 @@ class Trainer:
                 t = time.perf_counter()
                 with self.watchdog.phase("evaluation"):
                     scores = self.evaluate(step)
+                    scores.update(self.sync.after_evaluation(step, scores))  # trainer.forgetting
                 metrics.update(scores)
                 metrics["time/eval_s"] = time.perf_counter() - t
                 self.log.write(f"step {step}: {test_line(scores)}")

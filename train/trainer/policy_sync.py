@@ -20,6 +20,7 @@ from train.models.lora import adapter_state, has_lora
 from train.parallel.weight_sync import gather_full_tensors, unique_state
 from train.runtime.logging import RunLogger
 from train.runtime.watchdog import Watchdog
+from train.trainer.forgetting import ForgettingGate
 from train.trainer.governor import Governor, Snapshot
 from train.trainer.health import HealthDetector
 from train.trainer.sync_check import PushRecord, verify_push
@@ -40,9 +41,10 @@ class PolicySync:
                  governor: Governor | None, workers: dict, log: RunLogger, *, verify: bool = True,
                  watchdog: Watchdog | None = None, push_timeout_s: float | None = None,
                  device: torch.device = torch.device("cpu"), rank: int = 0,
-                 health: HealthDetector | None = None) -> None:
+                 health: HealthDetector | None = None, forgetting: ForgettingGate | None = None) -> None:
         self.model, self.engine, self.governor, self.workers, self.log = model, engine, governor, workers, log
-        self.health = health
+        self.health, self.forgetting = health, forgetting
+        self.evaluated: Snapshot | None = None  # the trainable state at the last evaluation that passed
         self.bucket_bytes = max(1, int(bucket_mb * MB))
         self.verify, self.watchdog, self.push_timeout_s = verify, watchdog, push_timeout_s
         self.device, self.rank = device, rank
@@ -90,6 +92,30 @@ class PolicySync:
         for _ in fingerprinted(self.full_tensors(), acc):
             pass
         return acc[0]
+
+    def after_evaluation(self, step: int, scores: dict[str, float]) -> dict[str, float]:
+        """The forgetting gate on an evaluation's (global) scores: a passing one is snapshotted (action rollback);
+        a failing one is a warning, and with action rollback the last passing state comes back and is pushed."""
+        gate = self.forgetting
+        if gate is None:
+            return {}
+        why = gate.judge(step, scores)
+        if why is None:
+            if gate.action == "rollback":
+                self.evaluated = Snapshot(self.workers)
+            return {"forgetting/alarm": 0.0}
+        out = {"forgetting/alarm": 1.0}
+        undo = gate.action == "rollback" and self.evaluated is not None
+        if undo:
+            self.evaluated.restore()
+            self.push(step)
+            out["forgetting/rollback"] = 1.0
+        after = (f"rolled back to step {gate.passed}'s evaluation" if undo else
+                 "no passing evaluation since the start or the resume to roll back to" if gate.action == "rollback"
+                 else "trainer.forgetting.action=rollback restores the last passing evaluation's weights")
+        self.log.write(f"warning: step {step}: forgetting: {why}: {after}")
+        self.log.event("forgetting", step, {"reason": why, "rolled_back_to": gate.passed if undo else None})
+        return out
 
     def check_health(self, step: int, metrics: dict[str, float]) -> list:
         """The health detector's alarms for this step, each a warning line and a `health.alarm` event."""

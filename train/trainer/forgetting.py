@@ -1,0 +1,43 @@
+"""The forgetting gate: held-out test sets from earlier tasks, guarded while a model trains on a new one.
+
+`trainer.forgetting.watch` names evaluation metrics (`rewards/test`, or `rewards/test/<source>` for a source of
+`data.test_data_path`, e.g. the earlier task's held-out rows). The first evaluation sets each one's baseline;
+after every later evaluation a watched metric more than `max_drop` below its baseline is forgetting:
+`action: warn` says so (the step, the metric, baseline and value), `action: rollback` also restores the actor
+(and critic), their optimizer moments and schedulers to the last evaluation that passed, and pushes those
+weights to the engine. The snapshot is a CPU copy of this rank's shards of the trainable state (as the
+governor's), retaken at each passing evaluation; after a resume the first passing evaluation takes it again.
+"""
+from __future__ import annotations
+
+
+class ForgettingGate:
+    def __init__(self, watch: list[str], max_drop: float, action: str) -> None:
+        self.watch, self.max_drop, self.action = list(watch), max_drop, action
+        self.baseline: dict[str, float] = {}
+        self.passed: int | None = None  # the step of the last evaluation that passed
+
+    @classmethod
+    def from_config(cls, section) -> "ForgettingGate | None":
+        return cls(list(section.watch), float(section.max_drop), str(section.action)) if section.watch else None
+
+    def judge(self, step: int, scores: dict[str, float]) -> str | None:
+        """Why this evaluation shows forgetting, or None (it passed; the first one sets the baselines)."""
+        drops = []
+        for name in self.watch:
+            if name not in scores:
+                continue
+            value = float(scores[name])
+            base = self.baseline.setdefault(name, value)
+            if base - value > self.max_drop:
+                drops.append(f"{name} {value:.3f} is {base - value:.3f} below its first evaluation's {base:.3f}")
+        if drops:
+            return "; ".join(drops) + f" (> trainer.forgetting.max_drop={self.max_drop:g})"
+        self.passed = step
+        return None
+
+    def state_dict(self) -> dict:
+        return {"baseline": dict(self.baseline), "passed": self.passed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.baseline, self.passed = dict(state["baseline"]), state["passed"]
