@@ -96,7 +96,10 @@ def test_the_metrics_hold_each_criterions_mean_overall_and_per_source():
     samples = [sample({"format": 1.0, "correct": 1.0}, "math"), sample({"format": 0.0, "correct": 0.0}, "math"),
                sample({"format": 1.0}, "code"), sample({}, "code")]
     ctx = SimpleNamespace(world_size=1, device=torch.device("cpu"))
-    out = rubric_metrics(samples, ["math", "code"], ctx)
+    known: set[str] = set()
+    out = rubric_metrics(samples, ["math", "code"], ctx, known, {"format", "correct"})
     assert out == {"rubric/correct": 0.5, "rubric/format": 2 / 3, "rubric/correct/math": 0.5,
                    "rubric/format/math": 0.5, "rubric/format/code": 1.0}
-    assert rubric_metrics([sample({}, None)], [], ctx) == {}
+    assert known == {"format", "correct"}  # later steps reduce these without gathering names again
+    assert rubric_metrics(samples[:2], ["math", "code"], ctx, known, None)["rubric/format"] == 0.5
+    assert rubric_metrics([sample({}, None)], [], ctx, set(), None) == {}

@@ -54,6 +54,7 @@ class RolloutSource:
         self.loader, self.rollout, self.engine = loader, rollout, engine
         self.sampling, self.seed = sampling, seed
         self.curriculum, self.report, self.sources = curriculum, report, sources
+        self.criteria: set[str] = set()  # rubric criteria every rank knows (step.rubric_metrics)
 
     # -- the step's calls ------------------------------------------------------------------
     def next(self, step: int, trainer_version: int) -> StepSamples:
@@ -164,7 +165,8 @@ class RolloutSource:
             if sum(counts) >= target:
                 break
         out = rollout_metrics(all_samples, len(all_samples) // n, n, settings, ctx,
-                              rewards=[s.shaped_reward for s in all_samples], sources=self.sources)
+                              rewards=[s.shaped_reward for s in all_samples], sources=self.sources,
+                              known_criteria=self.criteria)
         if out["prompt_overflow_ratio/train"] > 0:  # (all-reduced: every rank takes this branch)
             self.report.prompt_overflows_at(step, all_samples, n)
         out["time/rollout_s"] = rollout_s

@@ -19,13 +19,14 @@ from train.workers.rollout import UNUSABLE_PROMPTS, Sample
 
 def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, rollout: RolloutConfig,
                     ctx: DistContext, rewards: list[float] | None = None,
-                    sources: Sequence[str] = ()) -> dict[str, float]:
+                    sources: Sequence[str] = (), known_criteria: set[str] | None = None) -> dict[str, float]:
     """Global (all-rank) rollout statistics, computed before any filtering. `rewards/train` is the
     environment's reward; informativeness (`dynamic_filtering_ratio`) uses `rewards` (shaped) if given.
     `sources` (the same on every rank) adds `rewards/train/<source>`, `response_length/train/<source>`
     and `env/errors/<source>` for each source that had samples this step. Samples of rows whose prompt
     fills the context were never rolled out: they count in `prompt_overflow_ratio/train` and
     `context_overflow_ratio/train` only."""
+    known = set() if known_criteria is None else known_criteria
     shaped = rewards if rewards is not None else [s.reward for s in samples]
     groups = [shaped[g * group_size:(g + 1) * group_size] for g in range(n_groups)
               if samples[g * group_size].finish_reason not in UNUSABLE_PROMPTS]
@@ -53,9 +54,11 @@ def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, rollo
         *per_turn,
         *per_source_sums(samples, sources, lambda s: float(s.n_action_tokens)),
         *[float(sum(bool(s.env_error) for s in samples if s.source == source)) for source in sources],
+        float(len(new_criteria := criteria_of(samples) - known)),  # rubric criteria not every rank knows yet
     ]
+    *values, n_new_criteria = all_reduce_sum(values, ctx.device)
     reward, count, tokens, clipped, overflow, turns, errors, dropped, n_groups, traj, prompt, too_long, truncated, \
-        tool_calls, tool_errors, with_tools, *rest = all_reduce_sum(values, ctx.device)
+        tool_calls, tool_errors, with_tools, *rest = values
     per_turn, by_source = rest[:2 * max_turns], rest[2 * max_turns:2 * max_turns + 3 * len(sources)]
     source_errors = rest[2 * max_turns + 3 * len(sources):]
     longest = all_reduce_max(float(max((len(s.ids) for s in samples), default=0)), ctx.device)
@@ -84,7 +87,7 @@ def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, rollo
             out[f"rewards/train/{source}"] = reward_sum / n
             out[f"response_length/train/{source}"] = length_sum / n
             out[f"env/errors/{source}"] = n_errors  # samples whose env call failed (scored env_error_reward)
-    out.update(rubric_metrics(samples, sources, ctx))
+    out.update(rubric_metrics(samples, sources, ctx, known, new_criteria if n_new_criteria > 0 else None))
     if max_turns > 1:
         out["tools/calls_per_sample"] = tool_calls / count
         out["tools/call_rate"] = with_tools / count  # share of samples that called a tool at least once
@@ -96,15 +99,24 @@ def rollout_metrics(samples: list[Sample], n_groups: int, group_size: int, rollo
     return out
 
 
-def rubric_metrics(samples: list[Sample], sources: Sequence[str], ctx: DistContext) -> dict[str, float]:
+def criteria_of(samples: list[Sample]) -> set[str]:
+    return {n for s in samples for n in (getattr(s, "criteria", None) or {})}
+
+
+def rubric_metrics(samples: list[Sample], sources: Sequence[str], ctx: DistContext, known: set[str],
+                   new: set[str] | None) -> dict[str, float]:
     """`rubric/<criterion>`: each rubric criterion's mean over the samples it scored (train/workers/rubric.py), and
-    `rubric/<criterion>/<source>` with several sources. The criteria's names are gathered first (one small
-    object gather per step), so every rank reduces the same list."""
-    names = sorted({n for s in samples for n in (getattr(s, "criteria", None) or {})})
-    if ctx.world_size > 1 and torch.distributed.is_initialized():
-        every: list = [None] * ctx.world_size
-        torch.distributed.all_gather_object(every, names)
-        names = sorted({n for part in every for n in part})
+    `rubric/<criterion>/<source>` with several sources. `known` (kept by the caller across steps) holds the
+    criteria every rank knows, so every rank reduces the same list; `new` is not None on every rank when some rank
+    met criteria the others may not know (rollout_metrics counts them in its one all-reduce): then, and only then
+    (a run's first step), the names are gathered. A run without rubrics adds no collective."""
+    if new is not None:
+        if ctx.world_size > 1 and torch.distributed.is_initialized():
+            every: list = [None] * ctx.world_size
+            torch.distributed.all_gather_object(every, sorted(new))
+            new = {n for part in every for n in part}
+        known.update(new)
+    names = sorted(known)
     if not names:
         return {}
     keys = [(n, None) for n in names] + [(n, src) for n in names for src in sources]
