@@ -43,7 +43,9 @@ def service(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(service):
-    return tinker.ServiceClient(base_url=service["url"], api_key=KEY)
+    c = tinker.ServiceClient(base_url=service["url"], api_key=KEY)
+    yield c
+    c.close("success")  # ends its session (and the SDK's heartbeat thread) before the service stops
 
 
 def adapter(service, model_id: str, name: str) -> dict[str, torch.Tensor]:
@@ -267,6 +269,7 @@ def test_two_ranks_train_what_one_rank_trains(service, client, tmp_path):
             tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
             tc.save_weights_for_sampler("after").result()
             results.append((out, adapter(svc, tc.model_id, "after")))
+        two.close("success")
     (one, w1), (two_out, w2) = results
     assert two_out.metrics["loss:sum"] == pytest.approx(one.metrics["loss:sum"], rel=1e-5)
     for a, b in zip(one.loss_fn_outputs, two_out.loss_fn_outputs):
