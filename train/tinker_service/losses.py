@@ -78,12 +78,17 @@ def check_request(loss_fn: str, config: dict[str, float | str]) -> LossSpec:
     return spec
 
 
+def cross_entropy_terms(logp: Tensor, inputs: dict[str, Tensor]) -> Tensor:
+    """cross_entropy's per-token loss -logp * weights (weights default to 1): its `elementwise_loss` output."""
+    weights = inputs.get("weights")
+    return -logp * (weights if weights is not None else 1.0)
+
+
 def datum_loss(loss_fn: str, logp: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Tensor:
     """One datum's summed loss. `logp` [N]: log p(target_tokens[i] | model_input[:i+1]) under the model
     being trained (float32, with grad); `inputs`: the datum's loss_fn_inputs as float tensors [N]."""
     if loss_fn == "cross_entropy":
-        weights = inputs.get("weights")
-        return -(logp * (weights if weights is not None else torch.ones_like(logp))).sum()
+        return cross_entropy_terms(logp, inputs).sum()
     q, adv = inputs["logprobs"], inputs["advantages"]
     if loss_fn == "importance_sampling":
         return -(torch.exp(logp - q) * adv).sum()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -84,7 +84,7 @@ class SamplerPool:
         try:
             await self._gathered(slot)
             seeds = [None if sampling.seed is None else sampling.seed + i for i in range(num_samples)]
-            gens = await asyncio.gather(*(slot.engine.generate(prompt, _with_seed(sampling, s)) for s in seeds))
+            gens = await asyncio.gather(*(slot.engine.generate(prompt, replace(sampling, seed=s)) for s in seeds))
             scored = None
             if prompt_logprobs:
                 scored = [math.nan] * len(prompt)
@@ -150,8 +150,3 @@ class SamplerPool:
         for slot in self._slots.values():
             slot.engine.close()
 
-
-def _with_seed(sampling: SamplingParams, seed: int | None) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(sampling, seed=seed)

@@ -12,7 +12,7 @@ import json
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -43,7 +43,6 @@ class ModelRecord:
     base_model: str
     lora: dict | None
     queue: ModelQueue
-    user_metadata: dict = field(default_factory=dict)
 
 
 class TinkerService:
@@ -53,7 +52,7 @@ class TinkerService:
         self.bases, self.ranks, self.root, self.api_key = bases, ranks, root, api_key
         self.request_timeout_s, self.queue_limit, self.hold_s = request_timeout_s, queue_limit, hold_s
         self.book = RequestBook()
-        self.sessions: dict[str, dict] = {}
+        self.sessions: set[str] = set()  # open sessions (ended by ServiceClient.close; they do not expire)
         self.models: dict[str, ModelRecord] = {}
         self.samplers: dict[str, Snapshot] = {}
         self.pool = SamplerPool(device or torch.device("cpu"), gather_s=sample_gather_s)
@@ -100,9 +99,8 @@ class TinkerService:
     def run(self, name: str, **kwargs):
         return asyncio.wrap_future(self.ranks.submit(name, **kwargs))
 
-    def new_model(self, model_id: str, base_model: str, lora: dict | None, metadata: dict | None) -> ModelRecord:
-        rec = ModelRecord(model_id, base_model, lora, ModelQueue(self.book, error_message, self.queue_limit),
-                          metadata or {})
+    def new_model(self, model_id: str, base_model: str, lora: dict | None) -> ModelRecord:
+        rec = ModelRecord(model_id, base_model, lora, ModelQueue(self.book, error_message, self.queue_limit))
         self.models[model_id] = rec
         os.makedirs(os.path.join(self.root, model_id), exist_ok=True)
         with open(os.path.join(self.root, model_id, "run.json"), "w") as f:
@@ -118,15 +116,13 @@ class TinkerService:
         if opt != "adamw":
             raise ApiError(400, f"optimizer_config.type={opt!r}: this service trains with adamw only")
         model_id = f"{body['session_id']}:train:{body['model_seq_id']}"
-        rec = self.new_model(model_id, base_model, lora, body.get("user_metadata"))
+        rec = self.new_model(model_id, base_model, lora)
         seed = int((lora or {}).get("seed") or 0)
 
         async def work():
             await self.run("create", model_id=model_id, base_path=path, lora=lora, seed=seed)
             return {"model_id": model_id, "type": "create_model"}
-        rid = self.book.new()
-        rec.queue.put(0, rid, work, self.request_timeout_s)
-        return {"request_id": rid, "model_id": model_id}
+        return self.submit(rec.model_id, 0, work)
 
     def forward_backward(self, body: bytes, forward_only_query: bool) -> dict:
         call = decode_forward_backward(body)
@@ -168,26 +164,21 @@ class TinkerService:
         if not os.path.isdir(folder):
             raise ApiError(404, f"no checkpoint at {path}")
         with_optimizer = bool(body.get("optimizer"))
-        model_id = body.get("model_id")
+        model_id, seq, create = body.get("model_id"), body.get("seq_id"), None
         if model_id is None:  # create_training_client_from_state: a new model from the checkpoint's run
             with open(os.path.join(os.path.dirname(os.path.dirname(folder)), "run.json")) as f:
                 run = json.load(f)
             base_model = body.get("base_model") or run["base_model"]
-            model_id = f"{body['session_id']}:train:{body['model_seq_id']}"
-            self.new_model(model_id, base_model, run["lora_config"], body.get("user_metadata"))
-            base_path, lora = self.base_path(base_model), run["lora_config"]
-            seq = 0
+            model_id, seq = f"{body['session_id']}:train:{body['model_seq_id']}", 0
+            create = {"model_id": model_id, "base_path": self.base_path(base_model), "lora": run["lora_config"],
+                      "seed": 0}
+            self.new_model(model_id, base_model, run["lora_config"])
 
-            async def work():
-                await self.run("create", model_id=model_id, base_path=base_path, lora=lora, seed=0)
-                await self.run("load", model_id=model_id, folder=folder, with_optimizer=with_optimizer)
-                return {"path": path, "model_id": model_id, "type": "load_weights"}
-        else:
-            seq = body.get("seq_id")
-
-            async def work():
-                await self.run("load", model_id=model_id, folder=folder, with_optimizer=with_optimizer)
-                return {"path": path, "model_id": model_id, "type": "load_weights"}
+        async def work():
+            if create is not None:
+                await self.run("create", **create)
+            await self.run("load", model_id=model_id, folder=folder, with_optimizer=with_optimizer)
+            return {"path": path, "model_id": model_id, "type": "load_weights"}
         return self.submit(model_id, seq, work)
 
     def save_for_sampler(self, body: dict) -> dict:
@@ -221,14 +212,17 @@ class TinkerService:
         tensors = load_file(os.path.join(folder, "weights.safetensors"))
         return Snapshot(path, self.base_path(meta["base_model"]), settings, tensors, meta["base_model"])
 
+    def snapshot_for(self, body: dict) -> Snapshot:
+        """A request's weights: its `model_path`'s sampler weights, else its `base_model` itself."""
+        if body.get("model_path"):
+            return self.snapshot_at(body["model_path"])
+        base = body.get("base_model")
+        return Snapshot(f"base:{base}", self.base_path(base), base_model=base)
+
     # ------------------------------------------------------------------ sampling
 
     def create_sampling_session(self, body: dict) -> dict:
-        if body.get("model_path"):
-            snap = self.snapshot_at(body["model_path"])
-        else:
-            base = body.get("base_model")
-            snap = Snapshot(f"base:{base}", self.base_path(base), base_model=base)
+        snap = self.snapshot_for(body)
         sid = f"{body['session_id']}:sample:{body['sampling_session_seq_id']}"
         self.samplers[sid] = snap
         return {"sampling_session_id": sid, "type": "create_sampling_session"}
@@ -239,11 +233,8 @@ class TinkerService:
             snap = self.samplers.get(sid)
             if snap is None:
                 raise ApiError(404, f"unknown sampling_session_id {sid!r}")
-        elif body.get("model_path"):
-            snap = self.snapshot_at(body["model_path"])
         else:
-            base = body.get("base_model")
-            snap = Snapshot(f"base:{base}", self.base_path(base), base_model=base)
+            snap = self.snapshot_for(body)
         prompt = [int(t) for c in body["prompt"]["chunks"] for t in _text_chunk(c)]
         for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
             if body.get(key):
@@ -364,24 +355,20 @@ def build_app(service: TinkerService) -> FastAPI:
         return ok({"supported_models": models})
 
     @app.post("/api/v1/create_session")
-    async def create_session(request: Request):
-        body = await request.json()
+    async def create_session():
         sid = f"session-{uuid.uuid4().hex[:12]}"
-        service.sessions[sid] = {"created": time.time(), "heartbeat": time.time(), "tags": body.get("tags", [])}
+        service.sessions.add(sid)
         return ok({"type": "create_session", "session_id": sid})
 
     @app.post("/api/v1/session_heartbeat")
-    async def heartbeat(request: Request):
-        body = await request.json()
-        if body.get("session_id") in service.sessions:
-            service.sessions[body["session_id"]]["heartbeat"] = time.time()
+    async def heartbeat():  # sessions do not expire here: nothing to renew
         return ok({"type": "session_heartbeat"})
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish_session(session_id: str, request: Request):
         # ServiceClient.close(): the session ends; its models and samplers stay until unloaded (a client may
         # resume from them), as its checkpoints do.
-        service.sessions.pop(session_id, None)  # finishing twice, or after a restart, is not an error
+        service.sessions.discard(session_id)  # finishing twice, or after a restart, is not an error
         reason = ((await request.json()) or {}).get("reason", {})
         print(f"tinker service: session {session_id} finished ({reason.get('type', '?')})", flush=True)
         return Response(status_code=204)

@@ -24,7 +24,7 @@ from train.algorithms.logits import logprobs_from_logits
 from train.models.lora import LoraSettings, apply_lora, is_adapter
 from train.models.optim import clip_grad_norm
 from train.tinker_service.errors import ClientError
-from train.tinker_service.losses import LOSSES, check_request, datum_loss
+from train.tinker_service.losses import LOSSES, check_request, cross_entropy_terms, datum_loss
 from train.tinker_service.wire import Datum
 
 LORA_ALPHA = 32.0  # Tinker's LoRA scaling is alpha / rank with a fixed alpha
@@ -160,8 +160,7 @@ class TrainedModel:
             total = total + datum_loss(loss_fn, logp, inputs, config)
             out = {"logprobs": logp.detach().float().cpu().numpy()}
             if loss_fn == "cross_entropy":
-                w = inputs.get("weights")
-                out["elementwise_loss"] = (-(logp.detach() * (w if w is not None else 1.0))).cpu().numpy()
+                out["elementwise_loss"] = cross_entropy_terms(logp.detach(), inputs).cpu().numpy()
             outputs[i] = out
         return total
 
@@ -171,7 +170,7 @@ class TrainedModel:
             raise ClientError(f"data[{i}].model_input is empty")
         if self.max_tokens is not None and n > self.max_tokens:
             raise ClientError(f"data[{i}].model_input has {n} tokens, more than the model's context of "
-                                 f"{self.max_tokens}")
+                              f"{self.max_tokens}")
         vocab = self.model.config.get_text_config().vocab_size
         for name in ("target_tokens", *LOSSES[loss_fn].inputs):
             if name not in d.inputs:
@@ -179,13 +178,13 @@ class TrainedModel:
         for name, value in d.inputs.items():
             if value.shape != (n,):
                 raise ClientError(f"data[{i}].loss_fn_inputs[{name!r}] has shape {list(value.shape)}; "
-                                     f"model_input has {n} tokens, so it must be [{n}]")
+                                  f"model_input has {n} tokens, so it must be [{n}]")
             if not np.isfinite(value).all():
                 raise ClientError(f"data[{i}].loss_fn_inputs[{name!r}] holds NaN or infinity")
         ids = np.asarray(d.tokens + d.inputs["target_tokens"].astype(np.int64).tolist())
         if ids.min() < 0 or ids.max() >= vocab:
             raise ClientError(f"data[{i}]: token id {int(ids.max() if ids.max() >= vocab else ids.min())} is "
-                                 f"outside the vocabulary [0, {vocab})")
+                              f"outside the vocabulary [0, {vocab})")
 
     def _logprobs(self, data: list[Datum]) -> list[torch.Tensor]:
         """log p(target_tokens[t] | model_input[:t+1]) for each datum, one right-padded forward."""

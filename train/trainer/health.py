@@ -21,6 +21,7 @@ and rolls it back after `trainer.governor.min_panics` panics.
 """
 from __future__ import annotations
 
+import inspect
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -52,9 +53,7 @@ class HealthDetector:
     def from_config(cls, section) -> "HealthDetector | None":
         if not section.enable:
             return None
-        keys = ("escalate", "patience", "window", "warmup", "ratio_max", "ratio_min", "clip_fraction",
-                "entropy_floor", "explained_variance_floor", "grad_norm_factor", "length_growth", "flat_reward")
-        return cls(**{k: getattr(section, k) for k in keys})
+        return cls(**{k: getattr(section, k) for k in inspect.signature(cls).parameters})  # every key but enable
 
     # ------------------------------------------------------------------ the rules
 

@@ -130,14 +130,12 @@ class PolicySync:
     def after_update(self, step: int, metrics: dict[str, float], push: bool) -> dict[str, float]:
         """Push (and with the governor, judge) a finished update; metrics of what happened."""
         alarms = self.check_health(step, metrics)
+        health = {"health/alarms": float(len(alarms))} if self.health is not None else {}
         if self.governor is None:
-            out = {"time/weight_sync_s": self.push(step)} if push else {}
-            return {**out, **({"health/alarms": float(len(alarms))} if self.health is not None else {})}
+            return {**health, **({"time/weight_sync_s": self.push(step)} if push else {})}
         escalated = [f"health: {a.rule}: {a.message}" for a in alarms if self.health.escalate == "governor"]
         verdict = self.governor.observe(metrics, escalated)  # global metrics: every rank takes the same branch
-        out = {"governor/panic": float(verdict.action != "accept"), "governor/rollback": 0.0}
-        if self.health is not None:
-            out["health/alarms"] = float(len(alarms))
+        out = {"governor/panic": float(verdict.action != "accept"), "governor/rollback": 0.0, **health}
         if verdict.action == "accept":
             self.snapshot = Snapshot(self.workers)
             if push:
