@@ -21,3 +21,45 @@ def test_the_gate_resumes_with_its_baselines():
     resumed = ForgettingGate(["rewards/test"], max_drop=0.0, action="rollback")
     resumed.load_state_dict(gate.state_dict())
     assert resumed.judge(5, {"rewards/test": 0.49}) is not None and resumed.passed == 0
+
+
+def test_after_a_forgetting_rollback_the_governor_restores_the_rolled_back_state_not_the_forgotten_one():
+    """A forgetting rollback restores the last passing evaluation's weights; a governor rollback right after it must
+    restore those weights too, not the forgotten ones its snapshot held from the step before."""
+    import math
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from train.engines.hf import HFEngine
+    from train.trainer.governor import Governor
+    from train.trainer.policy_sync import PolicySync
+
+    stub = str(Path(__file__).resolve().parents[2] / "stub" / "model")
+    model = AutoModelForCausalLM.from_pretrained(stub)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    worker = type("Worker", (), {"state_parts": lambda self: {"model": model, "optimizer": optimizer,
+                                                              "scheduler": scheduler}})()
+    lines: list[str] = []
+    log = type("Log", (), {"write": lambda self, line: lines.append(line), "event": lambda self, *a: None})()
+    engine = HFEngine.from_pretrained(stub, seed=0)
+    governor = Governor(["actor/loss"], window=10, k_sigma=6, min_history=3, min_panics=1, rel_std_floor=0.25)
+    sync = PolicySync(model, engine, 64, governor, {"actor": worker}, log,
+                      forgetting=ForgettingGate(["rewards/test"], max_drop=0.05, action="rollback"))
+    weight = model.model.embed_tokens.weight
+    evaluated = weight.detach().clone()
+    try:
+        assert sync.after_evaluation(0, {"rewards/test": 0.5}) == {"forgetting/alarm": 0.0}
+        with torch.no_grad():
+            weight.add_(1.0)  # an update that forgets
+        assert sync.after_update(1, {"actor/loss": 1.0}, push=True)["governor/panic"] == 0.0  # accepted
+        assert sync.after_evaluation(1, {"rewards/test": 0.1})["forgetting/rollback"] == 1.0
+        assert torch.equal(weight, evaluated)
+        with torch.no_grad():
+            weight.add_(2.0)  # the next update blows up
+        assert sync.after_update(2, {"actor/loss": math.nan}, push=True)["governor/rollback"] == 1.0
+        assert torch.equal(weight, evaluated)  # the state of the rollback, not step 1's forgotten one
+    finally:
+        engine.close()

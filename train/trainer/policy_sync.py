@@ -108,6 +108,8 @@ class PolicySync:
         undo = gate.action == "rollback" and self.evaluated is not None
         if undo:
             self.evaluated.restore()
+            if self.snapshot is not None:  # the governor's last good state is now the restored one
+                self.snapshot = self.evaluated
             self.push(step)
             out["forgetting/rollback"] = 1.0
         after = (f"rolled back to step {gate.passed}'s evaluation" if undo else
