@@ -173,12 +173,14 @@ def step_and_save(worker, ctx, out) -> None:
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 - one process: plain tensors
     grads = {name: full(p.grad).clone() for name, p in params() if p.requires_grad}
     frozen_grads = [name for name, p in params() if not p.requires_grad and p.grad is not None]
+    group = worker.optimizer.param_groups[0]
+    adam = {"lr": float(group["lr"]), "eps": float(group["eps"]), "max_norm": float(worker.max_grad_norm)}
     norm = worker.optimizer_step()
     weights = {name: full(p).detach().clone() for name, p in params()}
     optimized = [name for name, p in params() if p in worker.optimizer.state]
     if ctx.is_main:
         torch.save({"grads": grads, "norm": norm, "weights": weights, "optimized": optimized,
-                    "frozen_grads": frozen_grads}, out)
+                    "frozen_grads": frozen_grads, "adam": adam}, out)
 
 
 @torch.no_grad()
