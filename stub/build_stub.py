@@ -13,7 +13,7 @@ deterministic torch algorithms). The model step trains on CPU for well under a m
 and prints greedy accuracy, sampled accuracy (temperature 1) and pass@8 on stub/data/math/test.jsonl.
 
 Layout written under --out:
-    data/{math,code,language,tool,arith,calc}/{train,test}.jsonl   rows {"messages": [...], "answer": ...}
+    data/{math,compact,code,language,tool,arith,calc}/{train,test}.jsonl   rows {"messages": [...], "answer": ...}
     model/   tokenizer.json, tokenizer_config.json, chat_template.jinja (tokenizer step)
              config.json, generation_config.json, model.safetensors, warmstart_eval.json (model step)
 """
@@ -184,6 +184,15 @@ def math_splits() -> dict[str, list[tuple[int, int]]]:
 
 def math_row(a: int, b: int) -> dict:
     return {"messages": user(f"{a} + {b}"), "answer": str(a + b)}
+
+
+COMPACT_TRAIN = 1000
+
+
+def compact_row(a: int, b: int) -> dict:
+    """The same sums written without spaces ("23+45"): a second task the warm-started model rarely solves at first
+    (its sampled replies pass ~3% of the time), for the continual-learning recipe (docs/continual.md)."""
+    return {"messages": user(f"{a}+{b}"), "answer": str(a + b)}
 
 
 # ---- code: LiveCodeBench-style tests, outputs computed by running a reference solution ----
@@ -429,6 +438,9 @@ def build_data(out: Path) -> None:
     splits = math_splits()
     write_jsonl(data / "math" / "train.jsonl", [math_row(a, b) for a, b in splits["train"]])
     write_jsonl(data / "math" / "test.jsonl", [math_row(a, b) for a, b in splits["test"]])
+    # the last train pairs (the warm start saw these sums, spaced) and the math test pairs, written compactly
+    write_jsonl(data / "compact" / "train.jsonl", [compact_row(a, b) for a, b in splits["train"][-COMPACT_TRAIN:]])
+    write_jsonl(data / "compact" / "test.jsonl", [compact_row(a, b) for a, b in splits["test"]])
     for name, fn in (("code", code_rows), ("language", language_rows), ("tool", tool_rows), ("arith", arith_rows),
                      ("calc", calc_rows)):
         train, test = fn()

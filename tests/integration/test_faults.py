@@ -340,6 +340,26 @@ def test_a_forgotten_held_out_set_is_said_and_can_be_rolled_back(tmp_path, actio
         assert "forgetting/rollback" not in rows[1] and not same
 
 
+def test_forgetting_can_raise_the_kl_coefficient_and_a_resume_keeps_it_raised(tmp_path):
+    """trainer.forgetting.action=raise_kl: each evaluation that shows forgetting doubles actor.kl.coef for the
+    updates after it (the loss's KL term uses it: actor/kl_coef); the raised value is in the checkpoint."""
+    common = ["actor.lr=1e3", "actor.kl.coef=0.01", "trainer.total_steps=3", "trainer.test_freq=1",
+              "trainer.forgetting.watch=[rewards/test]", "trainer.forgetting.action=raise_kl", "trainer.save_freq=2",
+              "data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",
+              "trainer.progress_bar=false"]
+    run, resumed = tmp_path / "run", tmp_path / "resumed"
+    proc = launch([f"trainer.save_dir={run}", *common], nproc=1)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    rows = {r["step"]: r for r in read_jsonl(run / "metrics.jsonl")}
+    assert [rows[s]["actor/kl_coef"] for s in (1, 2, 3)] == pytest.approx([0.01, 0.02, 0.04])
+    assert rows[1]["forgetting/kl_coef"] == pytest.approx(0.02) and "actor.kl.coef raised to 0.02" in out
+    proc = launch([f"trainer.save_dir={resumed}", f"trainer.load_ckpt_from={run / 'step2'}", *common], nproc=1)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert read_jsonl(resumed / "metrics.jsonl")[0]["actor/kl_coef"] == pytest.approx(0.04)
+
+
 def test_a_group_of_one_with_a_group_baseline_is_flagged():
     from conftest import compose_config
     from train.trainer.config import useless_settings

@@ -63,3 +63,19 @@ def test_after_a_forgetting_rollback_the_governor_restores_the_rolled_back_state
         assert torch.equal(weight, evaluated)  # the state of the rollback, not step 1's forgotten one
     finally:
         engine.close()
+
+
+def test_raise_kl_multiplies_at_each_alarm_resumes_raised_and_needs_a_kl_penalty():
+    import pytest
+
+    from conftest import compose_config
+    from train.trainer.config import ConfigError, validate
+
+    gate = ForgettingGate(["rewards/test"], max_drop=0.0, action="raise_kl", kl_factor=3.0)
+    assert gate.raise_kl() == 3.0 and gate.raise_kl() == 9.0
+    resumed = ForgettingGate(["rewards/test"], max_drop=0.0, action="raise_kl", kl_factor=3.0)
+    resumed.load_state_dict(gate.state_dict())
+    assert resumed.kl_scale == 9.0
+    with pytest.raises(ConfigError, match=r"trainer\.forgetting\.action.*actor\.kl\.coef=0\.01"):
+        validate(compose_config(["trainer.test_freq=10", "trainer.forgetting.watch=[rewards/test]",
+                                 "trainer.forgetting.action=raise_kl"]))

@@ -35,6 +35,25 @@ class CurriculumConfig:
             raise SectionError("low", f"{self.low} is not below high={self.high}", "0.0")
 
 
+REPLAY_PRIORITIES = ("success", "advantage", "uniform")  # data.replay.priority (train/trainer/replay.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayConfig:
+    """`data.replay.*`: past groups mixed into later steps, drawn by priority (train/trainer/replay.py)."""
+    enable: bool = setting("keep informative groups and replay some of them in later steps")
+    share: float = setting("replayed groups per step, as a share of the step's prompts", gt=0, le=4,
+                           example="0.25")
+    capacity: int = setting("groups each rank keeps; the lowest priority leaves first", ge=1)
+    priority: str = setting("success (rare successes: 1 - pass rate of a group with some) | advantage (mean "
+                            "|reward - group mean|) | uniform", choices=REPLAY_PRIORITIES)
+    criterion: str | None = setting("success: the rubric criterion whose score decides a pass (null: the reward; "
+                                    "data.curriculum.pass_threshold either way)")
+    alpha: float = setting("draws are proportional to priority ** alpha (0: uniform)", ge=0, example="1.0")
+    max_age: int = setting("a group older than this many steps is dropped (staleness cap)", ge=1, example="8")
+    max_uses: int = setting("times a group is replayed before it leaves", ge=1, example="2")
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """`data.*`: the train and test sources, the batch shape, the curriculum and the start-up data checks."""
@@ -45,6 +64,7 @@ class DataConfig:
     responses_per_prompt: int = setting("group size: responses sampled per prompt", ge=1)
     shuffle: bool = setting("shuffle the train rows every epoch")
     curriculum: CurriculumConfig = setting("what to roll out: per-prompt pass rates and the sampling policy")
+    replay: ReplayConfig = setting("prioritized replay of past groups (off by default)")
     contamination_ngram: int = setting("test prompts sharing this many consecutive words with a train prompt are "
                                        "reported at start-up", ge=1)
     fail_on_contamination: bool = setting("true: train/test overlap stops the run")

@@ -64,6 +64,7 @@ class Actor(Trainable):
         self.cfg, self.ctx, self.train = cfg, ctx, train
         self.total_updates = total_updates
         self.temperature = temperature
+        self.kl_coef = cfg.kl.coef  # the KL penalty's weight now (trainer.forgetting.action=raise_kl raises it)
         # actor.lora: adapters on a frozen base (a reference, train=False, is always the plain model)
         self.lora = LoraSettings.from_config(cfg.lora) if train else LoraSettings()
         # Built on the meta device and filled shard by shard: no rank ever holds the whole model.
@@ -187,7 +188,7 @@ class Actor(Trainable):
                 token_loss = token_loss - coef * entropy * mask
             if kl_in_loss:
                 kl = kl_estimate(logp, mb.gather(batch.fields["ref_logp"], "ref_logp"), cfg.kl.type) * mask
-                token_loss = token_loss + cfg.kl.coef * kl
+                token_loss = token_loss + self.kl_coef * kl
                 stats.add("kl", kl.detach().sum())
             value = aggregate_loss(token_loss, mask, cfg.agg_mode, n_tokens_global=norms.tokens,
                                    n_seqs_global=norms.seqs, max_len_norm=norm_len)
@@ -268,6 +269,8 @@ class Actor(Trainable):
                 metrics[f"actor/sampler_kl_lag{j}"] = kl / share
                 metrics[f"actor/tokens_share_lag{j}"] = share
         metrics["actor/entropy_coef"] = self.last_entropy_coef
+        if cfg.kl.coef > 0:
+            metrics["actor/kl_coef"] = self.kl_coef
         # Tokens the update's passes computed per token its samples hold: 1.0 unshared, less when a
         # group's prompt is laid out once (actor.share_prompt).
         laid_out, represented = metrics.pop("actor/laid_out"), metrics.pop("actor/represented")

@@ -3,6 +3,7 @@ logging and the safety nets (watchdog, sync probe, governor)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from train.utils.typed_config import SectionError, setting
 
@@ -52,16 +53,20 @@ class HealthConfig:
 @dataclasses.dataclass(frozen=True)
 class ForgettingConfig:
     """`trainer.forgetting.*`: held-out test sets guarded against forgetting (train/trainer/forgetting.py)."""
-    watch: list[str] = setting("evaluation metrics guarded (rewards/test, rewards/test/<source>); []: off")
+    watch: list[str] = setting("evaluation metrics guarded (rewards/test[/<source>], pass@<k>/test[/<source>] with "
+                               "trainer.test_samples); []: off")
     max_drop: float = setting("a watched metric this far below its first evaluation is forgetting", ge=0,
                               example="0.05")
-    action: str = setting("warn | rollback: also restore and push the last passing evaluation's weights",
-                          choices=("warn", "rollback"))
+    action: str = setting("warn | rollback: also restore and push the last passing evaluation's weights | raise_kl: "
+                          "also multiply actor.kl.coef by kl_factor", choices=("warn", "rollback", "raise_kl"))
+    kl_factor: float = setting("raise_kl: the KL coefficient's multiplier at each alarm", gt=1, example="2.0")
 
     def check(self) -> None:
-        bad = [m for m in self.watch if m != "rewards/test" and not m.startswith("rewards/test/")]
+        bad = [m for m in self.watch if not (m in ("rewards/test", "rewards/test_sampled") or m.startswith("rewards/test/")
+                                             or re.fullmatch(r"pass@\d+/test(/.+)?", m))]
         if bad:
-            raise SectionError("watch", f"{bad} are not evaluation metrics", "[rewards/test]")
+            raise SectionError("watch", f"{bad} are not evaluation metrics (rewards/test[/<source>], "
+                               "rewards/test_sampled, pass@<k>/test[/<source>])", "[rewards/test]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +91,10 @@ class TrainerConfig:
     sync_probe_tol: float | None = setting("the probe's largest mean |log-prob difference| (null: 1e-3 in float32, "
                                            "0.1 with bf16 anywhere)", gt=0, example="0.001")
     test_freq: int | None = setting("evaluate every N steps, and before/after (null: no evaluation)", ge=1)
+    test_samples: int = setting("each evaluation also samples this many replies per test row for pass@k (0: greedy "
+                                "only)", ge=0, example="8")
+    test_pass_k: list[int] = setting("pass@k reported for each k (each at most test_samples)")
+    test_temperature: float = setting("the temperature of those sampled replies", gt=0, example="1.0")
     load_ckpt_from: str | None = setting("resume from: latest | a step{N} folder")
     async_save: bool = setting("write checkpoint shards in the background while training goes on")
     keep_last_n: int | None = setting("keep only the newest N complete checkpoints (null: all)", ge=1)
@@ -100,3 +109,9 @@ class TrainerConfig:
     governor: GovernorConfig = setting("roll back catastrophic updates (NaN/inf, k-sigma spikes)")
     health: HealthConfig = setting("rules over each step's metrics that warn when a run degrades")
     forgetting: ForgettingConfig = setting("held-out test sets guarded against forgetting")
+
+    def check(self) -> None:
+        bad = [k for k in self.test_pass_k if not 1 <= k <= max(self.test_samples, 1)]
+        if self.test_samples and bad:
+            raise SectionError("test_pass_k", f"{bad} must be between 1 and trainer.test_samples={self.test_samples}",
+                               f"[1, {self.test_samples}]")

@@ -113,8 +113,9 @@ def resolve_aliases(cfg: DictConfig) -> None:
     if _get(cfg, "actor.model_name") is None and _get(cfg, "rollout.model_name") is not None:
         cfg.actor.model_name = cfg.rollout.model_name
     staleness = _get(cfg, "rollout.max_staleness")
-    if isinstance(staleness, int) and staleness > 0 and _get(cfg, "actor.tis_cap") is None:
-        cfg.actor.tis_cap = ASYNC_TIS_CAP  # stale samples: truncated importance sampling on by default
+    stale = (isinstance(staleness, int) and staleness > 0) or _get(cfg, "data.replay.enable") is True
+    if stale and _get(cfg, "actor.tis_cap") is None:
+        cfg.actor.tis_cap = ASYNC_TIS_CAP  # stale (or replayed) samples: truncated importance sampling on by default
     alias = _get(cfg, "adv.lambda")
     if alias is None:
         return
@@ -203,10 +204,20 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
               "from the groups in flight)", "rollout.max_staleness=0")
     if rollout.inflight:
         _validate_inflight(run)
+    if data.replay.enable and rollout.inflight:
+        _fail("data.replay.enable", "cannot be combined with rollout.inflight=true yet (its steps take groups as they "
+              "finish; replay mixes groups into the batches of the synchronous and prefetched sources)",
+              "data.replay.enable=false")
+    if data.replay.enable and data.replay.criterion is not None and data.replay.priority != "success":
+        _fail("data.replay.criterion", f"only applies to data.replay.priority=success (it is {data.replay.priority})",
+              "data.replay.criterion=null")
     if data.curriculum.policy != "uniform" and rollout.max_staleness and not rollout.inflight:
         _fail("data.curriculum.policy", f"{data.curriculum.policy} needs rollout.max_staleness=0 (the next batch is "
               "drawn before this step's pass rates are known) or rollout.inflight=true (prompts are admitted after "
               "each step's pass rates are recorded)", "data.curriculum.policy=uniform")
+    if trainer.forgetting.watch and trainer.forgetting.action == "raise_kl" and run.actor.kl.coef <= 0:
+        _fail("trainer.forgetting.action", "raise_kl multiplies actor.kl.coef, which is 0 (no KL penalty to raise); "
+              "start it above 0, which also loads the reference", "actor.kl.coef=0.01")
     _validate_algorithms(run)
     _validate_gpu_keys(run, world_size)
 

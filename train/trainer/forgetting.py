@@ -5,21 +5,30 @@
 after every later evaluation a watched metric more than `max_drop` below its baseline is forgetting:
 `action: warn` says so (the step, the metric, baseline and value), `action: rollback` also restores the actor
 (and critic), their optimizer moments and schedulers to the last evaluation that passed, and pushes those
-weights to the engine. The snapshot is a CPU copy of this rank's shards of the trainable state (as the
+weights to the engine; `action: raise_kl` multiplies the KL penalty's coefficient (actor.kl.coef > 0: the pull
+towards the reference, the starting model) by `kl_factor`, so training goes on closer to where it started. The
+snapshot is a CPU copy of this rank's shards of the trainable state (as the
 governor's), retaken at each passing evaluation; after a resume the first passing evaluation takes it again.
 """
 from __future__ import annotations
 
 
 class ForgettingGate:
-    def __init__(self, watch: list[str], max_drop: float, action: str) -> None:
-        self.watch, self.max_drop, self.action = list(watch), max_drop, action
+    def __init__(self, watch: list[str], max_drop: float, action: str, kl_factor: float = 2.0) -> None:
+        self.watch, self.max_drop, self.action, self.kl_factor = list(watch), max_drop, action, kl_factor
         self.baseline: dict[str, float] = {}
         self.passed: int | None = None  # the step of the last evaluation that passed
+        self.kl_scale = 1.0  # what action raise_kl has multiplied actor.kl.coef by so far
 
     @classmethod
     def from_config(cls, section) -> "ForgettingGate | None":
-        return cls(list(section.watch), float(section.max_drop), str(section.action)) if section.watch else None
+        return (cls(list(section.watch), float(section.max_drop), str(section.action), float(section.kl_factor))
+                if section.watch else None)
+
+    def raise_kl(self) -> float:
+        """Action raise_kl after an alarm: the new multiplier of actor.kl.coef."""
+        self.kl_scale *= self.kl_factor
+        return self.kl_scale
 
     def judge(self, step: int, scores: dict[str, float]) -> str | None:
         """Why this evaluation shows forgetting, or None (it passed; the first one sets the baselines)."""
@@ -37,7 +46,8 @@ class ForgettingGate:
         return None
 
     def state_dict(self) -> dict:
-        return {"baseline": dict(self.baseline), "passed": self.passed}
+        return {"baseline": dict(self.baseline), "passed": self.passed, "kl_scale": self.kl_scale}
 
     def load_state_dict(self, state: dict) -> None:
         self.baseline, self.passed = dict(state["baseline"]), state["passed"]
+        self.kl_scale = state.get("kl_scale", 1.0)

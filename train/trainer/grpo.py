@@ -13,7 +13,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 # The rollout engine computes in its own thread and the update in the main thread, each with its own
@@ -66,7 +66,7 @@ from train.trainer.config import (ConfigError, collective_timeout_s, data_source
                                   quote_values_with_equals, resolve_aliases, role_config, rollout_ranks,
                                   sampling_params, useless_settings, validate)
 from train.trainer.data_check import PromptOverflowLog, check_data, context_length
-from train.trainer.evaluation import Evaluator
+from train.trainer.evaluation import Evaluator, SampledEval
 from train.trainer.forgetting import ForgettingGate
 from train.trainer.governor import Governor
 from train.trainer.health import HealthDetector
@@ -179,9 +179,11 @@ class Trainer:
                                  cfg.trainer.save_dir, describe=env.longest_call)
         # Request seeds derive from (base seed, step, sample): sampling_params.seed, else trainer.seed.
         seed_of = lambda sampling: cfg.trainer.seed if sampling.seed is None else sampling.seed  # noqa: E731
+        sampled = (SampledEval(cfg.trainer.test_samples, tuple(cfg.trainer.test_pass_k), cfg.trainer.test_temperature,
+                               cfg.data.curriculum.pass_threshold) if cfg.trainer.test_samples else None)
         self.evaluate = Evaluator(ctx, rows=test_rows, sources=source_names(test_rows), rollout=rollout,
                                   engine=self.engine, sampling=test_sampling, seed=seed_of(test_sampling),
-                                  report=self.report)
+                                  report=self.report, sampled=sampled)
         # Where each step's samples come from: made now, or ahead with rollout.max_staleness (rollouts.py).
         self.rollouts = rollout_source(cfg.rollout, cfg.data, ctx, total_steps=self.total_steps, watchdog=self.watchdog, loader=loader,
                                        rollout=rollout, engine=self.engine, sampling=train_sampling,
@@ -352,10 +354,23 @@ class Trainer:
         if inflight is not None:
             mine = rank_state.get("inflight") if rank_state is not None else None
             self.rollouts.resume_inflight(inflight, mine, read_saved_rank(self.checkpointer.loaded_from))
+        self._restore_replay(state.get("replay"), (rank_state or {}).get("replay"))
         if rank_state is not None:
             ckpt.set_rng_state(rank_state["rng"])
         else:  # a rank the saving run did not have: a seed of its own, the same on every resume
             seed_everything(self.cfg.trainer.seed + 7919 * self.start_step, self.ctx.rank)
+
+    def _restore_replay(self, shared: dict | None, mine: dict | None) -> None:
+        """This rank's replay buffer (data.replay) as saved; another world size starts it empty (its groups were
+        other ranks' samples), and says so."""
+        replay = self.rollouts.replay
+        if replay is None or shared is None:
+            return
+        if shared["world_size"] == self.ctx.world_size and mine is not None:
+            replay.load_state_dict(mine)
+        else:
+            self.report.warn(self.start_step, f"data.replay: the checkpoint's buffer was saved by "
+                             f"{shared['world_size']} ranks, this run has {self.ctx.world_size}: it starts empty")
 
     def save(self, step: int) -> float:
         """A checkpoint of `step` (train/runtime/checkpoint.py); the seconds the step loop waited."""
@@ -373,6 +388,9 @@ class Trainer:
         inflight = self.rollouts.inflight_state()
         if inflight is not None:  # groups in flight: their tokens, versions, log-probs and conversations
             state["inflight"], rank_state["inflight"] = inflight
+        replay = self.rollouts.replay
+        if replay is not None:  # this rank's past groups (data.replay)
+            state["replay"], rank_state["replay"] = {"world_size": self.ctx.world_size}, replay.state_dict()
         path = self.checkpointer.save(step, self.models.trained, state, rank_state)
         self.log.event("checkpoint", step, {"path": path, "async": self.checkpointer.async_save})
         return time.perf_counter() - start
@@ -427,9 +445,9 @@ class Trainer:
             if key not in batches:
                 replay = m.actor.replay if model is m.actor else None  # the sampler's experts (actor.router_replay)
                 routes = {} if replay is None else dispatch_routes(kept, cfg.actor.router_replay, replay.spec)
-                # asynchronous rollouts: each token's version gap, for actor/sampler_kl_lag{j}
-                lags = ([token_lags(s, self.trainer_version) for s in kept]
-                        if cfg.rollout.max_staleness > 0 and model is m.actor else None)
+                # asynchronous rollouts, replayed groups: each token's version gap, for actor/sampler_kl_lag{j}
+                stale = cfg.rollout.max_staleness > 0 or cfg.data.replay.enable
+                lags = [token_lags(s, self.trainer_version) for s in kept] if stale and model is m.actor else None
                 batches[key] = dispatch(index, [s.ids for s in kept], [s.action_mask for s in kept],
                                         [s.sampler_logprobs for s in kept], model.layout, cfg.actor.mini_batches,
                                         device, share_prompt=cfg.actor.share_prompt, **routes,
@@ -455,7 +473,8 @@ class Trainer:
                 moments = self.state["reward_moments"]
                 moments.update(index.reward)
                 scale = 1.0 / (moments.std + 1e-8) if moments.count > 1 else 1.0
-        metrics = compute_advantages(batch, cfg.adv, cfg.actor.kl, device, reward_scale=scale, distill=cfg.distill)
+        kl = replace(cfg.actor.kl, coef=m.actor.kl_coef)  # (trainer.forgetting.action=raise_kl raises it)
+        metrics = compute_advantages(batch, cfg.adv, kl, device, reward_scale=scale, distill=cfg.distill)
         metrics.update(peaks)
         if m.critic is not None:
             transfer(batch, critic_batch, ["returns"], device)

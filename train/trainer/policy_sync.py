@@ -44,6 +44,8 @@ class PolicySync:
                  health: HealthDetector | None = None, forgetting: ForgettingGate | None = None) -> None:
         self.model, self.engine, self.governor, self.workers, self.log = model, engine, governor, workers, log
         self.health, self.forgetting = health, forgetting
+        if forgetting is not None and forgetting.action == "raise_kl":  # as raised before a resume
+            workers["actor"].kl_coef = workers["actor"].cfg.kl.coef * forgetting.kl_scale
         self.evaluated: Snapshot | None = None  # the trainable state at the last evaluation that passed
         self.bucket_bytes = max(1, int(bucket_mb * MB))
         self.verify, self.watchdog, self.push_timeout_s = verify, watchdog, push_timeout_s
@@ -105,6 +107,10 @@ class PolicySync:
                 self.evaluated = Snapshot(self.workers)
             return {"forgetting/alarm": 0.0}
         out = {"forgetting/alarm": 1.0}
+        if gate.action == "raise_kl":
+            actor = self.workers["actor"]
+            actor.kl_coef = actor.cfg.kl.coef * gate.raise_kl()
+            out["forgetting/kl_coef"] = actor.kl_coef
         undo = gate.action == "rollback" and self.evaluated is not None
         if undo:
             self.evaluated.restore()
@@ -114,6 +120,7 @@ class PolicySync:
             out["forgetting/rollback"] = 1.0
         after = (f"rolled back to step {gate.passed}'s evaluation" if undo else
                  "no passing evaluation since the start or the resume to roll back to" if gate.action == "rollback"
+                 else f"actor.kl.coef raised to {out['forgetting/kl_coef']:.4g}" if gate.action == "raise_kl"
                  else "trainer.forgetting.action=rollback restores the last passing evaluation's weights")
         self.log.write(f"warning: step {step}: forgetting: {why}: {after}")
         self.log.event("forgetting", step, {"reason": why, "rolled_back_to": gate.passed if undo else None})

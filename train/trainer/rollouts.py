@@ -29,6 +29,7 @@ from train.parallel.distributed import DistContext
 from train.runtime.checkpoint import CheckpointError
 from train.runtime.watchdog import Watchdog
 from train.trainer.prefetch import RolloutPrefetcher, StepRollout, staleness
+from train.trainer.replay import ReplayBuffer
 from train.trainer.report import RunReport
 from train.trainer.step import mask_truncated, rollout_metrics, select_groups, shape_rewards
 from train.algorithms.dynamic_sampling import split_quota
@@ -55,6 +56,10 @@ class RolloutSource:
         self.sampling, self.seed = sampling, seed
         self.curriculum, self.report, self.sources = curriculum, report, sources
         self.criteria: set[str] = set()  # rubric criteria every rank knows (step.rubric_metrics)
+        replay = data.replay  # past groups mixed into later steps (data.replay.*)
+        self.replay = (ReplayBuffer(replay, data.responses_per_prompt, data.curriculum.pass_threshold,
+                                    data.prompts_per_rollout // ctx.world_size, seed, ctx.rank)
+                       if replay.enable else None)
 
     # -- the step's calls ------------------------------------------------------------------
     def next(self, step: int, trainer_version: int) -> StepSamples:
@@ -187,7 +192,23 @@ class RolloutSource:
                                                                        "target": target})
         if settings.mask_truncated:
             mask_truncated(kept)
+        if self.replay is not None:
+            kept = self._mix_replay(step, kept, out)
         return StepSamples(all_samples, kept, out)
+
+    def _mix_replay(self, step: int, kept: list[Sample], out: dict[str, float]) -> list[Sample]:
+        """The step's fresh groups and those replayed (data.replay), with the replay's global metrics."""
+        fresh = float(len(kept) // self.data.responses_per_prompt)
+        kept, drawn = self.replay.mix(step, kept)
+        groups, reward, age, held, fresh = all_reduce_sum([*self.replay.local_sums(step, drawn), fresh],
+                                                          self.ctx.device)
+        out["replay/groups"] = groups
+        out["replay/share"] = groups / max(groups + fresh, 1.0)
+        out["replay/buffer_groups"] = held
+        if groups:
+            out["replay/reward"] = reward / (groups * self.data.responses_per_prompt)
+            out["replay/age"] = age / groups  # steps since the replayed groups were rolled out
+        return kept
 
     # -- the rollout's metrics -------------------------------------------------------------
     def _engine_counters(self) -> tuple[float, float]:

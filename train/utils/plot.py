@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -114,7 +115,9 @@ def plot_metrics(metrics_path: Path, out_dir: Path, keys: list[str] | None = Non
         fig.savefig(path, dpi=100)
         written.append(path)
 
-    summary = list(series) if keys else [k for k in SUMMARY_KEYS if k in series]  # --keys: those, in order
+    # --keys: those, in order; else the main curves, and pass@k at evaluation (trainer.test_samples)
+    summary = list(series) if keys else [k for k in SUMMARY_KEYS if k in series] + sorted(
+        (k for k in series if re.fullmatch(r"pass@\d+/test", k)), key=lambda k: int(k[5:-5]))
     if summary:
         cols = min(3, len(summary))
         rows = math.ceil(len(summary) / cols)
