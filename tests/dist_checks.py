@@ -196,6 +196,85 @@ def perturb_adapters(model, seed: int = 11) -> None:
             p.copy_(w)
 
 
+@torch.no_grad()
+def perturb_all(model, scale: float = 0.02) -> None:
+    """Seeded noise on every weight, the same full tensor for a name whatever the layout (each rank adds its
+    piece): a plain model perturbed the same way is the reference."""
+    import zlib
+
+    for name, p in model.named_parameters():
+        w = torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))) * scale
+        if hasattr(p, "device_mesh"):
+            w = torch.distributed.tensor.distribute_tensor(w, p.device_mesh, p.placements, src_data_rank=None)
+        p.add_(w.to(p.dtype))
+
+
+def drift(args, ctx) -> None:
+    """kl_to_start/test (train/trainer/drift.py) on this layout: a perturbed actor against its starting model (the
+    KL reference, or with --lora the base under perturbed adapters), each rank holding its own samples; rank 0
+    saves it with a float64 reference from plain transformers models (perturbed the same way)."""
+    from transformers import AutoModelForCausalLM
+
+    from train.models.actor import AdapterFreeReference
+    from train.trainer.drift import StartDrift
+    from train.workers.rollout import Sample
+
+    torch.manual_seed(0)
+    cfg = actor_cfg(max_length_per_device=args.max_tokens, **layout_overrides(args), **lora_overrides(args))
+    actor = Actor(cfg, ctx, MODEL, pad_token_id=0, train=True, temperature=0.7, total_updates=1)
+    if args.lora:
+        perturb_adapters(actor.model)
+        start = AdapterFreeReference(actor)
+    else:
+        perturb_all(actor.model)
+        start = Actor(cfg, ctx, MODEL, pad_token_id=0, train=False, temperature=0.7)
+    batch = fixed_batch()
+    sources = ["a", "b"]
+    mine = [Sample(group=0, messages=[], answer=None, ids=ids, action_mask=mask, sampler_logprobs=[0.0] * len(ids),
+                   source=sources[i % 3 == 0]) for i, (ids, mask) in enumerate(zip(batch.ids, batch.action_mask))
+            if i % ctx.world_size == ctx.rank]
+    got = StartDrift(actor, start, ctx, vision=False)(mine, sources)
+    full = {name: p.full_tensor() if hasattr(p, "full_tensor") else p  # (a collective: every rank)
+            for name, p in actor.model.named_parameters()}
+    if not ctx.is_main:
+        return
+    policy = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float64)
+    base = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float64)
+    if args.lora:
+        merged = merge_lora(full, args.lora, 2.0 * args.lora)
+        policy.load_state_dict({k: v.double() for k, v in merged.items()}, strict=False)
+    else:
+        perturb_all(policy, 0.02)
+    sums: dict[str, list[float]] = {}
+    for i, (ids, mask) in enumerate(zip(batch.ids, batch.action_mask)):
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            lp = [torch.log_softmax(m(input_ids=x).logits[0, :-1] / 0.7, -1).gather(-1, x[0, 1:, None])[:, 0]
+                  for m in (policy, base)]
+        m = torch.tensor(mask[1:], dtype=torch.float64)
+        acc = sums.setdefault(sources[i % 3 == 0], [0.0, 0.0])
+        acc[0] += float(((lp[0] - lp[1]) * m).sum())
+        acc[1] += float(m.sum())
+    expected = {"kl_to_start/test": sum(v[0] for v in sums.values()) / sum(v[1] for v in sums.values()),
+                **{f"kl_to_start/test/{k}": v[0] / v[1] for k, v in sums.items()}}
+    torch.save({"got": got, "expected": expected}, args.out)
+
+
+def merge_lora(full: dict, rank: int, alpha: float) -> dict:
+    """peft's state names (base_layer / lora_A / lora_B) as a plain model's weights: W + (alpha / r) B A."""
+    out = {}
+    for name, w in full.items():
+        if ".lora_" in name:
+            continue
+        plain = name.replace("base_model.model.", "").replace(".base_layer", "")
+        prefix = name.rsplit(".base_layer", 1)[0] if ".base_layer" in name else None
+        if prefix is not None and name.endswith("weight"):
+            a, b = full[f"{prefix}.lora_A.default.weight"], full[f"{prefix}.lora_B.default.weight"]
+            w = w + (alpha / rank) * b @ a
+        out[plain] = w.detach()
+    return out
+
+
 def lora_overrides(args) -> dict:
     return {"lora.rank": args.lora, "lora.alpha": 2.0 * args.lora} if args.lora else {}
 
@@ -683,7 +762,7 @@ def sync(args, ctx) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["vision", "grads", "match", "critic_grads", "reference", "teachers", "lora_reference",
-                                         "shared_base", "packing", "router_replay", "ring",
+                                         "shared_base", "packing", "router_replay", "ring", "drift",
                                          "collectives", "advantages", "push", "load", "reshard", "sync"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--agg", default="all_token_mean")
@@ -717,7 +796,8 @@ def main() -> None:
         {"grads": grads, "match": match, "critic_grads": critic_grads, "reference": reference, "teachers": teachers,
          "lora_reference": lora_reference, "shared_base": shared_base, "router_replay": router_replay, "ring": ring,
          "packing": packing, "collectives": collectives, "advantages": advantages,
-         "push": push, "load": load, "reshard": reshard, "sync": sync, "vision": vision}[args.mode](args, ctx)
+         "push": push, "load": load, "reshard": reshard, "sync": sync, "vision": vision,
+         "drift": drift}[args.mode](args, ctx)
     finally:
         cleanup()
 

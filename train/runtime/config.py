@@ -60,6 +60,8 @@ class ForgettingConfig:
     action: str = setting("warn | rollback: also restore and push the last passing evaluation's weights | raise_kl: "
                           "also multiply actor.kl.coef by kl_factor", choices=("warn", "rollback", "raise_kl"))
     kl_factor: float = setting("raise_kl: the KL coefficient's multiplier at each alarm", gt=1, example="2.0")
+    max_kl: float | None = setting("kl_to_start/test (the policy's KL to its starting policy on the sampled test "
+                                   "replies) above this is forgetting too (null: not judged)", gt=0, example="0.5")
 
     def check(self) -> None:
         bad = [m for m in self.watch if not (m in ("rewards/test", "rewards/test_sampled") or m.startswith("rewards/test/")

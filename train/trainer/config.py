@@ -215,7 +215,14 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
         _fail("data.curriculum.policy", f"{data.curriculum.policy} needs rollout.max_staleness=0 (the next batch is "
               "drawn before this step's pass rates are known) or rollout.inflight=true (prompts are admitted after "
               "each step's pass rates are recorded)", "data.curriculum.policy=uniform")
-    if trainer.forgetting.watch and trainer.forgetting.action == "raise_kl" and run.actor.kl.coef <= 0:
+    if trainer.forgetting.max_kl is not None and not trainer.test_samples:
+        _fail("trainer.forgetting.max_kl", "judges kl_to_start/test, measured on the sampled evaluation replies: set "
+              "trainer.test_samples (and trainer.test_freq)", "trainer.test_samples=4")
+    if trainer.forgetting.max_kl is not None and run.actor.lora.rank == 0 and run.actor.kl.coef <= 0:
+        _fail("trainer.forgetting.max_kl", "needs the starting policy: a LoRA actor (its base) or the KL reference "
+              "(actor.kl.coef > 0)", "actor.kl.coef=0.001")
+    if (trainer.forgetting.watch or trainer.forgetting.max_kl is not None) and trainer.forgetting.action == "raise_kl" \
+            and run.actor.kl.coef <= 0:
         _fail("trainer.forgetting.action", "raise_kl multiplies actor.kl.coef, which is 0 (no KL penalty to raise); "
               "start it above 0, which also loads the reference", "actor.kl.coef=0.01")
     _validate_algorithms(run)

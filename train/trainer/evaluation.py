@@ -5,6 +5,7 @@ checkpoints (the closing line spans resumes). Cost: (1 + n) x the test rows' gen
 each rank generating its share of the rows; one all-reduce per pass."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from train.algorithms.pass_at_k import pass_at_k
@@ -13,7 +14,7 @@ from train.parallel.collectives import all_reduce_sum
 from train.parallel.distributed import DistContext
 from train.trainer.report import RunReport
 from train.trainer.step import per_source_sums, split_triples
-from train.workers.rollout import UNUSABLE_PROMPTS, sample_seed
+from train.workers.rollout import UNUSABLE_PROMPTS, Sample, sample_seed
 
 
 @dataclass(frozen=True)
@@ -28,10 +29,12 @@ class SampledEval:
 
 class Evaluator:
     def __init__(self, ctx: DistContext, *, rows: list[dict], sources: list[str], rollout, engine,
-                 sampling: SamplingParams, seed: int, report: RunReport, sampled: SampledEval | None = None) -> None:
+                 sampling: SamplingParams, seed: int, report: RunReport, sampled: SampledEval | None = None,
+                 drift: Callable[[list[Sample], list[str]], dict[str, float]] | None = None) -> None:
         self.ctx, self.rows, self.sources = ctx, rows, sources
         self.rollout, self.engine, self.sampling, self.seed = rollout, engine, sampling, seed
         self.report, self.sampled = report, sampled
+        self.drift = drift  # measured on the sampled replies: kl_to_start/test (train/trainer/drift.py)
         self.history: list[tuple[int, float]] = []  # (step, test reward)
 
     def __call__(self, step: int) -> dict[str, float]:
@@ -83,6 +86,8 @@ class Evaluator:
             sums[-1] += cfg.n
         sums = all_reduce_sum(sums, ctx.device)
         out = {"rewards/test_sampled": sums[-2] / max(sums[-1], 1.0)}
+        if self.drift is not None:
+            out.update(self.drift([s for s in samples if s.finish_reason not in UNUSABLE_PROMPTS], self.sources))
         for i, name in enumerate(names):
             base = i * (len(cfg.ks) + 1)
             n_rows = sums[base + len(cfg.ks)]

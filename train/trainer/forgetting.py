@@ -14,16 +14,18 @@ from __future__ import annotations
 
 
 class ForgettingGate:
-    def __init__(self, watch: list[str], max_drop: float, action: str, kl_factor: float = 2.0) -> None:
+    def __init__(self, watch: list[str], max_drop: float, action: str, kl_factor: float = 2.0,
+                 max_kl: float | None = None) -> None:
         self.watch, self.max_drop, self.action, self.kl_factor = list(watch), max_drop, action, kl_factor
+        self.max_kl = max_kl  # kl_to_start/test above this is also an alarm (train/trainer/drift.py)
         self.baseline: dict[str, float] = {}
         self.passed: int | None = None  # the step of the last evaluation that passed
         self.kl_scale = 1.0  # what action raise_kl has multiplied actor.kl.coef by so far
 
     @classmethod
     def from_config(cls, section) -> "ForgettingGate | None":
-        return (cls(list(section.watch), float(section.max_drop), str(section.action), float(section.kl_factor))
-                if section.watch else None)
+        return (cls(list(section.watch), float(section.max_drop), str(section.action), float(section.kl_factor),
+                    section.max_kl) if section.watch or section.max_kl is not None else None)
 
     def raise_kl(self) -> float:
         """Action raise_kl after an alarm: the new multiplier of actor.kl.coef."""
@@ -40,8 +42,11 @@ class ForgettingGate:
             base = self.baseline.setdefault(name, value)
             if base - value > self.max_drop:
                 drops.append(f"{name} {value:.3f} is {base - value:.3f} below its first evaluation's {base:.3f}")
+        kl = scores.get("kl_to_start/test")
+        if self.max_kl is not None and kl is not None and kl > self.max_kl:
+            drops.append(f"kl_to_start/test {kl:.4f} is above trainer.forgetting.max_kl={self.max_kl:g}")
         if drops:
-            return "; ".join(drops) + f" (> trainer.forgetting.max_drop={self.max_drop:g})"
+            return "; ".join(drops) + (f" (> trainer.forgetting.max_drop={self.max_drop:g})" if self.watch else "")
         self.passed = step
         return None
 

@@ -66,6 +66,7 @@ from train.trainer.config import (ConfigError, collective_timeout_s, data_source
                                   quote_values_with_equals, resolve_aliases, role_config, rollout_ranks,
                                   sampling_params, useless_settings, validate)
 from train.trainer.data_check import PromptOverflowLog, check_data, context_length
+from train.trainer.drift import StartDrift
 from train.trainer.evaluation import Evaluator, SampledEval
 from train.trainer.forgetting import ForgettingGate
 from train.trainer.governor import Governor
@@ -181,9 +182,12 @@ class Trainer:
         seed_of = lambda sampling: cfg.trainer.seed if sampling.seed is None else sampling.seed  # noqa: E731
         sampled = (SampledEval(cfg.trainer.test_samples, tuple(cfg.trainer.test_pass_k), cfg.trainer.test_temperature,
                                cfg.data.curriculum.pass_threshold) if cfg.trainer.test_samples else None)
+        # kl_to_start/test on the sampled replies, where the run holds its starting policy (train/trainer/drift.py)
+        drift = StartDrift.of(self.models.actor, self.models.ref, actor_path=paths.actor, ref_path=paths.reference,
+                              distill=cfg.distill.enabled, ctx=ctx, vision=vision is not None) if sampled else None
         self.evaluate = Evaluator(ctx, rows=test_rows, sources=source_names(test_rows), rollout=rollout,
                                   engine=self.engine, sampling=test_sampling, seed=seed_of(test_sampling),
-                                  report=self.report, sampled=sampled)
+                                  report=self.report, sampled=sampled, drift=drift)
         # Where each step's samples come from: made now, or ahead with rollout.max_staleness (rollouts.py).
         self.rollouts = rollout_source(cfg.rollout, cfg.data, ctx, total_steps=self.total_steps, watchdog=self.watchdog, loader=loader,
                                        rollout=rollout, engine=self.engine, sampling=train_sampling,
