@@ -110,3 +110,27 @@ def test_replay_config_errors_name_the_key():
                             "data.replay.criterion")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             validate(compose_config(overrides))
+
+
+def test_a_source_the_forgetting_gate_flags_is_drawn_favour_failing_times_more_until_it_passes():
+    """Adaptive replay: equal priorities, the flagged source's groups weigh 4x: it is drawn 4/5 of the time (one
+    draw per step over 4000 steps); the gate names the sources whose rewards/test/<source> fell, and forgets them
+    when an evaluation passes."""
+    from train.trainer.forgetting import ForgettingGate
+
+    gate = ForgettingGate(["rewards/test/old", "rewards/test"], max_drop=0.05, action="warn")
+    gate.judge(0, {"rewards/test": 0.5, "rewards/test/old": 0.5})
+    assert gate.judge(10, {"rewards/test": 0.3, "rewards/test/old": 0.3}) is not None
+    assert gate.failing == ["old"]  # the overall metric names no source
+    b = buffer(share=1 / 8, max_age=10 ** 6, max_uses=10 ** 6, favour_failing=4.0)
+    old, new = group([1, 0, 0, 0], "old"), group([1, 0, 0, 0], "new")
+    for s in old:
+        s.source = "old"
+    b.add(0, old + new)
+    b.favour(gate.failing)
+    counts = Counter(tags([s for g in b.draw(step) for s in g.samples])[0] for step in range(1, 4001))
+    assert counts["old"] / 4000 == pytest.approx(0.8, abs=0.025)
+    assert gate.judge(20, {"rewards/test": 0.5, "rewards/test/old": 0.5}) is None and gate.failing == []
+    b.favour(gate.failing)
+    counts = Counter(tags([s for g in b.draw(step) for s in g.samples])[0] for step in range(1, 4001))
+    assert counts["old"] / 4000 == pytest.approx(0.5, abs=0.025)

@@ -52,6 +52,9 @@ class ReplayConfig:
     alpha: float = setting("draws are proportional to priority ** alpha (0: uniform)", ge=0, example="1.0")
     max_age: int = setting("a group older than this many steps is dropped (staleness cap)", ge=1, example="8")
     max_uses: int = setting("times a group is replayed before it leaves", ge=1, example="2")
+    favour_failing: float = setting("adaptive replay: while the forgetting gate sees a source's held-out metric "
+                                    "fallen, that source's groups weigh this many times more (1: off)", ge=1,
+                                    example="4.0")
 
 
 @dataclasses.dataclass(frozen=True)

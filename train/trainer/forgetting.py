@@ -6,7 +6,9 @@ after every later evaluation a watched metric more than `max_drop` below its bas
 `action: warn` says so (the step, the metric, baseline and value), `action: rollback` also restores the actor
 (and critic), their optimizer moments and schedulers to the last evaluation that passed, and pushes those
 weights to the engine; `action: raise_kl` multiplies the KL penalty's coefficient (actor.kl.coef > 0: the pull
-towards the reference, the starting model) by `kl_factor`, so training goes on closer to where it started. The
+towards the reference, the starting model) by `kl_factor`, so training goes on closer to where it started. Whatever
+the action, the sources whose watched metric fell (`rewards/test/<source>`) are `failing` until an evaluation
+passes: prioritized replay favours their training groups meanwhile (`data.replay.favour_failing`). The
 snapshot is a CPU copy of this rank's shards of the trainable state (as the
 governor's), retaken at each passing evaluation; after a resume the first passing evaluation takes it again.
 """
@@ -21,6 +23,7 @@ class ForgettingGate:
         self.baseline: dict[str, float] = {}
         self.passed: int | None = None  # the step of the last evaluation that passed
         self.kl_scale = 1.0  # what action raise_kl has multiplied actor.kl.coef by so far
+        self.failing: list[str] = []  # the data sources whose watched metric fell at the last evaluation
 
     @classmethod
     def from_config(cls, section) -> "ForgettingGate | None":
@@ -34,7 +37,7 @@ class ForgettingGate:
 
     def judge(self, step: int, scores: dict[str, float]) -> str | None:
         """Why this evaluation shows forgetting, or None (it passed; the first one sets the baselines)."""
-        drops = []
+        drops, self.failing = [], []
         for name in self.watch:
             if name not in scores:
                 continue
@@ -42,6 +45,8 @@ class ForgettingGate:
             base = self.baseline.setdefault(name, value)
             if base - value > self.max_drop:
                 drops.append(f"{name} {value:.3f} is {base - value:.3f} below its first evaluation's {base:.3f}")
+                if name.count("/") == 2:  # rewards/test/<source>, pass@k/test/<source>: that source's rows
+                    self.failing.append(name.rsplit("/", 1)[1])
         kl = scores.get("kl_to_start/test")
         if self.max_kl is not None and kl is not None and kl > self.max_kl:
             drops.append(f"kl_to_start/test {kl:.4f} is above trainer.forgetting.max_kl={self.max_kl:g}")
@@ -51,8 +56,10 @@ class ForgettingGate:
         return None
 
     def state_dict(self) -> dict:
-        return {"baseline": dict(self.baseline), "passed": self.passed, "kl_scale": self.kl_scale}
+        return {"baseline": dict(self.baseline), "passed": self.passed, "kl_scale": self.kl_scale,
+                "failing": list(self.failing)}
 
     def load_state_dict(self, state: dict) -> None:
         self.baseline, self.passed = dict(state["baseline"]), state["passed"]
         self.kl_scale = state.get("kl_scale", 1.0)
+        self.failing = list(state.get("failing", []))

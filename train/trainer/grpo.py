@@ -359,6 +359,7 @@ class Trainer:
             mine = rank_state.get("inflight") if rank_state is not None else None
             self.rollouts.resume_inflight(inflight, mine, read_saved_rank(self.checkpointer.loaded_from))
         self._restore_replay(state.get("replay"), (rank_state or {}).get("replay"))
+        self._favour_failing()  # as the gate last judged
         if rank_state is not None:
             ckpt.set_rng_state(rank_state["rng"])
         else:  # a rank the saving run did not have: a seed of its own, the same on every resume
@@ -493,6 +494,19 @@ class Trainer:
                                       cfg.trainer.governor.max_weight_change)
         return metrics
 
+    def evaluate_and_judge(self, step: int) -> dict[str, float]:
+        """The evaluation's scores and the forgetting gate's verdict on them (trainer.forgetting)."""
+        scores = self.evaluate(step)
+        scores.update(self.sync.after_evaluation(step, scores))
+        self._favour_failing()
+        return scores
+
+    def _favour_failing(self) -> None:
+        """Adaptive replay: the sources whose held-out metric the forgetting gate saw fall (data.replay)."""
+        gate, replay = self.state.get("forgetting"), self.rollouts.replay
+        if gate is not None and replay is not None:
+            replay.favour(gate.failing)
+
     # -- the loop --------------------------------------------------------------------------
     def fit(self, stop: StopRequest | None = None) -> None:
         """Train to `total_steps`, then export; with `stop`, a SIGTERM / SIGINT ends the run at the
@@ -500,8 +514,7 @@ class Trainer:
         cfg = self.cfg
         test_freq, save_freq = cfg.trainer.test_freq, cfg.trainer.save_freq
         if test_freq and self.start_step == 0:
-            scores = self.evaluate(0)
-            scores.update(self.sync.after_evaluation(0, scores))  # the forgetting gate's baselines
+            scores = self.evaluate_and_judge(0)  # (the forgetting gate's baselines)
             self.log.log_metrics(0, scores)
             self.log.write(f"step 0: {test_line(scores)}")
         for step in range(self.start_step + 1, self.total_steps + 1):
@@ -513,8 +526,7 @@ class Trainer:
             if eval_due:
                 t = time.perf_counter()
                 with self.watchdog.phase("evaluation"):
-                    scores = self.evaluate(step)
-                    scores.update(self.sync.after_evaluation(step, scores))  # trainer.forgetting
+                    scores = self.evaluate_and_judge(step)
                 metrics.update(scores)
                 metrics["time/eval_s"] = time.perf_counter() - t
                 self.log.write(f"step {step}: {test_line(scores)}")

@@ -11,9 +11,11 @@ sampler log-probs and the step that rolled it out. Its priority says how much it
 - `uniform`: every informative group alike.
 
 A step draws round(share x its prompts) groups without replacement, with probability proportional to
-priority ** alpha, among the groups at most `max_age` steps old. The samples are off-policy by their age: the
-loss corrects each token with the truncated importance weight against its sampler log-prob (`actor.tis_cap`,
-on by default with replay). The draw's randomness is a function of (seed, step, rank), so a resumed run draws
+priority ** alpha, among the groups at most `max_age` steps old. Adaptive replay: while the forgetting gate sees a
+source's held-out metric fallen (`trainer.forgetting.watch` on `rewards/test/<source>`), that source's groups
+weigh `favour_failing` times more (the old task's training rows in a mixture; never the held-out rows themselves).
+The samples are off-policy by their age: the loss corrects each token with the truncated importance weight against
+its sampler log-prob (`actor.tis_cap`, on by default with replay). The draw's randomness is a function of (seed, step, rank), so a resumed run draws
 what the uninterrupted one would; the buffer itself is in each rank's checkpoint state.
 
 Memory: at most `capacity` groups of `responses_per_prompt` samples per rank (token ids and log-probs, on the
@@ -47,6 +49,9 @@ class ReplayBuffer:
         self.per_step = max(1, round(cfg.share * prompts_per_rank))
         self.seed, self.rank = seed, rank
         self.groups: list[ReplayGroup] = []
+        # data sources whose held-out metric the forgetting gate saw fall: their groups' draws weigh `favour_failing`
+        # times more until an evaluation passes (adaptive replay; train/trainer/forgetting.py)
+        self.favoured: set[str] = set()
 
     # -- priorities ------------------------------------------------------------------------
     def score(self, s: Sample) -> float:
@@ -84,7 +89,9 @@ class ReplayBuffer:
         k = min(self.per_step, len(self.groups))
         if k == 0:
             return []
+        boost = [self.cfg.favour_failing if g.samples[0].source in self.favoured else 1.0 for g in self.groups]
         weights = torch.tensor([g.priority for g in self.groups], dtype=torch.float64) ** self.cfg.alpha
+        weights = weights * torch.tensor(boost, dtype=torch.float64)
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 10_007 + self.rank)
         picks = torch.multinomial(weights, k, replacement=False, generator=generator).tolist()
         return [self.groups[i] for i in picks]
@@ -102,11 +109,16 @@ class ReplayBuffer:
             dropped = set(order[:len(self.groups) - self.cfg.capacity])
             self.groups = [g for i, g in enumerate(self.groups) if i not in dropped]
 
+    def favour(self, sources: list[str]) -> None:
+        """Adaptive replay: the forgetting gate's failing sources (none once an evaluation passes)."""
+        self.favoured = set(sources)
+
     def local_sums(self, step: int, drawn: list[ReplayGroup]) -> list[float]:
-        """This rank's (groups replayed, their samples' reward sum, their age sum, groups held) for the metrics."""
+        """This rank's (groups replayed, their samples' reward sum, their age sum, groups held, groups replayed
+        from favoured sources) for the metrics."""
         samples = [s for g in drawn for s in g.samples]
         return [float(len(drawn)), sum(s.reward for s in samples), float(sum(step - g.step for g in drawn)),
-                float(len(self.groups))]
+                float(len(self.groups)), float(sum(g.samples[0].source in self.favoured for g in drawn))]
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -200,14 +200,16 @@ class RolloutSource:
         """The step's fresh groups and those replayed (data.replay), with the replay's global metrics."""
         fresh = float(len(kept) // self.data.responses_per_prompt)
         kept, drawn = self.replay.mix(step, kept)
-        groups, reward, age, held, fresh = all_reduce_sum([*self.replay.local_sums(step, drawn), fresh],
-                                                          self.ctx.device)
+        groups, reward, age, held, favoured, fresh = all_reduce_sum([*self.replay.local_sums(step, drawn), fresh],
+                                                                    self.ctx.device)
         out["replay/groups"] = groups
         out["replay/share"] = groups / max(groups + fresh, 1.0)
         out["replay/buffer_groups"] = held
         if groups:
             out["replay/reward"] = reward / (groups * self.data.responses_per_prompt)
             out["replay/age"] = age / groups  # steps since the replayed groups were rolled out
+            if self.replay.favoured:  # adaptive replay: the share drawn from sources the forgetting gate flagged
+                out["replay/favoured_share"] = favoured / groups
         return kept
 
     # -- the rollout's metrics -------------------------------------------------------------
