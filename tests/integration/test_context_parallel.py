@@ -60,3 +60,35 @@ def test_a_cp_run_trains_with_the_samplers_logprobs_and_resumes_exactly(tmp_path
     run_trainer([f"trainer.save_dir={resumed}", f"trainer.load_ckpt_from={straight / 'step2'}", *common], nproc=2)
     [again] = read_jsonl(resumed / "metrics.jsonl")
     assert again["step"] == 3 and again["actor/loss"] == rows[2]["actor/loss"]
+
+
+@pytest.mark.slow  # ~3 min on 2 cores: the update's ring attention over 4 rows of 17K tokens in plain torch
+def test_a_conversation_past_16k_tokens_trains_with_cp_and_the_samplers_logprobs(tmp_path):
+    """tests/envs/long_context.py pastes ~5,600-token logs into three turns: each conversation ends past 16K tokens
+    (the stub's weights under a config with 32K positions),
+    the engine prefills the long prompts in chunks (rollout.prefill_chunk), and with cp 2 each rank lays out half of
+    every packed row. The trainer's log-probs at the end of the conversation equal the sampler's (fp32), and the
+    step updates."""
+    import json
+    import shutil
+
+    from conftest import ROOT, read_jsonl, run_trainer
+
+    model = tmp_path / "stub_32k"  # the stub with room for the positions (RoPE: the same weights)
+    shutil.copytree(ROOT / "stub" / "model", model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32768}))
+    from transformers import AutoTokenizer
+
+    # a turn ends at its first digit (a turn cut by max_new_tokens would end the episode): turns of a few tokens
+    digits = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(list("0123456789"))
+    run = tmp_path / "long"
+    run_trainer([f"trainer.save_dir={run}", f"actor.model_name={model}", "actor.cp_size=2",
+                 f"rollout.train_sampling_params.stop_token_ids=[{','.join(map(str, digits))}]", "trainer.test_freq=null", "trainer.total_steps=1",
+                 "data.prompts_per_rollout=2", "data.responses_per_prompt=2", "rollout.dynamic_filtering=false",
+                 f"rollout.env_path={ROOT / 'tests' / 'envs' / 'long_context.py'}", "rollout.max_turns=4",
+                 "rollout.max_total_length=20000", "rollout.prefill_chunk=4096", "actor.max_length_per_device=20480",
+                 "rollout.train_sampling_params.max_new_tokens=12"], nproc=2, timeout=900)
+    [row] = read_jsonl(run / "metrics.jsonl")
+    assert row["trajectory_length/train"] > 16384 and row["n_turns/train"] == 4, row
+    assert row["actor/sampler_kl"] < 1e-4 and row["actor/grad_norm"] > 0, row

@@ -3,10 +3,10 @@ evaluation replies, on two ranks against plain transformers models in float64, a
 forgetting gate judges it (trainer.forgetting.max_kl)."""
 import pytest
 
-from conftest import launch_check, read_jsonl, run_trainer
+from conftest import launch_check, read_jsonl, run_trainer, slow
 
 
-@pytest.mark.parametrize("kind", ["reference", "lora"])
+@pytest.mark.parametrize("kind", [slow("reference", id="reference"), "lora"])  # (the same sums, another start model)
 def test_kl_to_start_on_two_ranks_is_the_float64_log_ratio_overall_and_per_source(tmp_path, kind):
     """A perturbed actor against the KL reference loaded from its starting folder, or LoRA adapters against the
     base (adapters off); samples split unevenly over the ranks, two sources."""
