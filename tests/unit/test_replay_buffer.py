@@ -134,3 +134,40 @@ def test_a_source_the_forgetting_gate_flags_is_drawn_favour_failing_times_more_u
     b.favour(gate.failing)
     counts = Counter(tags([s for g in b.draw(step) for s in g.samples])[0] for step in range(1, 4001))
     assert counts["old"] / 4000 == pytest.approx(0.5, abs=0.025)
+
+
+def test_a_replayed_sample_comes_back_exactly_as_it_was_kept_and_is_kept_packed():
+    """The buffer holds the per-token fields as typed arrays (25 bytes a token, not ~120 in lists of Python
+    objects) and hands back lists equal to the originals, float64 log-probs included; training on a drawn sample
+    (it may be masked in place) does not change the kept one."""
+    import math
+    import pickle
+    import tracemalloc
+
+    from train.trainer.replay import pack
+
+    b = buffer(share=1 / 8)
+    fresh = group([1, 0, 0, 0], "a")
+    n = 4000
+    for i, s in enumerate(fresh):
+        s.ids = [(7919 * (i + t)) % 151_000 for t in range(n)]
+        s.action_mask = [t % 3 != 0 for t in range(n)]
+        s.sampler_logprobs = [-math.pi * t / n for t in range(n)]
+        s.token_versions = [1000 + t % 5 for t in range(n)]
+    b.add(1, fresh)
+    got, _ = b.mix(2, [])
+    assert [(s.ids, s.action_mask, s.sampler_logprobs, s.token_versions) for s in got] == \
+        [(s.ids, s.action_mask, s.sampler_logprobs, s.token_versions) for s in fresh]
+    assert all(type(s.ids) is list and type(s.sampler_logprobs[0]) is float for s in got)
+    got[0].action_mask[:] = [0] * n  # actor.mask_truncated-style, on the drawn copy
+    assert list(b.groups[0].samples[0].action_mask) == fresh[0].action_mask
+    assert len(pickle.dumps(b.state_dict())) < 4 * n * 26  # the checkpoint state: ~25 bytes a token
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    packed = [pack(s) for s in fresh]
+    packed_bytes = tracemalloc.get_traced_memory()[0] - before
+    as_lists = [([x + 0 for x in s.ids], list(s.action_mask), [x + 0.0 for x in s.sampler_logprobs],
+                 [x + 0 for x in s.token_versions]) for s in got]  # unpacked, each value its own object (as decoded)
+    lists_bytes = tracemalloc.get_traced_memory()[0] - before - packed_bytes
+    tracemalloc.stop()
+    assert packed_bytes < 4 * n * 27 and lists_bytes > 3.5 * packed_bytes, (packed_bytes, lists_bytes, len(as_lists))
