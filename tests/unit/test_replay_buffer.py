@@ -170,4 +170,4 @@ def test_a_replayed_sample_comes_back_exactly_as_it_was_kept_and_is_kept_packed(
                  [x + 0 for x in s.token_versions]) for s in got]  # unpacked, each value its own object (as decoded)
     lists_bytes = tracemalloc.get_traced_memory()[0] - before - packed_bytes
     tracemalloc.stop()
-    assert packed_bytes < 4 * n * 27 and lists_bytes > 3.5 * packed_bytes, (packed_bytes, lists_bytes, len(as_lists))
+    assert packed_bytes < 4 * n * 27 and lists_bytes > 3.5 * packed_bytes, (packed_bytes, lists_bytes, len(packed), len(as_lists))
