@@ -216,6 +216,7 @@ def drift(args, ctx) -> None:
     from transformers import AutoModelForCausalLM
 
     from train.models.actor import AdapterFreeReference
+    from train.models.lora import merged_state
     from train.trainer.drift import StartDrift
     from train.workers.rollout import Sample
 
@@ -234,15 +235,15 @@ def drift(args, ctx) -> None:
                    source=sources[i % 3 == 0]) for i, (ids, mask) in enumerate(zip(batch.ids, batch.action_mask))
             if i % ctx.world_size == ctx.rank]
     got = StartDrift(actor, start, ctx, vision=False)(mine, sources)
-    full = {name: p.full_tensor() if hasattr(p, "full_tensor") else p  # (a collective: every rank)
-            for name, p in actor.model.named_parameters()}
+    # the adapted policy as plain weights: the export's merge, W + scaling * B A (collective: every rank)
+    merged = {name: t.full_tensor() if hasattr(t, "full_tensor") else t for name, t in merged_state(actor.model)}
     if not ctx.is_main:
         return
     policy = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float64)
     base = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float64)
     if args.lora:
-        merged = merge_lora(full, args.lora, 2.0 * args.lora)
-        policy.load_state_dict({k: v.double() for k, v in merged.items()}, strict=False)
+        missing, unexpected = policy.load_state_dict({k: v.double() for k, v in merged.items()}, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # (tied: given once)
     else:
         perturb_all(policy, 0.02)
     sums: dict[str, list[float]] = {}
@@ -258,21 +259,6 @@ def drift(args, ctx) -> None:
     expected = {"kl_to_start/test": sum(v[0] for v in sums.values()) / sum(v[1] for v in sums.values()),
                 **{f"kl_to_start/test/{k}": v[0] / v[1] for k, v in sums.items()}}
     torch.save({"got": got, "expected": expected}, args.out)
-
-
-def merge_lora(full: dict, rank: int, alpha: float) -> dict:
-    """peft's state names (base_layer / lora_A / lora_B) as a plain model's weights: W + (alpha / r) B A."""
-    out = {}
-    for name, w in full.items():
-        if ".lora_" in name:
-            continue
-        plain = name.replace("base_model.model.", "").replace(".base_layer", "")
-        prefix = name.rsplit(".base_layer", 1)[0] if ".base_layer" in name else None
-        if prefix is not None and name.endswith("weight"):
-            a, b = full[f"{prefix}.lora_A.default.weight"], full[f"{prefix}.lora_B.default.weight"]
-            w = w + (alpha / rank) * b @ a
-        out[plain] = w.detach()
-    return out
 
 
 def lora_overrides(args) -> dict:
