@@ -79,3 +79,19 @@ def test_raise_kl_multiplies_at_each_alarm_resumes_raised_and_needs_a_kl_penalty
     with pytest.raises(ConfigError, match=r"trainer\.forgetting\.action.*actor\.kl\.coef=0\.01"):
         validate(compose_config(["trainer.test_freq=10", "trainer.forgetting.watch=[rewards/test]",
                                  "trainer.forgetting.action=raise_kl"]))
+
+
+def test_max_kl_is_refused_where_the_run_holds_no_starting_policy_to_measure_from():
+    """The rule StartDrift uses (drift.holds_start): a full fine-tune needs the KL reference, loaded from the actor's
+    own folder; another reference model is not the start."""
+    import pytest
+
+    from conftest import ROOT, compose_config
+    from train.trainer.config import ConfigError, validate
+
+    common = ["trainer.test_freq=10", "trainer.test_samples=2", "trainer.forgetting.max_kl=0.1"]
+    for extra in ([], ["actor.kl.coef=0.01", f"ref_actor.model_name={ROOT / 'stub' / 'tool_model'}"]):
+        with pytest.raises(ConfigError, match=r"trainer\.forgetting\.max_kl.*starting policy"):
+            validate(compose_config(common + extra))
+    validate(compose_config(common + ["actor.kl.coef=0.01"]))  # the reference is the stub itself: measured
+    validate(compose_config(common + ["actor.lora.rank=4"]))  # LoRA: the base is the start

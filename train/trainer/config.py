@@ -218,9 +218,6 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     if trainer.forgetting.max_kl is not None and not trainer.test_samples:
         _fail("trainer.forgetting.max_kl", "judges kl_to_start/test, measured on the sampled evaluation replies: set "
               "trainer.test_samples (and trainer.test_freq)", "trainer.test_samples=4")
-    if trainer.forgetting.max_kl is not None and run.actor.lora.rank == 0 and run.actor.kl.coef <= 0:
-        _fail("trainer.forgetting.max_kl", "needs the starting policy: a LoRA actor (its base) or the KL reference "
-              "(actor.kl.coef > 0)", "actor.kl.coef=0.001")
     if (trainer.forgetting.watch or trainer.forgetting.max_kl is not None) and trainer.forgetting.action == "raise_kl" \
             and run.actor.kl.coef <= 0:
         _fail("trainer.forgetting.action", "raise_kl multiplies actor.kl.coef, which is 0 (no KL penalty to raise); "
@@ -268,6 +265,14 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
         why = share_base_refusal(run, world_size, device_type=None)
         if why is not None:
             _fail("rollout.share_actor_base", f"cannot apply: {why}", "rollout.share_actor_base=null")
+    if trainer.forgetting.max_kl is not None:
+        from train.trainer.drift import holds_start
+
+        if not holds_start(run.actor.lora.rank > 0, run.actor.kl.coef, run.distill.enabled, paths.actor,
+                           paths.reference):
+            _fail("trainer.forgetting.max_kl", "needs the starting policy to measure the drift from: a LoRA actor "
+                  "(its base), or the KL reference (actor.kl.coef > 0) loaded from actor.model_name (not another "
+                  "ref_actor.model_name, not a distillation teacher)", "actor.kl.coef=0.001")
     _validate_rollout_model(paths)
     _validate_experts(run, paths)
     _validate_vision(run, paths)

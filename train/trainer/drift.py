@@ -23,6 +23,13 @@ from train.parallel.step_batch import dispatch, exchange_index
 from train.workers.rollout import Sample
 
 
+def holds_start(lora: bool, kl_coef: float, distill: bool, actor_path: str, ref_path: str) -> bool:
+    """Whether a run holds its starting policy: a LoRA actor's base, or the KL reference (not a distillation
+    teacher) loaded from the actor's own folder. The trainer's config check and `StartDrift.of` both ask this."""
+    same = os.path.realpath(ref_path) == os.path.realpath(actor_path)
+    return lora or (kl_coef > 0 and not distill and same)
+
+
 class StartDrift:
     def __init__(self, actor: Actor, start: Actor | AdapterFreeReference, ctx: DistContext, vision: bool) -> None:
         self.actor, self.start, self.ctx, self.vision = actor, start, ctx, vision
@@ -31,13 +38,12 @@ class StartDrift:
     def of(cls, actor: Actor, ref, *, actor_path: str, ref_path: str, distill: bool, ctx: DistContext,
            vision: bool) -> "StartDrift | None":
         """The measure for this run's models, or None when it holds no starting policy."""
+        if not holds_start(actor.lora.enabled, actor.cfg.kl.coef, distill, actor_path, ref_path):
+            return None
         if actor.lora.enabled:
             return cls(actor, ref if isinstance(ref, AdapterFreeReference) else AdapterFreeReference(actor), ctx,
                        vision)
-        same = os.path.realpath(ref_path) == os.path.realpath(actor_path)
-        if isinstance(ref, Actor) and not distill and same:  # the KL reference, loaded from the actor's start
-            return cls(actor, ref, ctx, vision)
-        return None
+        return cls(actor, ref, ctx, vision)  # the KL reference, loaded from the actor's start
 
     def __call__(self, samples: list[Sample], sources: list[str]) -> dict[str, float]:
         """`kl_to_start/test` over every rank's `samples`, and `kl_to_start/test/<source>` for a mixture's sources

@@ -37,7 +37,7 @@ class ForgettingGate:
 
     def judge(self, step: int, scores: dict[str, float]) -> str | None:
         """Why this evaluation shows forgetting, or None (it passed; the first one sets the baselines)."""
-        drops, self.failing = [], []
+        drops, kl_drift, self.failing = [], [], []
         for name in self.watch:
             if name not in scores:
                 continue
@@ -49,9 +49,11 @@ class ForgettingGate:
                     self.failing.append(name.rsplit("/", 1)[1])
         kl = scores.get("kl_to_start/test")
         if self.max_kl is not None and kl is not None and kl > self.max_kl:
-            drops.append(f"kl_to_start/test {kl:.4f} is above trainer.forgetting.max_kl={self.max_kl:g}")
-        if drops:
-            return "; ".join(drops) + (f" (> trainer.forgetting.max_drop={self.max_drop:g})" if self.watch else "")
+            kl_drift.append(f"kl_to_start/test {kl:.4f} is above trainer.forgetting.max_kl={self.max_kl:g}")
+        if drops:  # (the drop's threshold named once, after the drops, not after the KL)
+            drops[-1] += f" (> trainer.forgetting.max_drop={self.max_drop:g})"
+        if drops or kl_drift:
+            return "; ".join(drops + kl_drift)
         self.passed = step
         return None
 

@@ -45,7 +45,7 @@ class PolicySync:
         self.model, self.engine, self.governor, self.workers, self.log = model, engine, governor, workers, log
         self.health, self.forgetting = health, forgetting
         if forgetting is not None and forgetting.action == "raise_kl":  # as raised before a resume
-            workers["actor"].kl_coef = workers["actor"].cfg.kl.coef * forgetting.kl_scale
+            self._scale_kl()
         self.evaluated: Snapshot | None = None  # the trainable state at the last evaluation that passed
         self.bucket_bytes = max(1, int(bucket_mb * MB))
         self.verify, self.watchdog, self.push_timeout_s = verify, watchdog, push_timeout_s
@@ -108,9 +108,8 @@ class PolicySync:
             return {"forgetting/alarm": 0.0}
         out = {"forgetting/alarm": 1.0}
         if gate.action == "raise_kl":
-            actor = self.workers["actor"]
-            actor.kl_coef = actor.cfg.kl.coef * gate.raise_kl()
-            out["forgetting/kl_coef"] = actor.kl_coef
+            gate.raise_kl()
+            out["forgetting/kl_coef"] = self._scale_kl()
         undo = gate.action == "rollback" and self.evaluated is not None
         if undo:
             self.evaluated.restore()
@@ -125,6 +124,12 @@ class PolicySync:
         self.log.write(f"warning: step {step}: forgetting: {why}: {after}")
         self.log.event("forgetting", step, {"reason": why, "rolled_back_to": gate.passed if undo else None})
         return out
+
+    def _scale_kl(self) -> float:
+        """The actor's KL coefficient: actor.kl.coef times what trainer.forgetting.action=raise_kl has raised it by."""
+        actor = self.workers["actor"]
+        actor.kl_coef = actor.cfg.kl.coef * self.forgetting.kl_scale
+        return actor.kl_coef
 
     def check_health(self, step: int, metrics: dict[str, float]) -> list:
         """The health detector's alarms for this step, each a warning line and a `health.alarm` event."""
