@@ -183,6 +183,13 @@ def step_and_save(worker, ctx, out) -> None:
                     "frozen_grads": frozen_grads, "adam": adam}, out)
 
 
+def placed_like(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The full tensor `w` (the same on every rank) laid out as parameter `p`: this rank's piece under FSDP/TP."""
+    if hasattr(p, "device_mesh"):
+        return torch.distributed.tensor.distribute_tensor(w, p.device_mesh, p.placements, src_data_rank=None)
+    return w
+
+
 @torch.no_grad()
 def perturb_adapters(model, seed: int = 11) -> None:
     """LoRA's B starts at 0, which gives A no gradient: set every B to small seeded values (the same
@@ -190,10 +197,7 @@ def perturb_adapters(model, seed: int = 11) -> None:
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if ".lora_B." in name:
-            w = torch.randn(p.shape, generator=g) * 0.05
-            if hasattr(p, "device_mesh"):
-                w = torch.distributed.tensor.distribute_tensor(w, p.device_mesh, p.placements, src_data_rank=None)
-            p.copy_(w)
+            p.copy_(placed_like(p, torch.randn(p.shape, generator=g) * 0.05))
 
 
 @torch.no_grad()
@@ -204,9 +208,7 @@ def perturb_all(model, scale: float = 0.02) -> None:
 
     for name, p in model.named_parameters():
         w = torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))) * scale
-        if hasattr(p, "device_mesh"):
-            w = torch.distributed.tensor.distribute_tensor(w, p.device_mesh, p.placements, src_data_rank=None)
-        p.add_(w.to(p.dtype))
+        p.add_(placed_like(p, w.to(p.dtype)))
 
 
 def drift(args, ctx) -> None:
@@ -316,11 +318,8 @@ def critic_grads(args, ctx) -> None:
         perturb_adapters(critic.model)
     with torch.no_grad():  # a non-zero head, so the backbone gets gradients too
         g = torch.Generator().manual_seed(7)
-        w = torch.randn(critic.model.value_head.weight.shape, generator=g) * 0.1
         weight = critic.model.value_head.weight
-        if hasattr(weight, "device_mesh"):
-            w = torch.distributed.tensor.distribute_tensor(w, weight.device_mesh, weight.placements)
-        weight.copy_(w)
+        weight.copy_(placed_like(weight, torch.randn(weight.shape, generator=g) * 0.1))
     batch = grouped_batch() if args.grouped else fixed_batch()
     g = torch.Generator().manual_seed(99)
     returns = [torch.randn(len(s) - 1, generator=g) for s in batch.ids]
