@@ -30,6 +30,10 @@ Sections (each one's failure is recorded and the others still run; the exit stat
 * `moe`: a random Qwen3-MoE-shaped model of 1.0B parameters (64 experts, top-8; issue 37), 3 trainer
   steps with router replay and the load-balancing loss, then 3 without replay: step time, memory, and
   the sampler-trainer KL of each (the engine samples in bf16).
+* `ring`: ring attention's tile kernel on this device (issue 38) against SDPA over the same row: one rank's
+  forward + backward of one attention layer (Qwen2.5-0.5B's 14 heads, 2 key/value heads, head dim 64, bf16 on
+  CUDA) at 32K and 64K tokens, seconds and peak memory of each and the largest difference (a ring of one: what
+  each rank computes per block, without the transfers).
 * `vlm`: a random Qwen2.5-VL-shaped model (Qwen2.5-0.5B's text model and Qwen2.5-VL's 32-block vision tower,
   ~1.2B parameters; issue 39), 3 trainer steps on 448 x 448 pictures (256 image tokens each) of the stub's
   colour task: step time by phase, memory, the sampler-trainer KL.
@@ -60,7 +64,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step", "bigmodel", "moe", "vlm")
+SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step", "bigmodel", "moe", "vlm", "ring")
 
 # Datasheet figures (dense bf16 TFLOP/s, HBM TB/s) matched on torch.cuda.get_device_name().
 DATASHEET = (
@@ -91,11 +95,12 @@ class Shapes:
     step_prompts: int
     step_responses: int
     step_new_tokens: int
+    ring_tokens: tuple[int, ...] = (32768, 65536)
 
 
 # Qwen2.5-0.5B: 24 layers, hidden 896, 14 heads / 2 kv heads, MLP 4864, vocab 151936, tied embeddings.
 FULL = Shapes(896, 24, 14, 2, 4864, 151936, (64, 256), 128, 256, (8192, 16384), 16, 8, 128)
-TINY = Shapes(64, 2, 4, 2, 128, 512, (4, 8), 8, 8, (256, 512), 2, 2, 8)
+TINY = Shapes(64, 2, 4, 2, 128, 512, (4, 8), 8, 8, (256, 512), 2, 2, 8, (256,))
 
 
 def qwen2_config(s: Shapes):
@@ -421,6 +426,56 @@ def section_mfu(args, work: Path, shapes: Shapes, info: dict, model_dir: Path) -
         rows.append({"lm_head": "fused" if fused else "plain", "tokens": total, "seconds": seconds, "tflops": tflops, "mfu": tflops / peak,
                      "peak_gpu_gib": peak_mem})
     return {"peak_tflops": peak, "peak_source": source, "micro_batches": rows, "_actor": actor}
+
+
+def section_ring(shapes: Shapes, info: dict) -> dict:
+    """One rank's ring attention (a ring of one: the tiles each rank runs per key/value block, no transfers)
+    against SDPA (is_causal) on the same row, forward + backward; the kernel is the one the trainer picks for
+    this device (train/parallel/ring_attention.py::block_kernel)."""
+    import torch
+
+    from train.parallel import ring_attention as ring
+    from train.parallel.distributed import init_distributed
+
+    init_distributed()  # a one-rank group: the ring's group
+    device = torch.device("cuda" if info["cuda"] else "cpu")
+    dtype = torch.bfloat16 if info["cuda"] else torch.float32
+    heads, kv_heads, dim = 14, 2, 64
+    kernel = ring.block_kernel(device, dtype)
+    rows = []
+    for tokens in shapes.ring_tokens:
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(heads, tokens, dim, device=device, dtype=dtype, generator=g)
+        k, v = (torch.randn(kv_heads, tokens, dim, device=device, dtype=dtype, generator=g) for _ in range(2))
+        weight = torch.randn(heads, tokens, dim, device=device, dtype=dtype, generator=g)
+        row = ring.RingRow(seg=torch.zeros(tokens, dtype=torch.long, device=device),
+                           pos=torch.arange(tokens, device=device), prefix=torch.full((tokens,), -1, device=device))
+        runs = {
+            "sdpa": lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
+                a[None], b.repeat_interleave(heads // kv_heads, 0)[None], c.repeat_interleave(heads // kv_heads, 0)[None],
+                is_causal=True)[0],
+            "ring": lambda a, b, c: ring._RingAttention.apply(a, b, c, row, torch.distributed.group.WORLD, dim ** -0.5,
+                                                              None, ring.RING_TILE, kernel)}
+        out = {}
+        for name, fn in runs.items():
+            times = []
+            for i in range(2):  # the first is a warm-up
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                if info["cuda"]:
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                sync()
+                start = time.perf_counter()
+                result = fn(*leaves)
+                (result.float() * weight).sum().backward()
+                sync()
+                times.append(time.perf_counter() - start)
+            out[name] = (times[-1], result.detach().float(),
+                         torch.cuda.max_memory_allocated() / 2**30 if info["cuda"] else None)
+        rows.append({"tokens": tokens, "kernel": kernel.__name__, "sdpa_s": out["sdpa"][0], "ring_s": out["ring"][0],
+                     "sdpa_peak_gib": out["sdpa"][2], "ring_peak_gib": out["ring"][2],
+                     "max_abs_diff": float((out["ring"][1] - out["sdpa"][1]).abs().max())})
+    return {"heads": heads, "kv_heads": kv_heads, "dim": dim, "dtype": str(dtype), "rows": rows}
 
 
 def section_push(args, work: Path, info: dict, actor) -> dict:
@@ -805,6 +860,11 @@ def markdown(result: dict) -> str:
         for k, v in r.items() if isinstance(v, dict)))
     cell("step", lambda r: ", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in r.items() if k.startswith("time/"))
          + "".join(f"; {k.removeprefix('memory/')} {v:.1f} GiB" for k, v in r.items() if k.startswith("memory/")))
+    cell("ring", lambda r: "; ".join(
+        f"{x['tokens']} tokens: {x['kernel']} {x['ring_s']:.3f} s vs SDPA {x['sdpa_s']:.3f} s "
+        f"(x{x['ring_s'] / x['sdpa_s']:.2f})" + (f", peak {x['ring_peak_gib']:.2f} vs {x['sdpa_peak_gib']:.2f} GiB"
+                                                  if x["ring_peak_gib"] is not None else "")
+        + f", max diff {x['max_abs_diff']:.1e}" for x in r["rows"]))
     cell("vlm", lambda r: f"{r['params'] / 1e9:.2f}B params, {r['image_side']} px pictures ({r['image_tokens']} tokens): "
          + ", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in r.items() if k.startswith("time/"))
          + f"; sampler KL {r.get('actor/sampler_kl', 0):.2e}"
@@ -852,6 +912,8 @@ def main(argv: list[str] | None = None) -> int:
                     out = section_demo(args, work)
                 elif name == "decode":
                     out = section_decode(args, work, shapes, info)
+                elif name == "ring":
+                    out = section_ring(shapes, info)
                 elif name == "bigmodel":
                     actor = None  # the mfu section's actor: its memory is not this section's
                     gc.collect()

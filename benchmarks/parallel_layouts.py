@@ -81,6 +81,7 @@ LAYOUTS = {
     "sp2": (2, 1, 1, 2, 1),  # Ulysses: each packed sequence split over 2 ranks (sharded over fsdp=2 as well)
     "cp2": (2, 1, 1, 1, 2),  # ring attention: each packed sequence split zigzag over 2 ranks
     "cp4": (4, 1, 1, 1, 4),
+    "cp2xtp2": (4, 1, 2, 1, 2),  # a ring per tp rank, over its heads
     "fsdp2xtp2": (4, 1, 2, 1, 1),
     "sp2xtp2": (4, 1, 2, 2, 1),
     # 3-way splits for the 135M model (9 heads, 3 key/value heads: 2-way tp/sp does not divide them)
@@ -99,6 +100,7 @@ TITLES = {
     "sp2xtp2": "sp=2 x tp=2",
     "cp2": "cp=2 (ring)",
     "cp4": "cp=4 (ring)",
+    "cp2xtp2": "cp=2 x tp=2",
 }
 
 

@@ -614,8 +614,8 @@ def ring(args, ctx) -> None:
     row under a dense mask read from the one-process path's own segment layout (`dense_visible`): outputs and
     the gradients of q, k and v of this rank's positions; and against that one-process segment attention
     itself (float32 softmax) to its rounding."""
-    from train.parallel import seq_parallel
     from train.parallel.packing import build_packed, prompt_units
+    from train.parallel.ring_attention import RING_TILE, FlashCPUKernel, PlainKernel, ring_attention
     from train.parallel.seq_parallel import _segment_attention, packed_attention
 
     batch = grouped_batch()
@@ -630,8 +630,10 @@ def ring(args, ctx) -> None:
     total = whole.total_len
     assert torch.equal(whole.input_ids[0][mine_rows := zigzag(r, n, total)], mine.input_ids[0])
     out = {}
-    for window, tile in ((None, seq_parallel.RING_TILE), (7, seq_parallel.RING_TILE), (None, 8), (7, 8)):
-        seq_parallel.RING_TILE = tile  # 8: blocks in several tiles each, some of them wholly masked
+    # tile 8: blocks in several tiles each, some of them wholly masked; the default through packed_attention
+    cases = [(window, tile, kernel) for window in (None, 7) for tile in (RING_TILE, 8)
+             for kernel in (PlainKernel, FlashCPUKernel)]
+    for window, tile, kernel in cases:
         g = torch.Generator().manual_seed(5)
         q, k, v = (torch.randn(1, heads, total, 8, generator=g, dtype=torch.float64) for heads in (4, 2, 2))
         weight = torch.randn(1, total, 4, 8, generator=g, dtype=torch.float64)
@@ -645,10 +647,14 @@ def ring(args, ctx) -> None:
                                      None, 0.0, window).transpose(1, 2)
         out[f"segment_{window}"] = float((segment - ref).abs().max())
         local = [t[:, :, mine_rows].clone().requires_grad_() for t in (q, k, v)]
-        got, _ = packed_attention(None, *local, None, packed_segments=mine.segment_slots,
-                                  cp_group=torch.distributed.group.WORLD, sliding_window=window)
+        if tile == RING_TILE and kernel is FlashCPUKernel:  # what the trainer calls on CPU
+            got, _ = packed_attention(None, *local, None, packed_segments=mine.segment_slots,
+                                      cp_group=torch.distributed.group.WORLD, sliding_window=window)
+        else:
+            got = ring_attention(*local, mine.segment_slots, torch.distributed.group.WORLD, None, window, tile,
+                                 kernel).transpose(1, 2)
         (got * weight[:, mine_rows]).sum().backward()
-        case = f"{window}_{tile}"
+        case = f"{window}_{tile}_{kernel.__name__}"
         out[f"out_{case}"] = float((got - ref[:, mine_rows]).abs().max())
         for name, a, b in zip("qkv", local, leaves):
             out[f"d{name}_{case}"] = float((a.grad - b.grad[:, :, mine_rows]).abs().max())

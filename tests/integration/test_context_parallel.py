@@ -5,27 +5,31 @@ import pytest
 import torch
 
 from conftest import assert_same_update, launch_check as launch, slow
+from train.parallel.ring_attention import RING_TILE
 
 
 @pytest.mark.parametrize("nproc,flags", [pytest.param(2, ["--share"], id="cp2-shared-prompts"),
                                          slow(2, [], id="cp2"), slow(4, ["--share"], id="cp4-shared-prompts")])
 def test_ring_attention_is_a_float64_softmax_over_the_whole_row(tmp_path, nproc, flags):
-    """Grouped-query heads, with and without a sliding window, whole blocks and tiles of 8 (some masked out);
-    each rank's outputs and q/k/v gradients."""
+    """Grouped-query heads, with and without a sliding window, whole blocks and tiles of 8 (some masked out),
+    the fused CPU kernel and plain torch; each rank's outputs and q/k/v gradients."""
     launch(nproc, tmp_path / "ring.pt", "ring", *flags)
     for rank in range(nproc):
         result = torch.load(tmp_path / f"ring.rank{rank}.pt")
         assert result["shared"] == ("--share" in flags)
         for window in (None, 7):
-            for case in (f"{window}_1024", f"{window}_8"):
+            for case in (f"{window}_{tile}_{kernel}" for tile in (RING_TILE, 8)
+                         for kernel in ("PlainKernel", "FlashCPUKernel")):
                 for name in ("out", "dq", "dk", "dv"):
                     assert result[f"{name}_{case}"] < 1e-12 * max(result[f"scale_{case}"], 1.0), (rank, name, case)
             assert result[f"segment_{window}"] < 1e-5  # the one-process path (float32 softmax) agrees to its rounding
 
 
-# (mode, processes, flags): Ulysses inside the ring (cp2 x sp2), the ring alone (cp2 on 2 ranks), with data
-# parallelism beside it (4 ranks: dp 2), cp4
+# (mode, processes, flags): Ulysses inside the ring (cp2 x sp2), the ring inside tensor parallelism (cp2 x tp2:
+# each tp rank's heads go round their own ring), the ring alone (cp2 on 2 ranks), with data parallelism beside it
+# (4 ranks: dp 2), cp4
 LAYOUTS = [pytest.param("grads", 4, ["--cp", "2", "--sp", "2", "--share", "--ac"], id="actor-cp2xsp2-shared-checkpointing"),
+           slow("grads", 4, ["--cp", "2", "--tp", "2", "--share", "--ac"], id="actor-cp2xtp2-shared-checkpointing"),
            slow("grads", 2, ["--cp", "2", "--share", "--ac"], id="actor-cp2-shared-checkpointing"),
            slow("grads", 2, ["--cp", "2"], id="actor-cp2"), slow("grads", 4, ["--cp", "4"], id="actor-cp4"),
            slow("grads", 4, ["--cp", "2", "--share"], id="actor-cp2-dp2-shared"),

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT
 
-SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step", "bigmodel", "moe")
+SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step", "bigmodel", "moe", "vlm", "ring")
 
 
 @pytest.mark.slow
@@ -60,5 +60,7 @@ def test_gpu_suite_tiny_runs_every_section(tmp_path):
     assert moe["replay"]["actor/sampler_kl"] < 1e-4  # fp32 on both sides on CPU
     vlm = s["vlm"]  # a vision-language model trains on pictures (3 steps); fp32 on both sides on CPU
     assert vlm["steps"] == 3 and vlm["image_tokens"] == 4 and vlm["actor/sampler_kl"] < 1e-4
+    [ring] = s["ring"]["rows"]  # the ring's tiles on this device = SDPA over the same row
+    assert ring["kernel"] == "FlashCPUKernel" and ring["max_abs_diff"] < 1e-5 and ring["ring_s"] > 0
     table = (tmp_path / "gpu_suite.md").read_text()
     assert result["device"]["device"] in table and "FAILED" not in table

@@ -22,6 +22,7 @@ LAYOUTS = {  # (processes, flags); on 2 ranks the groups' prompts are laid out o
     "dp2": (2, ["--ddp", "2", "--share"]),
     "fsdp2_checkpointed": (2, ["--ac", "--share"]),
     "sp2": (2, ["--sp", "2", "--share"]),
+    "cp2": (2, ["--cp", "2", "--share"]),  # ring attention under the adapters
     "hsdp_ddp2_fsdp2": (4, ["--ddp", "2"]),  # 4 dp groups: too few samples each for a shared prompt
 }
 
@@ -54,7 +55,9 @@ def test_lora_layouts_give_the_one_process_adapter_update(tmp_path, one_process,
     nproc, flags = LAYOUTS[layout]
     other = launch(nproc, tmp_path / "x.pt", "grads", "--max_tokens", "64", "--clip", "0.05", "--grouped", *LORA,
                    *flags)
-    assert_same_update(one_process("grads"), other)
+    # cp2: the smallest adapter gradient (layer 2's q_proj lora_A, 1/300 of the largest) is 5e-6 (cp2) and 8e-6
+    # (one process) of its scale from the same run in float64, so the two float32 runs differ by up to 1.4e-5
+    assert_same_update(one_process("grads"), other, grad_rtol=2e-5 if layout == "cp2" else 1e-5)
     assert sorted(other["optimized"]) == sorted(other["grads"])
 
 

@@ -17,6 +17,7 @@ def test_sizes_are_derived_from_the_world():
     ring = layout_sizes(8, cp=4)  # a row split over 4 ranks: 2 data-parallel groups
     assert ring == Sizes(ddp=1, fsdp=8, tp=1, sp=1, dp=2, cp=4) and ring.seq == 4
     assert layout_sizes(8, cp=2, sp=2).dp == 2  # Ulysses inside the ring: rows split over 4 ranks
+    assert layout_sizes(8, cp=2, tp=2) == Sizes(ddp=1, fsdp=4, tp=2, sp=1, dp=2, cp=2)  # a ring per tp rank
 
 
 @pytest.mark.parametrize("world,kwargs,pattern", [
@@ -26,10 +27,10 @@ def test_sizes_are_derived_from_the_world():
     (2, {"tp": 0}, r"critic.tp_size: must be a positive integer"),
     (8, {"ddp": 2, "ep": 8}, r"critic.ep_size=8 does not divide the 4 FSDP ranks \(world 8 / ddp_size 2 / tp_size 1\)"),
     (4, {"tp": 2, "ep": 2}, r"critic.ep_size=2 with critic.tp_size=2: .*set critic.tp_size=1"),
-    (6, {"cp": 4}, r"critic.cp_size=4 x critic.sp_size=1 does not divide the 6 ranks"),
-    (4, {"cp": 2, "sp": 4}, r"critic.cp_size=2 x critic.sp_size=4 does not divide the 4 ranks"),
-    (4, {"cp": 2, "tp": 2}, r"critic.cp_size=2 with critic.tp_size=2: ring attention does not run inside tensor "
-                            r"parallelism yet; set critic.tp_size=1"),
+    (6, {"cp": 4}, r"critic.cp_size=4 x critic.sp_size=1 x critic.tp_size=1 does not divide the 6 ranks"),
+    (4, {"cp": 2, "sp": 4}, r"critic.cp_size=2 x critic.sp_size=4 x critic.tp_size=1 does not divide the 4 ranks"),
+    (4, {"cp": 2, "sp": 2, "tp": 2}, r"critic.cp_size=2 x critic.sp_size=2 x critic.tp_size=2 does not divide the "
+                                     r"4 ranks"),
 ])
 def test_sizes_that_do_not_fit_the_world_name_the_key(world, kwargs, pattern):
     with pytest.raises(LayoutError, match=pattern):

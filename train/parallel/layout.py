@@ -60,12 +60,9 @@ def layout_sizes(world: int, ddp: int = 1, tp: int = 1, sp: int = 1, prefix: str
             raise LayoutError(f"{prefix}.{key}: must be a positive integer, got {value!r}")
     if world % tp:
         raise LayoutError(f"{prefix}.tp_size={tp} does not divide the {world} ranks; pick a divisor of {world}")
-    if cp > 1 and tp > 1:
-        raise LayoutError(f"{prefix}.cp_size={cp} with {prefix}.tp_size={tp}: ring attention does not run inside "
-                          f"tensor parallelism yet; set {prefix}.tp_size=1 (Ulysses, {prefix}.sp_size, composes)")
-    if cp > 1 and world % (cp * sp):
-        raise LayoutError(f"{prefix}.cp_size={cp} x {prefix}.sp_size={sp} does not divide the {world} ranks; "
-                          f"their product must divide the world size")
+    if cp > 1 and world % (cp * sp * tp):
+        raise LayoutError(f"{prefix}.cp_size={cp} x {prefix}.sp_size={sp} x {prefix}.tp_size={tp} does not divide "
+                          f"the {world} ranks; their product must divide the world size")
     if world % (tp * sp):
         raise LayoutError(f"{prefix}.sp_size={sp} x {prefix}.tp_size={tp} does not divide the {world} ranks; "
                           f"their product must divide the world size")

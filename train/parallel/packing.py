@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from train.parallel.seq_parallel import RingRow, gather_sequence, sequence_rows
+from train.parallel.ring_attention import RingRow
+from train.parallel.seq_parallel import gather_sequence, sequence_rows
 
 
 def plan_packs(lengths: list[int], max_tokens: int) -> list[list[int]]:

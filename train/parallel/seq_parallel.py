@@ -13,9 +13,7 @@ all-to-alls: [heads, my chunk] -> [my heads, the whole row], segment attention, 
 With a `RingRow` as the row's segments (context parallelism, `cp_size`), each of the `cp` ring ranks holds
 two of the row's 2·cp chunks, zigzag (chunks r and 2·cp−1−r, so every rank has as much causal work), cut in
 sp pieces when Ulysses runs inside (the all-to-alls give each sp rank the ring rank's whole chunk for its
-heads); key/value blocks go round the ring, each rank merging its queries' attention over every block
-with an online softmax (`_RingAttention`), and the backward sends the blocks' key/value gradients round
-after them, back to their owners.
+heads); key/value blocks go round the ring (train/parallel/ring_attention.py).
 
 Nothing is patched at import: `install_packed_attention(model)` registers the function under its
 own name and switches that model to it; the segments (`packed_segments`) and the sp process group
@@ -23,12 +21,13 @@ own name and switches that model to it; the segments (`packed_segments`) and the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from train.parallel.ring_attention import RingRow, ring_attention, zigzag_rows
 
 ATTENTION_NAME = "infinite_rl_packed"
 
@@ -113,150 +112,6 @@ def sequence_rows(rank: int, n: int, ring: int, total: int) -> torch.Tensor:
     rows = zigzag_rows(ring_rank, ring, total // (2 * ring))
     piece = rows.numel() // sp
     return rows[sp_rank * piece:(sp_rank + 1) * piece]
-
-
-def zigzag_rows(rank: int, n: int, half: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The row positions ring rank `rank` of `n` holds: half chunks `rank` and 2n−1−rank of `half` tokens."""
-    first, second = rank * half, (2 * n - 1 - rank) * half
-    return torch.cat([torch.arange(first, first + half), torch.arange(second, second + half)]).to(device)
-
-
-@dataclass(frozen=True)
-class RingRow:
-    """A packed row under ring attention: what decides which key a query sees, for every row position.
-    `seg`: its segment (a sample, a shared prompt, the end padding); `pos`: its position id; `prefix`: the
-    segment of the shared prompt its sample continues (-1: none). Query i sees key j when pos[j] <= pos[i]
-    and j is in i's segment or in i's prompt, and (sliding window) pos[i] - pos[j] < window: what
-    `_segment_attention` computes from the slots of the same row."""
-    seg: torch.Tensor
-    pos: torch.Tensor
-    prefix: torch.Tensor
-
-    def visible(self, queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
-        pq, pk = self.pos[queries][:, None], self.pos[keys][None, :]
-        sk = self.seg[keys][None, :]
-        seen = (pk <= pq) & ((sk == self.seg[queries][:, None]) | (sk == self.prefix[queries][:, None]))
-        return seen & (pq - pk < window) if window is not None else seen
-
-
-def _ring_exchange(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[list[torch.Tensor], list]:
-    """Send `tensors` to the next ring rank and receive the previous one's, without waiting (wait on the
-    returned requests): the transfer overlaps the block being computed."""
-    n, r = dist.get_world_size(group), dist.get_rank(group)
-    to, frm = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
-    tensors = [t.contiguous() for t in tensors]
-    got = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # (empty_like keeps strides)
-    ops = [dist.P2POp(dist.isend, t, to, group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, g, frm, group) for g in got]
-    return got, dist.batch_isend_irecv(ops)
-
-
-def _wait(requests: list) -> None:
-    for request in requests:
-        request.wait()
-
-
-# Query and key tiles of a ring block: the scores held at once are [heads, tile, tile] (float32), whatever the
-# block's length, so attention memory does not grow with the sequence per rank.
-RING_TILE = 1024
-
-
-def _tiles(length: int, tile: int) -> list[slice]:
-    return [slice(i, min(i + tile, length)) for i in range(0, length, tile)]
-
-
-class _RingAttention(torch.autograd.Function):
-    """Attention of this rank's queries q [H, C, d] over the whole row, whose keys and values k, v [Hkv, C, d]
-    are spread over the ring (rank j holds rows zigzag_rows(j)). Forward: n steps; at step s the block of
-    rank (r − s) mod n is here, the next one in flight; scores in float32 (float64 for float64) merged tile by
-    tile by an online softmax (running max and sum), tiles no query of which sees a key skipped. The backward
-    recomputes each tile's probabilities from the saved log-sum-exp, and the block's key/value gradients
-    travel with it, arriving home after the n-th pass. Nothing of size T² is kept: one tile's scores at a
-    time."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: RingRow,
-                group: dist.ProcessGroup, scale: float, window: int | None, tile: int) -> torch.Tensor:
-        n, r = dist.get_world_size(group), dist.get_rank(group)
-        heads, length, _ = q.shape
-        rep = heads // k.shape[0]
-        mine = zigzag_rows(r, n, length // 2, q.device)
-        wide = torch.promote_types(q.dtype, torch.float32)  # scores and sums: float32, or float64 for float64
-        acc = torch.zeros(q.shape, dtype=wide, device=q.device)
-        top = torch.full((heads, length), float("-inf"), dtype=wide, device=q.device)
-        total = torch.zeros((heads, length), dtype=wide, device=q.device)
-        block = [k, v]
-        for step in range(n):
-            keys = zigzag_rows((r - step) % n, n, length // 2, q.device)
-            pending = _ring_exchange(block, group) if step < n - 1 else None
-            kb, vb = (t.repeat_interleave(rep, dim=0) if rep > 1 else t for t in block)
-            for qs in _tiles(length, tile):
-                for ks in _tiles(length, tile):
-                    seen = row.visible(mine[qs], keys[ks], window)
-                    if not seen.any():
-                        continue
-                    scores = (torch.matmul(q[:, qs], kb[:, ks].transpose(-1, -2)).to(wide) * scale
-                              ).masked_fill(~seen, float("-inf"))
-                    new_top = torch.maximum(top[:, qs], scores.amax(-1))
-                    base = torch.where(torch.isinf(new_top), 0.0, new_top)  # rows that have seen nothing yet
-                    probs = torch.exp(scores - base[..., None])
-                    fade = torch.exp(top[:, qs] - base)
-                    total[:, qs] = total[:, qs] * fade + probs.sum(-1)
-                    acc[:, qs] = acc[:, qs] * fade[..., None] + torch.matmul(probs.to(vb.dtype), vb[:, ks]).to(wide)
-                    top[:, qs] = new_top
-            if pending is not None:
-                _wait(pending[1])
-                block = pending[0]
-        out = (acc / total[..., None]).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, top + torch.log(total))
-        ctx.row, ctx.group, ctx.scale, ctx.window, ctx.tile = row, group, scale, window, tile
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        row, group, scale, window, tile = ctx.row, ctx.group, ctx.scale, ctx.window, ctx.tile
-        n, r = dist.get_world_size(group), dist.get_rank(group)
-        heads, length, dim = q.shape
-        rep = heads // k.shape[0]
-        mine = zigzag_rows(r, n, length // 2, q.device)
-        wide = torch.promote_types(q.dtype, torch.float32)
-        grad, qw = grad.to(wide), q.to(wide)
-        delta = (grad * out.to(wide)).sum(-1)  # [H, C]: sum_j p_ij dO_i . v_j
-        dq = torch.zeros(q.shape, dtype=wide, device=q.device)
-        block = [k, v, torch.zeros(k.shape, dtype=wide, device=q.device),
-                 torch.zeros(v.shape, dtype=wide, device=q.device)]
-        for step in range(n):
-            keys = zigzag_rows((r - step) % n, n, length // 2, q.device)
-            kb, vb = (t.repeat_interleave(rep, dim=0).to(wide) if rep > 1 else t.to(wide) for t in block[:2])
-            for qs in _tiles(length, tile):
-                for ks in _tiles(length, tile):
-                    seen = row.visible(mine[qs], keys[ks], window)
-                    if not seen.any():
-                        continue
-                    scores = (torch.matmul(qw[:, qs], kb[:, ks].transpose(-1, -2)) * scale
-                              ).masked_fill(~seen, float("-inf"))
-                    probs = torch.exp(scores - lse[:, qs, None])
-                    dv = torch.matmul(probs.transpose(-1, -2), grad[:, qs])
-                    dscores = probs * (torch.matmul(grad[:, qs], vb[:, ks].transpose(-1, -2)) - delta[:, qs, None]) * scale
-                    dq[:, qs] += torch.matmul(dscores, kb[:, ks])
-                    dk = torch.matmul(dscores.transpose(-1, -2), qw[:, qs])
-                    if rep > 1:  # a key/value head serves `rep` query heads: their gradients add
-                        dk, dv = (t.view(-1, rep, *t.shape[1:]).sum(1) for t in (dk, dv))
-                    block[2][:, ks] += dk
-                    block[3][:, ks] += dv
-            # pass the block on with its gradients; after the n-th pass each block's gradients are home
-            got, requests = _ring_exchange(block if step < n - 1 else block[2:], group)
-            _wait(requests)
-            block = got if step < n - 1 else [k, v, *got]
-        return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), None, None, None, None, None
-
-
-def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, row: RingRow,
-                   group: dist.ProcessGroup, scaling: float | None, window: int | None) -> torch.Tensor:
-    """[1, H, C, d] queries of this rank's zigzag chunk, [1, Hkv, C, d] keys and values -> [1, H, C, d]."""
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return _RingAttention.apply(query[0], key[0], value[0], row, group, scale, window, RING_TILE)[None]
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
