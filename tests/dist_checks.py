@@ -139,7 +139,8 @@ def set_ownership(n: int, split: str, world: int) -> None:
 
 def layout_overrides(args) -> dict:
     return {"ddp_size": args.ddp, "tp_size": args.tp, "sp_size": args.sp, "ep_size": args.ep, "cp_size": args.cp,
-            "offload_model": args.offload, "offload_optimizer": args.offload, "gradient_checkpointing": args.ac}
+            "offload_model": args.offload, "offload_optimizer": args.offload, "gradient_checkpointing": args.ac,
+            **({"use_liger_kernel": True} if args.fused_head else {})}  # (an actor's key)
 
 
 def grads(args, ctx) -> None:
@@ -180,7 +181,8 @@ def step_and_save(worker, ctx, out) -> None:
     optimized = [name for name, p in params() if p in worker.optimizer.state]
     if ctx.is_main:
         torch.save({"grads": grads, "norm": norm, "weights": weights, "optimized": optimized,
-                    "frozen_grads": frozen_grads, "adam": adam}, out)
+                    "frozen_grads": frozen_grads, "adam": adam,
+                    "fused_head": getattr(worker, "fused_head", None) is not None}, out)
 
 
 def placed_like(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -774,6 +776,7 @@ def main() -> None:
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--grouped", action="store_true", help="samples in groups that share a prompt")
     parser.add_argument("--share", action="store_true", help="dispatch with share_prompt (lay each prompt out once)")
+    parser.add_argument("--fused_head", action="store_true", help="actor.use_liger_kernel: the fused log-prob head")
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank of the actor / critic (0: full model)")
     parser.add_argument("--dtype", default="float32", help="the actor's compute dtype (shared_base)")
     parser.add_argument("--freeze", action="store_true", help="vision: actor.freeze_vision")

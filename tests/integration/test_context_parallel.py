@@ -26,11 +26,12 @@ def test_ring_attention_is_a_float64_softmax_over_the_whole_row(tmp_path, nproc,
 
 
 # (mode, processes, flags): Ulysses inside the ring (cp2 x sp2), the ring inside tensor parallelism (cp2 x tp2:
-# each tp rank's heads go round their own ring), the ring alone (cp2 on 2 ranks), with data parallelism beside it
-# (4 ranks: dp 2), cp4
+# each tp rank's heads go round their own ring), the ring alone (cp2 on 2 ranks; with the fused log-prob head), with
+# data parallelism beside it (4 ranks: dp 2), cp4
 LAYOUTS = [pytest.param("grads", 4, ["--cp", "2", "--sp", "2", "--share", "--ac"], id="actor-cp2xsp2-shared-checkpointing"),
            slow("grads", 4, ["--cp", "2", "--tp", "2", "--share", "--ac"], id="actor-cp2xtp2-shared-checkpointing"),
            slow("grads", 2, ["--cp", "2", "--share", "--ac"], id="actor-cp2-shared-checkpointing"),
+           slow("grads", 2, ["--cp", "2", "--share", "--fused_head"], id="actor-cp2-shared-fused-head"),
            slow("grads", 2, ["--cp", "2"], id="actor-cp2"), slow("grads", 4, ["--cp", "4"], id="actor-cp4"),
            slow("grads", 4, ["--cp", "2", "--share"], id="actor-cp2-dp2-shared"),
            slow("critic_grads", 2, ["--cp", "2", "--share"], id="critic-cp2-shared")]
@@ -43,6 +44,7 @@ def test_context_parallel_gradients_and_step_equal_one_process(tmp_path, mode, n
     one = launch(1, tmp_path / "one.pt", mode, "--grouped", "--max_tokens", "200", "--clip", "0.05")
     cp = launch(nproc, tmp_path / "cp.pt", mode, "--grouped", "--max_tokens", "64", "--clip", "0.05", *flags)
     assert_same_update(one, cp)
+    assert cp["fused_head"] == ("--fused_head" in flags)  # actor.use_liger_kernel: log-probs from the fused head
 
 
 @pytest.mark.parametrize("resume", [False, slow(True, id="resumed")])
