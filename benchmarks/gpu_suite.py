@@ -33,7 +33,7 @@ Sections (each one's failure is recorded and the others still run; the exit stat
 * `ring`: ring attention's tile kernel on this device (issue 38) against SDPA over the same row: one rank's
   forward + backward of one attention layer (Qwen2.5-0.5B's 14 heads, 2 key/value heads, head dim 64, bf16 on
   CUDA) at 32K and 64K tokens, seconds and peak memory of each and the largest difference (a ring of one: what
-  each rank computes per block, without the transfers).
+  each rank computes per block, without the transfers; the kernel the trainer picks, torch's flash per tile).
 * `vlm`: a random Qwen2.5-VL-shaped model (Qwen2.5-0.5B's text model and Qwen2.5-VL's 32-block vision tower,
   ~1.2B parameters; issue 39), 3 trainer steps on 448 x 448 pictures (256 image tokens each) of the stub's
   colour task: step time by phase, memory, the sampler-trainer KL.

@@ -16,6 +16,8 @@ takes a mask (CPU: `aten._scaled_dot_product_flash_attention_for_cpu` and its ba
 """
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,11 +91,9 @@ class FlashCPUKernel:
 
     @staticmethod
     def _mask(seen: torch.Tensor, dtype: torch.dtype) -> tuple[bool, torch.Tensor | None]:
-        if bool(seen.all()):
-            return False, None
-        lq, lk = seen.shape
-        if lq == lk and torch.equal(seen, torch.ones_like(seen).tril()):
-            return True, None
+        causal = _unmasked(seen)
+        if causal is not None:
+            return causal, None
         return False, torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, float("-inf"))
 
     @classmethod
@@ -111,10 +111,97 @@ class FlashCPUKernel:
         return dq[0].to(wide), dk[0].to(wide), dv[0].to(wide)
 
 
-def block_kernel(device: torch.device, dtype: torch.dtype) -> type:
-    """The fused kernel where this device has one (CPU), else plain torch."""
+def _unmasked(seen: torch.Tensor) -> bool | None:
+    """A tile every query of which sees every key: False; a square causal one: True; any other: None."""
+    if bool(seen.all()):
+        return False
+    lq, lk = seen.shape
+    return True if lq == lk and torch.equal(seen, torch.ones_like(seen).tril()) else None
+
+
+class FlashCUDAKernel:
+    """One tile in torch's CUDA flash-attention kernel (bf16 / fp16), which returns the log-sum-exp and whose
+    backward takes the whole row's output and log-sum-exp. It takes no mask: a tile that needs one (packed
+    rows, shared prompts, windows) runs in plain torch; a lone sequence's tiles are whole, causal or unseen."""
+
+    @staticmethod
+    def forward(q, k, v, seen, scale, wide):
+        causal = _unmasked(seen)
+        if causal is None:
+            return PlainKernel.forward(q, k, v, seen, scale, wide)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q[None], k[None], v[None], 0.0, causal,
+                                                                      False, scale=scale)[:2]
+        return out[0].to(wide), lse[0].to(wide)
+
+    @staticmethod
+    def backward(grad, q, k, v, out, lse, delta, seen, scale, wide):
+        causal = _unmasked(seen)
+        if causal is None:
+            return PlainKernel.backward(grad, q, k, v, out, lse, delta, seen, scale, wide)
+        unused = torch.empty(0, dtype=torch.int64, device=q.device)  # the dropout's seed and offset (no dropout)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad[None], q[None], k[None], v[None], out[None], lse[None].float().contiguous(), None, None,
+            q.shape[1], k.shape[1], 0.0, causal, unused, unused, scale=scale)
+        return dq[0].to(wide), dk[0].to(wide), dv[0].to(wide)
+
+
+def kernel_error(kernel: type, device: torch.device, dtype: torch.dtype, dim: int = 64) -> float:
+    """The largest difference of `kernel` from a float64 softmax on small tiles (whole, causal, masked, and one
+    whose first query sees nothing: forward only, as in a ring that query sees keys of other tiles), forward
+    and backward, relative to each output's scale."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 64, dim, generator=g, dtype=torch.float64) for _ in range(4))
+    wide, scale = torch.promote_types(dtype, torch.float32), dim ** -0.5
+    pos = torch.arange(64)
+    causal = pos[None, :] <= pos[:, None]
+    masked = causal & ((pos[None, :] % 3 != 0) | (pos[None, :] == pos[:, None]))
+    blind = masked & (pos[:, None] != 0)
+    worst = 0.0
+    for seen in (torch.ones(64, 64, dtype=torch.bool), causal, masked, blind):
+        rows = seen.any(-1)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        scores = (leaves[0] @ leaves[1].transpose(-1, -2) * scale).masked_fill(~seen, float("-inf"))
+        ref = torch.softmax(scores, -1).nan_to_num(0.0) @ leaves[2]
+        lse = torch.logsumexp(scores, -1).detach()
+        on = [t.to(device, dtype) for t in (q, k, v)]
+        out, part = kernel.forward(*on, seen.to(device), scale, wide)
+        pairs = [(out[:, rows], ref.detach()[:, rows]), (part[:, rows], lse[:, rows])]
+        if bool(rows.all()):
+            (ref * grad).sum().backward()
+            delta = (grad * ref.detach()).sum(-1)
+            got = kernel.backward(grad.to(device, dtype), *on, ref.detach().to(device, dtype), lse.to(device, wide),
+                                  delta.to(device, wide), seen.to(device), scale, wide)
+            pairs += list(zip(got, (t.grad for t in leaves)))
+        for a, b in pairs:
+            worst = max(worst, float((a.double().cpu() - b).abs().max() / b.abs().max().clamp_min(1e-12)))
+    return worst
+
+
+@functools.cache
+def _cuda_flash_checked(device: torch.device, dtype: torch.dtype, dim: int) -> bool:
+    """FlashCUDAKernel on a few small tiles against a float64 softmax, once per device, dtype and head size,
+    before any ring uses it: a torch build whose private flash ops changed falls back to plain torch, named."""
+    try:
+        error = kernel_error(FlashCUDAKernel, device, dtype, dim)
+    except Exception as e:  # noqa: BLE001 - any failure of a private op means: do not use it
+        print(f"warning: ring attention runs its tiles in plain torch on {device}: torch's flash kernel failed "
+              f"its check ({type(e).__name__}: {e})", file=sys.stderr)
+        return False
+    if error > 0.05:  # bf16 gives ~1e-2; a wrong layout or mask gives O(1)
+        print(f"warning: ring attention runs its tiles in plain torch on {device}: torch's flash kernel differs "
+              f"from a float64 softmax by {error:.3g}", file=sys.stderr)
+        return False
+    return True
+
+
+def block_kernel(device: torch.device, dtype: torch.dtype, dim: int = 64) -> type:
+    """The fused kernel where this device has one (CPU; CUDA in bf16 / fp16 once it passed its check), else
+    plain torch. `dim`: the head size (CUDA's flash kernel takes multiples of 8 up to 256)."""
     if device.type == "cpu" and dtype in (torch.float32, torch.float64, torch.bfloat16):
         return FlashCPUKernel
+    if (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and dim % 8 == 0 and dim <= 256
+            and _cuda_flash_checked(device, dtype, dim)):
+        return FlashCUDAKernel
     return PlainKernel
 
 
@@ -241,7 +328,7 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    group: dist.ProcessGroup, scaling: float | None, window: int | None, tile: int = RING_TILE,
                    kernel: type | None = None) -> torch.Tensor:
     """[1, H, C, d] queries of this rank's zigzag chunk, [1, Hkv, C, d] keys and values -> [1, H, C, d].
-    `kernel`: PlainKernel or FlashCPUKernel (default: `block_kernel` for the device)."""
+    `kernel`: PlainKernel, FlashCPUKernel or FlashCUDAKernel (default: `block_kernel` for the device)."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    kernel = kernel or block_kernel(query.device, query.dtype)
+    kernel = kernel or block_kernel(query.device, query.dtype, query.shape[-1])
     return _RingAttention.apply(query[0], key[0], value[0], row, group, scale, window, tile, kernel)[None]
