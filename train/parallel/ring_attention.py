@@ -10,9 +10,11 @@ One ring pass per layer and direction:
   with it, so each block's key/value gradients reach their owner after the n-th step. Both transfers overlap the
   compute of a block.
 
-A tile's attention runs in one fused call where the device has a flash kernel that returns the log-sum-exp and
-takes a mask (CPU: `aten._scaled_dot_product_flash_attention_for_cpu` and its backward), else in plain torch
-(`PlainKernel`, any device). Both give the same numbers; scores are never held beyond one [heads, tile, tile].
+A tile's attention runs in one fused call of a flash kernel that returns the log-sum-exp: on CPU
+`aten._scaled_dot_product_flash_attention_for_cpu`, which takes a mask (`FlashCPUKernel`); on CUDA torch's flash
+kernel for the tiles that need no mask, once it passed its check (`FlashCUDAKernel`); else in plain torch
+(`PlainKernel`, any device). All give the same numbers (tests/unit/test_ring_kernels.py); scores are never held
+beyond one [heads, tile, tile].
 """
 from __future__ import annotations
 
