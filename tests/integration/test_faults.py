@@ -291,7 +291,8 @@ def test_a_huge_learning_rate_is_reported_or_rolled_back(tmp_path, governor):
         assert "trainer.governor.enable=true rolls such updates back" in out
 
 
-@pytest.mark.parametrize("escalate", [False, True], ids=["warn", "governor"])
+# the escalated case asserts the warning too: warn alone runs in the slow set
+@pytest.mark.parametrize("escalate", [slow(False, id="warn"), pytest.param(True, id="governor")])
 def test_a_health_alarm_names_step_rule_and_value_and_can_hold_the_update(tmp_path, escalate):
     """A rule made to hold on every step (an entropy floor of 1000 nats): the run names it in a warning once it held
     `patience` steps; escalated, the governor holds that update and rolls it back (min_panics=1) before a push."""
@@ -314,7 +315,8 @@ def test_a_health_alarm_names_step_rule_and_value_and_can_hold_the_update(tmp_pa
         assert "time/weight_sync_s" in rows[2]
 
 
-@pytest.mark.parametrize("action", ["warn", "rollback"])
+# the rollback case asserts the warning too: warn alone runs in the slow set
+@pytest.mark.parametrize("action", [slow("warn", id="warn"), "rollback"])
 def test_a_forgotten_held_out_set_is_said_and_can_be_rolled_back(tmp_path, action):
     """actor.lr=1e3 wrecks the stub at step 1: its held-out test reward falls from 0.27 to ~0. The forgetting gate
     names the metric and the drop; with action=rollback the weights of the step-0 evaluation come back (the
