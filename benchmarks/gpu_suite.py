@@ -454,8 +454,8 @@ def section_ring(shapes: Shapes, info: dict) -> dict:
             "sdpa": lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
                 a[None], b.repeat_interleave(heads // kv_heads, 0)[None], c.repeat_interleave(heads // kv_heads, 0)[None],
                 is_causal=True)[0],
-            "ring": lambda a, b, c: ring._RingAttention.apply(a, b, c, row, torch.distributed.group.WORLD, dim ** -0.5,
-                                                              None, ring.RING_TILE, kernel)}
+            "ring": lambda a, b, c: ring.ring_attention(a[None], b[None], c[None], row, torch.distributed.group.WORLD,
+                                                        None, None, kernel=kernel)[0]}
         out = {}
         for name, fn in runs.items():
             times = []

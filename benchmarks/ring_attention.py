@@ -82,7 +82,7 @@ def worker(rank: int, cp: int, tokens: int, kernel_name: str, repeats: int, port
         leaves = [t[:, rows].clone().requires_grad_() for t in (q, k, v)]
         dist.barrier()
         start = time.perf_counter()
-        out = ring._RingAttention.apply(*leaves, row, dist.group.WORLD, DIM ** -0.5, None, ring.RING_TILE, kernel)
+        out = ring.ring_attention(*(t[None] for t in leaves), row, dist.group.WORLD, None, None, kernel=kernel)[0]
         waited.clear()
         ring._wait = timed_wait
         (out * weight[:, rows]).sum().backward()

@@ -315,7 +315,8 @@ class _RingAttention(torch.autograd.Function):
                     dv[:, ks] += _fold(pv, rep)
             if arriving is not None:  # what the ranks before gave this block, sent while we computed
                 _wait(arriving[1])
-                dk, dv = dk + arriving[0][0], dv + arriving[0][1]
+                dk += arriving[0][0]
+                dv += arriving[0][1]
             # on to the block's next holder; after the last step that is its owner
             arriving = _ring_exchange([dk, dv], group, _GRAD_TAG)
             if pending is not None:
