@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/weight_push.py                                  # stub, 1 and 2 ranks
     .venv/bin/python benchmarks/weight_push.py --model .cache/smollm2-135m-instruct --nproc 1 2
+    .venv/bin/python benchmarks/weight_push.py --deep      # Qwen2.5-0.5B's 291 tensors at 1/500 of its size
 
 For each rank count, one torchrun builds the actor exactly as the trainer does (FSDP2 over the ranks;
 a plain module on one rank) and an `hf` rollout engine per rank, then times, after a warm-up:
@@ -18,6 +19,9 @@ a plain module on one rank) and an `hf` rollout engine per rank, then times, aft
 Reported: seconds per push and per billion parameters, and push / floor. `--bucket-mb` is
 `rollout.bucket_size_mb`. `--lora-rank N` builds the actor with `actor.lora.rank=N` (and the engine
 with the same LoRA layers): a push then sends the adapters only (the params column counts what is sent).
+`--deep` builds (in a temporary folder) a random Qwen2 of 24 layers and hidden size 64: as many tensors
+as Qwen2.5-0.5B (291) with 0.9M parameters, so what it times is the cost per tensor (Python, dispatch,
+kernel launches), the part of a GPU push that the bytes do not explain.
 """
 from __future__ import annotations
 
@@ -103,12 +107,38 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--lora-rank", type=int, default=0, help="actor.lora.rank (0: full weights)")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--deep", action="store_true", help="a 24-layer, hidden-64 Qwen2 built here (per-tensor costs)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if args.deep:
+        with tempfile.TemporaryDirectory() as folder:
+            args.model = build_deep(folder)
+            return run(args)
+    return run(args)
+
+
+def build_deep(folder: str) -> str:
+    """A random Qwen2 with Qwen2.5-0.5B's layer count and tensor names, hidden size 64, the stub's tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=24, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=512, max_position_embeddings=512, tie_word_embeddings=True,
+                         pad_token_id=0, eos_token_id=2)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(ROOT, "stub", "model", name), folder)
+    return folder
+
+
+def run(args) -> None:
     rows = []
     for n in args.nproc:
         threads = max(1, args.cores // n)
@@ -123,7 +153,7 @@ def main() -> None:
                 raise SystemExit(proc.stderr[-3000:])
             rows.append(json.load(open(out.name)))
     what = f", LoRA rank {args.lora_rank} (adapters pushed)" if args.lora_rank else ""
-    print(f"model {os.path.relpath(args.model, ROOT)}{what}, bucket {args.bucket_mb:g} MB, median of {args.repeats}")
+    print(f"model {'deep (24 x 64)' if args.deep else os.path.relpath(args.model, ROOT)}{what}, bucket {args.bucket_mb:g} MB, median of {args.repeats}")
     print("| ranks | params | push s | unverified s | gather only s | floor s | push s per 1B params | push / floor |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -722,24 +722,25 @@ def sync(args, ctx) -> None:
     out["probe_diff"] = check_probe(engine.score(probe, 0.7), actor_logprobs(actor, probe, ctx.device), 1e-3, 3,
                                     ctx.rank, ctx.device)
     # A silent engine failure: the last rank's engine drops one tensor of the push.
-    write, dropped = engine._write, "model.layers.1.mlp.down_proj.weight"
+    write, dropped = engine._copy, "model.layers.1.mlp.down_proj.weight"
     targets = engine._named_targets()
 
-    def lossy(target, tensor):
-        if ctx.rank == ctx.world_size - 1 and target is targets[dropped]:
-            return
-        write(target, tensor)
+    def lossy(into, froms):
+        if ctx.rank == ctx.world_size - 1:
+            kept = [(t, f) for t, f in zip(into, froms) if t is not targets[dropped]]
+            into, froms = [t for t, _ in kept], [f for _, f in kept]
+        write(into, froms)
 
     with torch.no_grad():
         for p in actor.model.parameters():  # new weights, as after an update
             p.to_local().add_(0.001)
-    engine._write = lossy
+    engine._copy = lossy
     try:
         policy.push(step=4)
         out["lossy"] = None
     except WeightSyncError as e:
         out["lossy"] = str(e)
-    engine._write = write
+    engine._copy = write
     policy.push(step=5)
     with torch.no_grad():  # rank 0's engine drifts after an honest push
         if ctx.rank == 0:

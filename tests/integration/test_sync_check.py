@@ -4,12 +4,11 @@ numpy reference; the trainer's PolicySync and probe on 2 ranks (FSDP) with a rea
 drops a tensor or drifts (fault injection: the engine's copy routine is replaced)."""
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 from conftest import ROOT, run_torchrun, slow
-from train.utils.checksum import tensor_checksum
+from train.utils.checksum import checksums, tensor_checksum
 
 MASK = (1 << 64) - 1
 
@@ -20,34 +19,49 @@ def _signed(value: int, bits: int) -> int:
 
 
 def reference_checksum(t: torch.Tensor) -> int:
-    """The definition in the checksum module's docstring, in numpy and Python integers: each row's
-    32-bit words summed mod 2**32 (or, when a row is not whole words, its elements' bits summed), then
-    sum(rows) * 1_000_003 + sum((i + 1) * row_i) mod 2**64. Written separately from the module."""
-    raw = t.detach().cpu().contiguous()
-    n_rows = raw.shape[0] if raw.dim() > 1 else 1
-    data = raw.reshape(-1).view(torch.uint8).numpy().tobytes()
-    row_bytes = len(data) // max(n_rows, 1)
-    sums = []
-    for i in range(n_rows):
-        chunk = data[i * row_bytes:(i + 1) * row_bytes]
-        if row_bytes % 4 == 0:
-            sums.append(_signed(int(np.frombuffer(chunk, dtype=np.int32).astype(object).sum()), 32))
-        else:
-            width = raw.element_size()
-            kind = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[width]
-            sums.append(_signed(int(np.frombuffer(chunk, dtype=kind).astype(object).sum()), 64))
-    return _signed(sum(sums) * 1_000_003 + sum((i + 1) * s for i, s in enumerate(sums)), 64)
+    """The definition in the checksum module's docstring, in Python integers from the tensor's raw bytes:
+    little-endian 32-bit words, zero-padded to blocks of 32 x 32; per block the rows', the columns' and the
+    block's sums mod 2**32; then nbytes * 40503 + sum_b [(b + 1000003) * S_b + sum_r (r + 1) R_br
+    + 2654435761 * sum_c (c + 1) C_bc] mod 2**64. Written separately from the module."""
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    total = len(data) * 40503
+    data += bytes(-len(data) % 4)
+    values = [_signed(int.from_bytes(data[i:i + 4], "little"), 32) for i in range(0, len(data), 4)]
+    values += [0] * (-len(values) % 1024)
+    for b in range(len(values) // 1024):
+        block = values[b * 1024:(b + 1) * 1024]
+        rows = [_signed(sum(block[r * 32:(r + 1) * 32]), 32) for r in range(32)]
+        cols = [_signed(sum(block[c::32]), 32) for c in range(32)]
+        total += (b + 1_000_003) * _signed(sum(block), 32) + sum((r + 1) * x for r, x in enumerate(rows))
+        total += 2_654_435_761 * sum((c + 1) * x for c, x in enumerate(cols))
+    return _signed(total, 64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
                                    torch.bool])
-@pytest.mark.parametrize("shape", [(37, 20), (37, 19), (19,), ()], ids=["even-rows", "odd-rows", "1d", "0d"])
+@pytest.mark.parametrize("shape", [(37, 20), (37, 19), (19,), (), (3, 1100)],
+                         ids=["even-rows", "odd-rows", "1d", "0d", "several-blocks"])
 def test_checksum_matches_an_independent_reference(dtype, shape):
     g = torch.Generator().manual_seed(0)
     t = (torch.randn(shape, generator=g) * 1e3).to(dtype)
     assert int(tensor_checksum(t)) == reference_checksum(t)
-    huge = torch.full((4, 6), -1.0e38)  # row sums that wrap int32, totals that wrap int64
+    huge = torch.full((4, 600), -1.0e38)  # sums that wrap int32, totals that wrap int64
     assert int(tensor_checksum(huge)) == reference_checksum(huge)
+
+
+def test_checksums_of_many_tensors_equal_each_ones_alone_however_grouped():
+    """The trainer and the engine group tensors differently (what a push streams, what the engine holds):
+    a tensor's checksum must not depend on its neighbours or on the group size."""
+    g = torch.Generator().manual_seed(1)
+    ts = [torch.randn(37, 20, generator=g), torch.randn(5, generator=g).bfloat16(), torch.zeros(0),
+          torch.ones(3, dtype=torch.bool), torch.randn(2048, 3, generator=g),
+          torch.randn(9, generator=g).half()[1:8],  # a view at an odd offset: not whole words
+          torch.randn(64, 64, generator=g).t()]  # not contiguous
+    alone = [reference_checksum(t) for t in ts]
+    for chunk in (1, 100, 10_000, 1 << 30):
+        assert checksums(ts, chunk_bytes=chunk).tolist() == alone
+    big = [torch.randn(300_000, generator=g), torch.randn(70_001, generator=g)]  # read in place on CPU (>= 256 KB)
+    assert checksums(big + ts).tolist() == [reference_checksum(t) for t in big] + alone
 
 
 def test_checksum_sees_one_bit_swapped_rows_and_a_transpose_but_not_the_layout():
@@ -57,9 +71,13 @@ def test_checksum_sees_one_bit_swapped_rows_and_a_transpose_but_not_the_layout()
     flipped.view(torch.int32)[3, 4] ^= 1  # one mantissa bit
     assert int(tensor_checksum(flipped)) != base
     assert int(tensor_checksum(t[[1, 0, *range(2, 8)]])) != base
+    swapped = t.clone().reshape(-1)
+    swapped[[5, 6]] = swapped[[6, 5]]  # two neighbouring words
+    assert int(tensor_checksum(swapped.reshape(8, 8))) != base
     assert int(tensor_checksum(t.t())) != base
     assert int(tensor_checksum(t.t().contiguous().t())) == base  # the same values, another memory layout
     assert int(tensor_checksum(t.to(torch.bfloat16))) != base  # dtype matters: the engine's dtype is compared
+    assert int(tensor_checksum(torch.zeros(4))) != int(tensor_checksum(torch.zeros(5)))  # length matters
 
 
 @pytest.mark.parametrize("layout", [["--ddp", "1"], slow(["--ddp", "2"], id="hsdp"), slow(["--tp", "2"], id="tp2")],
@@ -92,7 +110,7 @@ from train.trainer.policy_sync import PolicySync
 
 model = AutoModelForCausalLM.from_pretrained({model!r})
 engine = HFEngine.from_pretrained({model!r}, seed=0)
-engine._write = lambda target, tensor: time.sleep(60)  # fault injection: the engine never finishes a copy
+engine._copy = lambda into, froms: time.sleep(60)  # fault injection: the engine never finishes a copy
 dog = Watchdog(None, 10.0, 0, {dump!r}, poll_s=0.2)
 PolicySync(model, engine, 512, None, {{}}, None, watchdog=dog, push_timeout_s=1.0).push(step=7)
 print("push returned")

@@ -57,7 +57,8 @@ from train.engines.static_decode import (StaticDecoder, column_bucket, compile_d
 from train.models.router_replay import RoutingRecorder
 from train.models.vlm import (VisionSpec, image_spans, is_vision_config, mask_unsampled, model_class, mrope_positions,
                               text_config)
-from train.utils.checksum import tensor_checksum
+from train.utils.checksum import CHUNK_BYTES, checksums
+from train.utils.tensor_stream import grouped
 
 
 @dataclass
@@ -202,6 +203,7 @@ class HFEngine:
         self._state: _LoopState | None = None
         self._asleep = False
         self._offloaded = False
+        self._targets: dict[str, torch.Tensor] | None = None  # _named_targets, built once
         # Which weights the engine holds (the trainer's step that produced them; set after each push):
         # every Generation carries the version it was sampled with.
         self.weight_version = 0
@@ -294,33 +296,60 @@ class HFEngine:
         with self._lock:
             targets = self._named_targets()
             with torch.no_grad():
-                for name, tensor in named_tensors:
-                    target = targets.get(name)
-                    if name in self.borrowed:
-                        raise ValueError(f"update_weights: {name!r} is the actor's own tensor, which this engine "
-                                         "borrows (rollout.share_actor_base): a push must not write it (with LoRA "
-                                         "only the adapters are pushed)")
-                    if target is None:
-                        known = ", ".join(list(targets)[:5])
-                        raise KeyError(
-                            f"update_weights: the engine's model has no parameter or buffer named "
-                            f"{name!r} (names are the model's state_dict keys, e.g. {known}, ...)"
-                        )
-                    if hasattr(tensor, "full_tensor"):
-                        tensor = tensor.full_tensor()
-                    if tuple(tensor.shape) != tuple(target.shape):
-                        raise ValueError(
-                            f"update_weights: shape mismatch for {name!r}: got {tuple(tensor.shape)}, "
-                            f"the engine's model has {tuple(target.shape)}"
-                        )
-                    self._write(target, tensor.detach())
+                # A group of tensors at a time: the plain copies go in one multi-tensor call.
+                for group in grouped(named_tensors, CHUNK_BYTES):
+                    into: list[torch.Tensor] = []
+                    froms: list[torch.Tensor] = []
+                    for name, tensor in group:
+                        target = self._target(targets, name, tensor)
+                        if hasattr(tensor, "full_tensor"):
+                            tensor = tensor.full_tensor()
+                        if tuple(tensor.shape) != tuple(target.shape):
+                            raise ValueError(
+                                f"update_weights: shape mismatch for {name!r}: got {tuple(tensor.shape)}, "
+                                f"the engine's model has {tuple(target.shape)}"
+                            )
+                        if same_storage(target, tensor):
+                            continue  # the engine shares this tensor with the trainer: nothing to copy
+                        if self._offloaded and target.device != self.device:
+                            # Asleep: new device storage filled from the pushed tensor, not from the host copy.
+                            fresh = torch.empty(target.shape, dtype=target.dtype, device=self.device)
+                            fresh.copy_(tensor.detach())
+                            target.data = fresh
+                            continue
+                        into.append(target)
+                        froms.append(tensor.detach())
+                    if into:
+                        self._copy(into, froms)
+
+    def _copy(self, into: list[torch.Tensor], froms: list[torch.Tensor]) -> None:
+        """Write pushed values into the engine's tensors: one multi-tensor copy (with the dtype cast)."""
+        if into:
+            torch._foreach_copy_(into, froms)
+
+    def _target(self, targets: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The engine's tensor that a push of `name` writes, or an error naming what is wrong."""
+        if name in self.borrowed:
+            raise ValueError(f"update_weights: {name!r} is the actor's own tensor, which this engine "
+                             "borrows (rollout.share_actor_base): a push must not write it (with LoRA "
+                             "only the adapters are pushed)")
+        target = targets.get(name)
+        if target is None:
+            known = ", ".join(list(targets)[:5])
+            raise KeyError(
+                f"update_weights: the engine's model has no parameter or buffer named "
+                f"{name!r} (names are the model's state_dict keys, e.g. {known}, ...)"
+            )
+        return target
 
     def weight_checksums(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The exact checksum (train/utils/checksum.py) of what the engine holds under each name it
-        has: the trainer compares them with what it pushed (trainer.verify_push)."""
+        has, on the host: the trainer compares them with what it pushed (trainer.verify_push). A group
+        of tensors at a time, read back once."""
         with self._lock, torch.no_grad():
             targets = self._named_targets()
-            return {n: tensor_checksum(targets[n]) for n in names if n in targets}
+            held = [n for n in names if n in targets]
+            return dict(zip(held, checksums([targets[n] for n in held]).cpu().unbind()))
 
     def score(self, token_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
         """log p(token i | tokens < i) at `temperature` for i >= 1, as the sampler computes them
@@ -335,17 +364,6 @@ class HFEngine:
             logits = mask_unsampled(self.model(input_ids=ids, use_cache=False).logits[0, :-1].float(), self._unsampled)
             logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
             return logp.gather(1, ids[0, 1:, None]).squeeze(1).cpu()
-
-    def _write(self, target: torch.Tensor, tensor: torch.Tensor) -> None:
-        if same_storage(target, tensor):
-            return  # the engine shares this tensor with the trainer: nothing to copy
-        if self._offloaded and target.device != self.device:
-            # Asleep: new device storage filled from the pushed tensor, not from the host copy.
-            fresh = torch.empty(target.shape, dtype=target.dtype, device=self.device)
-            fresh.copy_(tensor)
-            target.data = fresh
-            return
-        target.copy_(tensor)
 
     def tokens_per_second(self) -> float:
         """Generated tokens per second of batched generation so far."""
@@ -758,10 +776,14 @@ class HFEngine:
         return any(s and s in text for s in stops)
 
     def _named_targets(self) -> dict[str, torch.Tensor]:
-        targets: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
-        for name, buf in self.model.named_buffers():  # non-persistent buffers too
-            targets.setdefault(name, buf)
-        return targets
+        """Every parameter and buffer by state_dict name, built once (at the first push or sleep: the model's
+        modules are final by then). The objects stay: sleep, wake and a push while asleep swap their `.data`."""
+        if self._targets is None:
+            targets: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+            for name, buf in self.model.named_buffers():  # non-persistent buffers too
+                targets.setdefault(name, buf)
+            self._targets = targets
+        return self._targets
 
     def _wake_locked(self) -> None:
         if self._offloaded:

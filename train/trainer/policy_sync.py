@@ -29,11 +29,16 @@ MB = 1 << 20
 
 
 def fingerprinted(named: Iterable[tuple[str, torch.Tensor]], acc: list[float]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pass (name, tensor) pairs through, adding sum|w| (accumulated in float64) of each into acc[0]."""
+    """Pass (name, tensor) pairs through, adding sum|w| (accumulated in float64) of all of them into acc[0]
+    once the stream ends (one read-back per push, not one per tensor)."""
+    total: torch.Tensor | None = None
     for name, value in named:
         # One pass, no float64 copy of the tensor (a 2x-sized temporary per tensor cost 8x the push).
-        acc[0] += float(torch.linalg.vector_norm(value.detach(), ord=1, dtype=torch.float64))
+        norm = torch.linalg.vector_norm(value.detach(), ord=1, dtype=torch.float64)
+        total = norm if total is None else total + norm.to(total.device)
         yield name, value
+    if total is not None:
+        acc[0] += float(total)
 
 
 class PolicySync:
@@ -79,7 +84,7 @@ class PolicySync:
             return f"weight push at step {step}, {record.current if self.verify else 'bucket unknown (verify_push off)'}"
 
         with (self.watchdog.phase("weight push", self.push_timeout_s, "rollout.push_timeout_s", where)
-              if self.watchdog is not None else contextlib.nullcontext()):
+              if self.watchdog is not None else contextlib.nullcontext()), torch.no_grad():
             self.engine.update_weights(named)
             if self.verify:
                 verify_push(self.engine, record, step, self.rank, self.device)
@@ -91,8 +96,9 @@ class PolicySync:
     def fingerprint(self) -> float:
         """sum|w| of the actor's current weights as the engine would receive them (collective)."""
         acc = [0.0]
-        for _ in fingerprinted(self.full_tensors(), acc):
-            pass
+        with torch.no_grad():
+            for _ in fingerprinted(self.full_tensors(), acc):
+                pass
         return acc[0]
 
     def after_evaluation(self, step: int, scores: dict[str, float]) -> dict[str, float]:

@@ -3,10 +3,11 @@
 Two checks, both collective (every rank calls them; a failure on one rank stops every rank):
 
 - **Checksums** (after every push, `trainer.verify_push`): while the weights stream into the engine,
-  the trainer takes an exact integer checksum of every tensor it sends (its bit pattern summed as
-  int64, plus a row-weighted sum so that swapped rows differ); then the engine reports the same
-  checksum of what it holds under each name. Integer sums are exact and independent of summation
-  order, so "equal" means equal, on any device. Tensors are numbered into buckets of
+  the trainer takes an exact integer checksum of every tensor it sends (train/utils/checksum.py: its
+  32-bit words summed with position weights, with integer wrap-around); then the engine reports the
+  same checksum of what it holds under each name. Integer sums are exact and independent of summation
+  order, so "equal" means equal, on any device. Both sides take a group of tensors (up to
+  `CHUNK_BYTES`) in a fixed number of kernels, and the comparison reads back one vector per side. Tensors are numbered into buckets of
   `rollout.bucket_size_mb` in push order, so a mismatch names the step, the bucket and the tensors.
   Engines that cannot report their tensors by name (SGLang fuses and shards them) skip this check;
   the probe covers them.
@@ -28,7 +29,8 @@ import torch
 
 from train.parallel.collectives import all_reduce_max
 from train.parallel.step_batch import dispatch, exchange_index
-from train.utils.checksum import tensor_checksum
+from train.utils.checksum import CHUNK_BYTES, checksums
+from train.utils.tensor_stream import grouped
 
 
 class WeightSyncError(RuntimeError):
@@ -41,21 +43,23 @@ class PushRecord:
     bucket_bytes: int
     names: list[str] = field(default_factory=list)
     buckets: list[int] = field(default_factory=list)
-    checksums: list[torch.Tensor] = field(default_factory=list)
+    checksums: list[torch.Tensor] = field(default_factory=list)  # one int64 vector per group of tensors
     _filled: int = 0  # bytes in the current bucket
 
     def recording(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Pass (name, tensor) pairs through, recording each one's checksum and bucket."""
-        for name, tensor in named:
-            size = tensor.numel() * tensor.element_size()
-            bucket = self.buckets[-1] if self.buckets else 0
-            if self._filled and self._filled + size > self.bucket_bytes:
-                bucket, self._filled = bucket + 1, 0
-            self._filled += size
-            self.names.append(name)
-            self.buckets.append(bucket)
-            self.checksums.append(tensor_checksum(tensor))
-            yield name, tensor
+        """Pass (name, tensor) pairs through, recording each one's checksum and bucket (a group of
+        tensors at a time: one batched checksum per group, no host sync)."""
+        for group in grouped(named, CHUNK_BYTES):
+            for name, tensor in group:
+                size = tensor.numel() * tensor.element_size()
+                bucket = self.buckets[-1] if self.buckets else 0
+                if self._filled and self._filled + size > self.bucket_bytes:
+                    bucket, self._filled = bucket + 1, 0
+                self._filled += size
+                self.names.append(name)
+                self.buckets.append(bucket)
+            self.checksums.append(checksums([t for _, t in group]))
+            yield from group
 
     @property
     def current(self) -> str:
@@ -69,9 +73,9 @@ def mismatches(record: PushRecord, held: dict[str, torch.Tensor]) -> list[tuple[
     """(bucket, name) of every pushed tensor whose checksum in the engine (`held`) differs or is missing."""
     if not record.names:
         return []
-    sent = torch.stack(record.checksums).cpu()  # one device-to-host copy, not one per tensor
-    # The engine's may sit on different devices (a sleeping engine keeps unpushed weights on the host).
-    got = torch.stack([(held[n] if n in held else record.checksums[i]).cpu() for i, n in enumerate(record.names)])
+    sent = torch.cat(record.checksums).cpu()  # one device-to-host copy, not one per tensor
+    held_cpu = {n: v.cpu() for n, v in held.items()} if any(v.device.type != "cpu" for v in held.values()) else held
+    got = torch.stack([held_cpu.get(n, sent[i]) for i, n in enumerate(record.names)])
     missing = torch.tensor([n not in held for n in record.names])
     bad = ((sent != got) | missing).nonzero().flatten().tolist()
     return [(record.buckets[i], record.names[i]) for i in bad]
