@@ -14,7 +14,9 @@ Sections (each one's failure is recorded and the others still run; the exit stat
   (config built here, no download) at batch 64 and 256, against the memory-bandwidth bound: each
   decode step reads the weights once and every row's KV cache, so tokens/s <= batch x bandwidth /
   (weight bytes + KV bytes). Bandwidth: the device's datasheet figure where known (H100, H200, A100),
-  and the copy bandwidth measured here (read + write of a 1 GiB buffer) in any case.
+  and the copy bandwidth measured here (read + write of a 1 GiB buffer) in any case. The last row is
+  the peer: transformers' own `generate` on the largest batch with its static cache (which it compiles
+  on CUDA), same model, prompts and lengths.
 * `mfu`: the actor's update (FSDP2 path, bf16 on CUDA) on one packed micro-batch of 8k and of 16k
   tokens: 6 x params x tokens + attention FLOPs (LM head on action tokens) per second, over the
   device's dense bf16 peak (datasheet where known, else a measured bf16 matmul).
@@ -22,6 +24,9 @@ Sections (each one's failure is recorded and the others still run; the exit stat
   trainer's `PolicySync.push` path.
 * `step`: 3 trainer steps on the same 0.5B-shaped model (stub tokenizer and data, `eq.py`),
   the step's time breakdown from `metrics.jsonl`.
+* `trl`: TRL's GRPOTrainer against this trainer on the same GPU, 0.5B-shaped model, data, group and
+  lengths as `step` (`benchmarks/vs_trl.py --device cuda`, 4 steps each, the first left out): step
+  seconds and the ratio; needs the `trl` wheels (`bash scripts/offline_wheels.sh DIR 3.12 --bench`).
 * `bigmodel`: one GPU, big models (issue 36): random-weight Llama-3.1-8B with LoRA rank 32 and
   Qwen3-4B fully fine-tuned (`--big-cases` picks), filled on the device through the trainer's
   loading path (RandomReader: no checkpoint written), one sequence of 16K tokens per update: peak
@@ -64,7 +69,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step", "bigmodel", "moe", "vlm", "ring")
+SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step", "trl", "bigmodel", "moe", "vlm", "ring")
 
 # Datasheet figures (dense bf16 TFLOP/s, HBM TB/s) matched on torch.cuda.get_device_name().
 DATASHEET = (
@@ -320,7 +325,7 @@ def section_decode(args, work: Path, shapes: Shapes, info: dict) -> dict:
                 if path != "dynamic" and batch == max(shapes.decode_batches):
                     short = SamplingParams(max_new_tokens=32, temperature=1.0, ignore_eos=True)
                     # The batch the queue would form, run in this thread so the profiler sees its CPU side too.
-                    profiled(lambda: engine._generate_batch([(p, short) for p in prompts]),
+                    profiled(lambda: engine._generate_batch([(p, short, ()) for p in prompts]),
                              work / f"decode_profile{'_compiled' if 'compiled' in path else ''}.txt")
                 rows.append({"path": path, "batch": batch, "new_tokens": new, "tokens": tokens, "seconds": seconds,
                              "tokens_per_s": tokens / seconds, "bound_tokens_per_s": bound,
@@ -330,6 +335,7 @@ def section_decode(args, work: Path, shapes: Shapes, info: dict) -> dict:
         finally:
             engine.close()
             del engine
+    rows.append(hf_generate_row(model, shapes, bw, weight_bytes, kv_bytes_per_token))
     uncompile_modules(model)
     del model
     if info["cuda"]:
@@ -337,6 +343,64 @@ def section_decode(args, work: Path, shapes: Shapes, info: dict) -> dict:
     return {"params": params, "weight_bytes": weight_bytes, "bandwidth_tb_s": bw,
             "bandwidth_source": "datasheet" if info["datasheet_hbm_tb_s"] else "measured copy",
             "measured_copy_tb_s": measured_bw, "batches": rows}
+
+
+def hf_generate_row(model, shapes: Shapes, bw: float, weight_bytes: int, kv_bytes_per_token: int) -> dict:
+    """transformers' own `generate` on the largest decode batch, the peer to the engine's rows: a static cache
+    (which `generate` compiles by itself on CUDA), temperature-1 sampling, every row to its full length."""
+    import torch
+
+    batch, new = max(shapes.decode_batches), shapes.decode_new
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(3, shapes.vocab, (batch, shapes.decode_prompt), generator=g).to(model.device)
+    row = {"path": "transformers generate (static cache)", "batch": batch, "new_tokens": new}
+
+    def run(max_new: int):
+        return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                              top_p=1.0, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0,
+                              cache_implementation="static")
+
+    try:
+        with torch.no_grad():
+            start = time.perf_counter()
+            run(new)  # untimed: the compile and the cache's allocation, as the engine's warm-up pass
+            sync()
+            row["warmup_s"] = time.perf_counter() - start
+            start = time.perf_counter()
+            out = run(new)
+            sync()
+        seconds = time.perf_counter() - start
+        tokens = (out.shape[1] - ids.shape[1]) * batch
+        bound = batch * bw * 1e12 / (weight_bytes + batch * (shapes.decode_prompt + new / 2) * kv_bytes_per_token)
+        row.update({"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                    "bound_tokens_per_s": bound, "fraction_of_bound": tokens / seconds / bound})
+    except Exception as exc:  # the peer's failure is a row's note, not the section's
+        traceback.print_exc()
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return row
+
+
+def section_trl(args, work: Path, shapes: Shapes, model_dir: Path, info: dict) -> dict:
+    """benchmarks/vs_trl.py on this device: TRL's GRPOTrainer and ours, one after the other, same model and shapes."""
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:  # the peer is optional: say so in the table, fail nothing
+        return {"skipped": "trl is not installed: carry its wheels (bash scripts/offline_wheels.sh DIR 3.12 --bench) "
+                           "and install them with the others (docs/gpu.md)"}
+    steps = 2 if args.tiny else 4
+    out = work / "vs_trl.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--device", "cuda" if info["cuda"] else "cpu",
+           "--model", str(model_dir), "--prompts", str(shapes.step_prompts), "--responses", str(shapes.step_responses),
+           "--max-new-tokens", str(shapes.step_new_tokens), "--steps", str(steps), "--warmup", "1",
+           "--timeout", str(args.timeout), "--out", str(out)]
+    run_logged(cmd, work / "vs_trl.log", args.timeout * 2)
+    result = json.loads(out.read_text())
+    keep = ("step_s_mean", "samples_per_s", "rollout_s_mean", "update_s_mean", "weight_sync_s_mean", "generate_s_mean",
+            "wall_s")
+    return {"steps": steps, "warmup": 1, "trl_version": result["settings"]["trl"],
+            "ours": {k: v for k, v in result["ours"].items() if k in keep},
+            "trl": {k: v for k, v in result["trl"].items() if k in keep},
+            "ours_over_trl_samples_per_s": result["ratio_samples_per_s_ours_over_trl"]}
 
 
 def build_actor(model_dir: Path, max_tokens: int, info: dict, lora: dict | None = None, fused_head: bool = False):
@@ -840,8 +904,9 @@ def markdown(result: dict) -> str:
     cell("demo", lambda r: f"test reward {' -> '.join(f'{v:.3f} (step {k})' for k, v in r['test_reward'])}; "
                            f"{r['steps']} steps in {r['wall_s']:.0f} s")
     cell("decode", lambda r: "; ".join(
-        f"{b.get('path', 'static')} batch {b['batch']}: {b['tokens_per_s']:,.0f} tok/s = "
-        f"{100 * b['fraction_of_bound']:.2g}% of the bound ({b['bound_tokens_per_s']:,.0f})" for b in r["batches"])
+        f"{b.get('path', 'static')} batch {b['batch']}: " + (f"FAILED {b['error']}" if "error" in b else
+        f"{b['tokens_per_s']:,.0f} tok/s = {100 * b['fraction_of_bound']:.2g}% of the bound ({b['bound_tokens_per_s']:,.0f})")
+        for b in r["batches"])
         + f" (bandwidth {r['bandwidth_tb_s']:.2f} TB/s, {r['bandwidth_source']}; measured copy {r['measured_copy_tb_s']:.2f})")
     cell("mfu", lambda r: "; ".join(
         f"{m.get('lm_head', 'plain')} head, {m['tokens']} tokens: {m['seconds']:.3f} s, {m['tflops']:.3g} TFLOP/s = MFU {100 * m['mfu']:.1f}%"
@@ -858,6 +923,11 @@ def markdown(result: dict) -> str:
         f"{k.replace('_', ' ')}: step {v.get('time/step_s', 0):.2f} s, sampler KL {v.get('actor/sampler_kl', 0):.2e}"
         + "".join(f", {m.removeprefix('memory/')} {x:.1f} GiB" for m, x in v.items() if m.startswith("memory/"))
         for k, v in r.items() if isinstance(v, dict)))
+    cell("trl", lambda r: f"skipped: {r['skipped']}" if "skipped" in r else f"ours {r['ours']['step_s_mean']:.3f} s/step (rollout {r['ours'].get('rollout_s_mean', 0):.3f}, "
+                          f"update {r['ours'].get('update_s_mean', 0):.3f}, push {r['ours'].get('weight_sync_s_mean', 0):.4f}); "
+                          f"TRL {r['trl_version']} {r['trl']['step_s_mean']:.3f} s/step (generate + reward "
+                          f"{r['trl'].get('generate_s_mean', 0):.3f}); ours / TRL samples/s "
+                          f"**{r['ours_over_trl_samples_per_s']:.2f}x**")
     cell("step", lambda r: ", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in r.items() if k.startswith("time/"))
          + "".join(f"; {k.removeprefix('memory/')} {v:.1f} GiB" for k, v in r.items() if k.startswith("memory/")))
     cell("ring", lambda r: "; ".join(
@@ -903,7 +973,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[gpu_suite] {name} ...", flush=True)
             start = time.perf_counter()
             try:
-                if name in ("mfu", "push", "step") and model_dir is None:
+                if name in ("mfu", "push", "step", "trl") and model_dir is None:
                     model_dir = write_model(shapes, Path(tmp))
                     args.model_dir = str(model_dir)
                 if name == "tests":
@@ -925,7 +995,7 @@ def main(argv: list[str] | None = None) -> int:
                     if actor is None:
                         actor, _ = build_actor(model_dir, max(shapes.mfu_tokens), info)
                     out = section_push(args, work, info, actor)
-                else:  # step, moe, vlm
+                else:  # step, trl, moe, vlm
                     actor = None  # the trainer runs in its own process: give it this one's GPU memory
                     gc.collect()
                     if info["cuda"]:
@@ -933,6 +1003,7 @@ def main(argv: list[str] | None = None) -> int:
 
                         torch.cuda.empty_cache()
                     out = (section_step(args, work, shapes, model_dir) if name == "step" else
+                           section_trl(args, work, shapes, model_dir, info) if name == "trl" else
                            section_moe(args, work, shapes) if name == "moe" else section_vlm(args, work, shapes))
             except Exception as exc:  # one section's failure is recorded; the others still run
                 traceback.print_exc()

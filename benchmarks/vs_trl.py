@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/vs_trl.py --nproc 2            # both under torchrun --nproc_per_node=2 (gloo)
     .venv/bin/python benchmarks/vs_trl.py --model path/to/smollm2-135m --steps 6 --warmup 1
     .venv/bin/python benchmarks/vs_trl.py --learning-curve --steps 300 --png curve.png   # seconds to a test reward
+    .venv/bin/python benchmarks/vs_trl.py --device cuda --model DIR --max-new-tokens 128 --steps 4 --warmup 1  # 1 GPU
 
 Both trainers get the same model, data, batch shape (prompts x responses per optimizer step), max new
 tokens, sampling (temperature 1, no top-p/top-k), learning rate (constant, AdamW), gradient clip,
@@ -18,6 +19,11 @@ loss forward/backward, clipping and the optimizer step), plus the time spent in
 `_generate_and_score_completions` (generation + reward), measured by a thin subclass that only times it.
 
 Nothing is downloaded: both trainers run with the Hugging Face libraries in offline mode.
+
+`--device cuda` (one GPU, one process each; `benchmarks/gpu_suite.py --only trl` runs it on its 0.5B
+shape): both keep float32 master weights and compute in bfloat16 (ours: `actor.dtype=bfloat16`, FSDP2
+mixed precision, and its engine in bf16; TRL: `bf16=True`, its own `transformers` generation), and both
+step timers synchronize the GPU. The default (cpu) hides any GPU from both.
 """
 from __future__ import annotations
 
@@ -94,7 +100,7 @@ def count_params(model_dir: str) -> int | None:
     return total
 
 
-def offline_env(threads_per_proc: int) -> dict[str, str]:
+def offline_env(threads_per_proc: int, device: str = "cpu") -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS=str(threads_per_proc),
@@ -105,10 +111,19 @@ def offline_env(threads_per_proc: int) -> dict[str, str]:
         HF_DATASETS_OFFLINE="1",
         HF_HUB_DISABLE_TELEMETRY="1",
         WANDB_MODE="disabled",
-        CUDA_VISIBLE_DEVICES="",  # a CPU benchmark even where a GPU exists
         PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
     )
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU benchmark even where a GPU exists
+    # A caller that is itself a distributed process (gpu_suite.py after its push section) must not hand its
+    # rank and rendezvous to a trainer started without torchrun: TRL's accelerate would join the caller's port.
+    for key in [k for k in env if k in DIST_ENV or k.startswith("TORCHELASTIC_")]:
+        del env[key]
     return env
+
+
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+            "MASTER_ADDR", "MASTER_PORT")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,6 +134,7 @@ def trl_worker(cfg_path: str) -> None:
     import torch
 
     torch.set_num_threads(cfg["threads_per_proc"])
+    cuda = cfg.get("device", "cpu") == "cuda"
     import transformers
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -158,7 +174,7 @@ def trl_worker(cfg_path: str) -> None:
         max_grad_norm=cfg["max_grad_norm"],
         max_steps=cfg["steps"],
         seed=cfg["seed"],
-        use_cpu=True, bf16=False, fp16=False,
+        use_cpu=not cuda, bf16=cuda, fp16=False,  # on a GPU: fp32 master weights, bf16 autocast (ours: actor.dtype=bfloat16)
         **checkpointing_off,           # GRPOConfig defaults to checkpointing on; ours is off
         ddp_backend="gloo" if world > 1 else None,
         ddp_find_unused_parameters=False,  # every parameter gets a gradient; True costs an extra graph walk
@@ -176,9 +192,13 @@ def trl_worker(cfg_path: str) -> None:
             self.logs: list[dict] = []
 
         def on_step_begin(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()  # the step's kernels, not only their launches
             self.step_s.append(time.perf_counter() - self.t0)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -307,7 +327,8 @@ def run_ours(a, work: Path, threads_per_proc: int) -> dict:
         "rollout.train_sampling_params.top_k=-1",
         f"actor.lr={a.lr!r}", f"actor.max_grad_norm={a.max_grad_norm!r}", "actor.scheduler=constant",
         "actor.warmup_ratio=0.0", "actor.weight_decay=0.0", "actor.kl.coef=0.0", "actor.clip=0.2",
-        "actor.agg_mode=all_token_mean", "adv.norm_var=true", "actor.dtype=float32",
+        "actor.agg_mode=all_token_mean", "adv.norm_var=true",
+        f"actor.dtype={'bfloat16' if a.device == 'cuda' else 'float32'}",
         "rollout.dynamic_filtering=false",
         f"trainer.total_steps={a.steps}", f"trainer.test_freq={a.test_freq if a.learning_curve else 'null'}",
         f"data.test_data_path={a.test_data}", f"rollout.test_sampling_params.max_new_tokens={a.max_new_tokens}",
@@ -315,7 +336,7 @@ def run_ours(a, work: Path, threads_per_proc: int) -> dict:
         "trainer.progress_bar=false", f"trainer.save_dir={save_dir}", f"trainer.num_threads={threads_per_proc}",
         f"trainer.seed={a.seed}", f"rollout.ranks={a.rollout_ranks}",
     ]
-    wall, others = launch(cmd, offline_env(threads_per_proc), work / "ours.log", a.timeout)
+    wall, others = launch(cmd, offline_env(threads_per_proc, a.device), work / "ours.log", a.timeout)
     all_rows = [json.loads(l) for l in (save_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
     rows = [r for r in all_rows if "time/step_s" in r]
     if len(rows) != a.steps:
@@ -341,11 +362,11 @@ def run_trl(a, work: Path, threads_per_proc: int) -> dict:
         "model": a.model, "data": a.data, "env": a.env, "prompts": a.prompts, "responses": a.responses,
         "max_new_tokens": a.max_new_tokens, "lr": a.lr, "max_grad_norm": a.max_grad_norm, "steps": a.steps,
         "seed": a.seed, "threads_per_proc": threads_per_proc, "work_dir": str(work / "trl"), "result": str(result),
-        "test_data": a.test_data, "test_freq": a.test_freq if a.learning_curve else 0,
+        "test_data": a.test_data, "test_freq": a.test_freq if a.learning_curve else 0, "device": a.device,
     }))
     script = [str(Path(__file__).resolve()), "--trl-worker", str(cfg_path)]
     cmd = (torchrun(a.nproc) if a.nproc > 1 else [sys.executable]) + script
-    wall, others = launch(cmd, offline_env(threads_per_proc), work / "trl.log", a.timeout)
+    wall, others = launch(cmd, offline_env(threads_per_proc, a.device), work / "trl.log", a.timeout)
     out = json.loads(result.read_text())
     if len(out["step_s"]) != a.steps:
         raise SystemExit(f"TRL timed {len(out['step_s'])} steps, expected {a.steps} (see {work / 'trl.log'})")
@@ -473,6 +494,8 @@ def main() -> None:
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--nproc", type=int, default=1, help="processes per trainer (torchrun, gloo)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: one GPU, bf16 compute with fp32 master weights for both (see the module docstring)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="total CPU threads per trainer, split evenly over its processes")
     p.add_argument("--only", choices=["both", "ours", "trl"], default="both")
@@ -510,6 +533,8 @@ def main() -> None:
         raise SystemExit("--prompts (and prompts x responses) must divide evenly over --nproc")
     if a.responses < 2:
         raise SystemExit("TRL needs --responses >= 2")
+    if a.device == "cuda" and a.nproc != 1:
+        raise SystemExit("--device cuda runs one process per trainer on one GPU: use --nproc 1")
     threads_per_proc = max(1, a.threads // a.nproc)
     samples = a.prompts * a.responses
 
@@ -527,6 +552,7 @@ def main() -> None:
     settings = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip() + f", {os.cpu_count()} CPU cores",
+        "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl_version,
         "model": os.path.relpath(a.model, REPO), "params": n_params, "data": os.path.relpath(a.data, REPO),
         "env": os.path.relpath(a.env, REPO), "prompts": a.prompts, "responses": a.responses,
@@ -573,7 +599,7 @@ def main() -> None:
     ours, trl_res = results.get("ours"), results.get("trl")
     if ours and trl_res:
         results["ratio_samples_per_s_ours_over_trl"] = ours["samples_per_s"] / trl_res["samples_per_s"]
-    if ours:  # the distance to the physical limit: the update's achieved FLOP/s against matmul peak
+    if ours and a.device == "cpu":  # the update's FLOP/s against this CPU's matmul peak (gpu_suite: the GPU's MFU)
         raw = min(rounds["ours"], key=lambda x: x["summary"]["step_s_mean"])["raw"]
         traj, resp = mean(raw["trajectory_length"][a.warmup:]), mean(raw["response_length"][a.warmup:])
         if traj and resp and ours.get("update_s_mean"):
