@@ -112,6 +112,9 @@ def test_single_gpu_smoke_test_runs_as_one_plain_process(workdir) -> None:
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "1 ranks on 1 node(s)" in proc.stdout + proc.stderr
+    # config/grpo.yaml leaves the micro-batch, checkpointing and the fused head null: decided, and said, at start
+    assert ("actor memory settings: on cpu: max_length_per_device 4096, gradient_checkpointing off, fused head off"
+            in proc.stdout + proc.stderr)
     config = (cwd / "ckpts" / "math_stub" / "config.yaml").read_text()
     assert "model_name: stub/model" in config  # the actor started from rollout.model_name
     check_run(cwd / "ckpts" / "math_stub", 2)

@@ -3,7 +3,7 @@ peaks measured on one GPU (benchmarks/gpu_suite.py --only bigmodel)."""
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, run_config
 from train.models.memory_plan import GIB, CARDS, PRESETS, count_parameters, load_config, main, plan, preset_config, table
 
 # One NVIDIA H100 80GB HBM3, 2026-11-27 (benchmarks/README.md): the engine with its own copy of the base
@@ -61,3 +61,88 @@ def test_docs_gpu_md_holds_the_current_table():
     """docs/gpu.md's "What fits on one GPU" table is this module's output (regenerate it with
     `.venv/bin/python -m train.models.memory_plan --table`)."""
     assert table() in (ROOT / "docs" / "gpu.md").read_text()
+
+
+# actor.max_length_per_device / gradient_checkpointing / use_liger_kernel = null (issue 36 item 2)
+def _fits(config, seq, *, head, ckpt, free, lora_rank=0, shards=1):
+    return plan(config, seq=seq, lora_rank=lora_rank, fused_head=head, checkpointing=ckpt, shards=shards).update_peak \
+        * 1.10 <= free
+
+
+def test_null_memory_settings_on_cpu_are_the_old_defaults_and_set_ones_stay():
+    from train.models.memory_plan import auto_settings
+
+    auto = auto_settings(None, None, None, config=None, device_type="cpu", free_bytes=None)
+    assert (auto.max_length_per_device, auto.gradient_checkpointing, auto.use_liger_kernel) == (4096, False, False)
+    kept = auto_settings(8192, True, None, config=None, device_type="cpu", free_bytes=None)
+    assert (kept.max_length_per_device, kept.gradient_checkpointing, kept.use_liger_kernel) == (8192, True, False)
+    given = auto_settings(3000, False, True, config=preset_config("qwen3-4b"), device_type="cuda", free_bytes=GIB)
+    assert (given.max_length_per_device, given.gradient_checkpointing, given.use_liger_kernel, given.note) == (
+        3000, False, True, None)  # nothing null: nothing decided, even where it would not fit
+
+
+@pytest.mark.parametrize("model,lora_rank", [("qwen3-4b", 0), ("llama3.1-8b", 32), ("qwen2.5-0.5b", 0)])
+def test_on_a_gpu_the_micro_batch_is_the_longest_that_fits_with_the_head_and_checkpointing_it_needs(model, lora_rank):
+    from train.models.memory_plan import auto_settings
+
+    config, free = preset_config(model), int(CARDS["80 GB (H100)"] * GIB)
+    auto = auto_settings(None, None, None, config=config, device_type="cuda", free_bytes=free, lora_rank=lora_rank)
+    seq = auto.max_length_per_device
+    assert seq % 1024 == 0 and 1024 <= seq <= 65536
+    assert _fits(config, seq, head=True, ckpt=True, free=free, lora_rank=lora_rank)
+    if seq < 65536:  # one more block of 1024 tokens would not fit
+        assert not _fits(config, seq + 1024, head=True, ckpt=True, free=free, lora_rank=lora_rank)
+    assert auto.use_liger_kernel == (seq >= 8192)
+    # checkpointing only where the update does not fit without it
+    assert auto.gradient_checkpointing == (not _fits(config, seq, head=auto.use_liger_kernel, ckpt=False, free=free,
+                                                     lora_rank=lora_rank))
+    assert f"max_length_per_device {seq} (chosen)" in auto.note and "GiB free" in auto.note
+
+
+def test_the_fused_head_is_not_chosen_where_it_does_not_apply_and_a_short_batch_skips_checkpointing():
+    from transformers import AutoConfig
+
+    from train.models.memory_plan import auto_settings
+
+    config, free = preset_config("qwen2.5-0.5b"), 79 * GIB
+    assert not auto_settings(None, None, None, config=config, device_type="cuda", free_bytes=free,
+                             tp_size=2).use_liger_kernel  # a vocabulary split over tp ranks
+    capped = AutoConfig.for_model("gemma2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # final_logit_softcapping
+    assert not auto_settings(None, None, None, config=capped, device_type="cuda", free_bytes=free).use_liger_kernel
+    short = auto_settings(2048, None, None, config=config, device_type="cuda", free_bytes=free)
+    assert (short.max_length_per_device, short.gradient_checkpointing, short.use_liger_kernel) == (2048, False, False)
+
+
+def test_sharding_and_offload_make_room_and_a_model_that_cannot_fit_is_named():
+    from train.models.memory_plan import auto_settings
+
+    config, free = preset_config("llama3.1-8b"), int(CARDS["80 GB (H100)"] * GIB)
+    alone = auto_settings(None, None, None, config=config, device_type="cuda", free_bytes=free)
+    assert alone.max_length_per_device == 1024 and "does not fit even so" in alone.note
+    eight = auto_settings(None, None, None, config=config, device_type="cuda", free_bytes=free, shards=8)
+    assert eight.max_length_per_device > 8192 and "does not fit" not in eight.note  # FSDP over 8 GPUs
+    assert _fits(config, eight.max_length_per_device, head=True, ckpt=True, free=free, shards=8)
+    offloaded = auto_settings(None, None, None, config=preset_config("qwen3-4b"), device_type="cuda", free_bytes=free,
+                              offload_optimizer=True)
+    kept = auto_settings(None, None, None, config=preset_config("qwen3-4b"), device_type="cuda", free_bytes=free)
+    assert offloaded.max_length_per_device > kept.max_length_per_device  # Adam moments on the host
+
+
+def test_the_actor_decides_null_settings_before_it_builds_the_model():
+    """The function Actor.__init__ calls, on a typed ActorConfig and on an OmegaConf section (as benchmarks pass)."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from train.models.actor import with_memory_settings
+
+    section = OmegaConf.load(ROOT / "config" / "grpo.yaml").actor
+    assert section.max_length_per_device is None and section.use_liger_kernel is None  # the shipped defaults
+    ctx = SimpleNamespace(device=torch.device("cpu"))
+    layout = SimpleNamespace(sizes=SimpleNamespace(fsdp=1, tp=1))
+    typed = run_config().actor
+    for cfg in (section, typed):
+        out, note = with_memory_settings(cfg, ctx, layout, str(ROOT / "stub" / "model"), train=True)
+        assert (out.max_length_per_device, out.gradient_checkpointing, out.use_liger_kernel) == (4096, False, False)
+        assert cfg.max_length_per_device is None and "on cpu" in note  # a copy: the caller's config is unchanged

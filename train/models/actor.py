@@ -8,6 +8,9 @@ averaging (train/models/trainable.py). Ranks of one dp group (sp, tp) compute th
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import torch
 
 from train.algorithms.aggregation import aggregate_loss
@@ -19,11 +22,12 @@ from train.algorithms.schedules import entropy_coef_schedule
 from train.models import optim
 from train.models.config import ActorConfig
 from train.models.lora import LoraSettings, adapters_disabled
+from train.models.memory_plan import auto_settings
 from train.models.model_init import build_model
 from train.models.router_replay import RouterBalance, RouterReplay
 from train.models.trainable import Norms, Trainable, UpdateStats
 from train.models.vlm import VisionSpec, is_vision_config, mask_unsampled, vision_tower
-from train.parallel.collectives import all_reduce_sum
+from train.parallel.collectives import all_reduce_max, all_reduce_sum
 from train.parallel.distributed import DistContext
 from train.parallel.fused_logprobs import FusedLogprobHead
 from train.parallel.layout import Layout, layout_for
@@ -54,10 +58,44 @@ def loss_settings(cfg: ActorConfig) -> LossSettings:
 # (the last bucket: that many or more), with asynchronous rollouts.
 LAG_BUCKETS = 5
 
+def with_memory_settings(cfg: ActorConfig, ctx: DistContext, layout: Layout, model_path: str,
+                         train: bool) -> tuple[ActorConfig, str | None]:
+    """`cfg` with actor.max_length_per_device, gradient_checkpointing and use_liger_kernel decided where they
+    are null (train/models/memory_plan.auto_settings: from the model's shapes and this device's free memory on a
+    GPU; 4096, off, off on CPU), and the line that says how (None when none was null)."""
+    if None not in (cfg.max_length_per_device, cfg.gradient_checkpointing, cfg.use_liger_kernel):
+        return cfg, None
+    from transformers import AutoConfig
+
+    cuda = ctx.device.type == "cuda"
+    # the least free memory of any rank, so that every rank decides alike (collective, as the build is)
+    free = -all_reduce_max(-float(torch.cuda.mem_get_info(ctx.device)[0]), ctx.device) if cuda else None
+    auto = auto_settings(cfg.max_length_per_device, cfg.gradient_checkpointing, cfg.use_liger_kernel,
+                         config=AutoConfig.from_pretrained(model_path) if cuda else None, device_type=ctx.device.type,
+                         free_bytes=int(free) if free is not None else None,
+                         lora_rank=cfg.lora.rank if train else 0, shards=layout.sizes.fsdp, tp_size=layout.sizes.tp,
+                         offload_optimizer=bool(cfg.offload_optimizer), offload_model=bool(cfg.offload_model))
+    return _replaced(cfg, max_length_per_device=auto.max_length_per_device,
+                     gradient_checkpointing=auto.gradient_checkpointing, use_liger_kernel=auto.use_liger_kernel), auto.note
+
+
+def _replaced(cfg, **values):
+    """A copy of `cfg` with `values`: the typed ActorConfig, or an OmegaConf section (benchmarks, tests)."""
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.replace(cfg, **values)
+    out = copy.deepcopy(cfg)
+    for key, value in values.items():
+        setattr(out, key, value)
+    return out
+
+
 class Actor(Trainable):
     def __init__(self, cfg: ActorConfig, ctx: DistContext, model_path: str, *, pad_token_id: int, train: bool,
                  temperature: float, total_updates: int = 1, layout: Layout | None = None, adapter_seed: int = 0):
         layout = layout or layout_for(cfg, ctx.world_size, ctx.device.type, "actor")
+        # null memory settings decided here, once: `self.cfg` holds the values the actor runs with
+        head_asked = cfg.use_liger_kernel
+        cfg, self.memory_note = with_memory_settings(cfg, ctx, layout, model_path, train)
         super().__init__(layout, ctx.device, pad_token_id, cfg.max_length_per_device,
                          cfg.max_inference_length_per_device or 2 * cfg.max_length_per_device,
                          cfg.max_grad_norm, bool(cfg.offload_optimizer))
@@ -79,7 +117,14 @@ class Actor(Trainable):
         self.unsampled = (torch.tensor(VisionSpec.from_config(config).unsampled_ids, device=ctx.device)
                           if is_vision_config(config) else None)
         # actor.use_liger_kernel: fused log-prob/entropy head, no [tokens, vocab] logits (train/parallel/fused_logprobs.py)
-        self.fused_head = FusedLogprobHead(self.model) if cfg.use_liger_kernel else None
+        self.fused_head = None
+        if cfg.use_liger_kernel:
+            try:
+                self.fused_head = FusedLogprobHead(self.model)
+            except ValueError:
+                if head_asked:  # asked for (true), not chosen (null): say why it cannot be
+                    raise
+                self.cfg = cfg = _replaced(cfg, use_liger_kernel=False)
         # Mixtures of experts (train/models/router_replay.py): the sampler's expert choices replayed in every
         # forward of the trained policy (actor.router_replay), the routers' load-balancing loss.
         self.replay = RouterReplay(self.model) if train and cfg.router_replay else None

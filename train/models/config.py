@@ -62,8 +62,9 @@ class ActorConfig:
     chat_template: str | None = setting("optional Jinja template that replaces the tokenizer's")
     dtype: str = setting("float32 | bfloat16 (bf16 compute via FSDP2 mixed precision; fp32 master weights)",
                          choices=DTYPES)
-    max_length_per_device: int = setting("tokens per packed micro-batch per device in the update (x sp_size "
-                                         "per pack)", ge=1)
+    max_length_per_device: int | None = setting("tokens per packed micro-batch per device in the update (x sp_size "
+                                                "per pack); null: the longest that fits this GPU's free memory "
+                                                "(train/models/memory_plan.py), 4096 on CPU", ge=1)
     max_inference_length_per_device: int | None = setting("the same for no-grad passes (null: 2x the above)", ge=1)
     lr: float = setting("the learning rate", gt=0, example="1e-6")
     weight_decay: float = setting("AdamW weight decay")
@@ -123,8 +124,10 @@ class ActorConfig:
                                     choices=MIS_LEVELS, example="token")
     mis_low: float = setting("masked IS: the lowest trainer/sampler ratio kept", gt=0, lt=1, example="0.5")
     mis_high: float = setting("masked IS: the highest trainer/sampler ratio kept", gt=1, example="2.0")
-    gradient_checkpointing: bool = setting("recompute activations in the backward pass")
-    use_liger_kernel: bool = setting("fused log-prob/entropy head, no [batch, seq, vocab] logits")
+    gradient_checkpointing: bool | None = setting("recompute activations in the backward pass (null: on a GPU, "
+                                                  "when the update would not fit without; off on CPU)")
+    use_liger_kernel: bool | None = setting("fused log-prob/entropy head, no [batch, seq, vocab] logits (null: on a "
+                                            "GPU for micro-batches of 8192 tokens or more, where it applies)")
     share_prompt: bool = setting("each group's prompt laid out once per packed row in every pass")
     router_replay: str | None = setting("mixtures of experts: null (off) | response (positions holding sampled "
                                         "tokens) | all (the prompt's and tool replies' too): the trainer's routers "

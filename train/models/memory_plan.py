@@ -23,11 +23,25 @@ bf16 compute (`actor.dtype=bfloat16`), S tokens per packed micro-batch:
 
 A plan "fits" a card when its larger phase, plus 10% for the allocator and what the rule leaves out,
 stays under the card's memory. Checked against the H100 runs of `benchmarks/gpu_suite.py --only bigmodel`
-(tests/unit/test_memory_plan.py holds those figures).
+(tests/unit/test_memory_plan.py holds those figures). Without gradient checkpointing every layer keeps its
+working set (layers x the one-layer set above). Under FSDP over F ranks the weights, gradients and moments
+are F times smaller per rank; activations are not.
+
+`auto_settings` turns three null actor settings into values on a GPU (`train/models/actor.py` calls it
+before building the model; on CPU they are 4096, off and off, as before):
+
+- `actor.use_liger_kernel` (the fused log-prob head): on where it applies (tp_size 1, a text model whose
+  logits are not post-processed) and the micro-batch is >= 8192 tokens. Measured on an H100 at 8K and 16K
+  tokens: the same update time as the plain head within 2%, without the [tokens, vocab] logits.
+- `actor.max_length_per_device`: the largest multiple of 1024 up to 65536 whose update peak (this plan,
+  with checkpointing unless it is set off) plus 10% fits the device's free memory when the actor is built
+  (the engine sleeps during the update); 1024 at least.
+- `actor.gradient_checkpointing`: off when the update at that length fits without it, else on.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -124,9 +138,10 @@ class MemoryPlan:
 
 def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, replies: int = 8,
          prompt: int = 1024, new: int = 128, fused_head: bool = True, foreach: bool = False,
-         counts: tuple[int, int] | None = None) -> MemoryPlan:
+         counts: tuple[int, int] | None = None, checkpointing: bool = True, shards: int = 1) -> MemoryPlan:
     """The memory of one step (module docstring) for `config` at `seq` tokens per micro-batch;
-    `counts`: `count_parameters(config, lora_rank)` when the caller has it already."""
+    `counts`: `count_parameters(config, lora_rank)` when the caller has it already; `shards`: the FSDP
+    ranks the weights, gradients and moments are split over."""
     params, adapters = counts or count_parameters(config, lora_rank)
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     heads = config.num_attention_heads
@@ -137,15 +152,89 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
     weights = (2 * params + 4 * adapters) if lora_rank else 4 * params
     checkpoints = layers * seq * h * 2
     layer_set = int(1.5 * (4 * h + 2 * heads * head_dim + 2 * kv_heads * head_dim + 5 * inter) * seq * 2)
+    kept = checkpoints + layer_set if checkpointing else layers * layer_set
     head = 0 if fused_head else 12 * seq * vocab
     largest_group = max(vocab * h, params // max(layers, 1))
     unshard = largest_group * 2 + (0 if lora_rank else largest_group * 4)
     kv_per_token = 2 * layers * kv_heads * head_dim * 2
     engine = 2 * adapters if (lora_rank and share_base) else 2 * (params + adapters)
-    return MemoryPlan(params=params, adapters=adapters, weights=weights, gradients=4 * trainable,
-                      optimizer=8 * trainable, optimizer_temporary=4 * trainable if foreach else 0,
-                      activations=checkpoints + layer_set + head, unshard=unshard, engine_weights=engine,
+    shards = max(1, shards)
+    return MemoryPlan(params=params, adapters=adapters, weights=weights // shards, gradients=4 * trainable // shards,
+                      optimizer=8 * trainable // shards, optimizer_temporary=(4 * trainable // shards) if foreach else 0,
+                      activations=kept + head, unshard=unshard, engine_weights=engine,
                       kv_cache=replies * (prompt + new) * kv_per_token)
+
+
+CPU_MAX_LENGTH = 4096  # actor.max_length_per_device=null on CPU (the default before it could be null)
+LONG_MICRO_BATCH = 8192  # the fused head's threshold
+MAX_AUTO_LENGTH = 65536
+LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
+
+
+@dataclass(frozen=True)
+class AutoSettings:
+    """The three settings `auto_settings` decides, and one line saying how (None: nothing was null)."""
+    max_length_per_device: int
+    gradient_checkpointing: bool
+    use_liger_kernel: bool
+    note: str | None = None
+
+
+def fused_head_applies(config, tp_size: int) -> bool:
+    """The fused head replaces `lm_head(h)`: not with a vocabulary split over tp ranks, a vision-language
+    model's head, or logits the model post-processes (train/parallel/fused_logprobs.py checks the built model)."""
+    from train.models.vlm import is_vision_config
+
+    return (tp_size == 1 and not is_vision_config(config)
+            and all(getattr(config, a, None) in (None, 1, 1.0) for a in LOGIT_POSTPROCESSING))
+
+
+def auto_settings(max_length: int | None, checkpointing: bool | None, fused_head: bool | None, *, config,
+                  device_type: str, free_bytes: int | None, lora_rank: int = 0, shards: int = 1,
+                  tp_size: int = 1, offload_optimizer: bool = False, offload_model: bool = False) -> AutoSettings:
+    """Values for whichever of actor.max_length_per_device, actor.gradient_checkpointing and
+    actor.use_liger_kernel are None (the module docstring's rule); set ones are kept as they are. With
+    actor.offload_optimizer (offload_model) the moments (and weights and gradients) are not on the device."""
+    if None not in (max_length, checkpointing, fused_head):
+        return AutoSettings(max_length, checkpointing, fused_head)
+    if device_type != "cuda" or free_bytes is None:
+        length = CPU_MAX_LENGTH if max_length is None else max_length
+        return AutoSettings(length, bool(checkpointing), bool(fused_head),
+                            f"on {device_type}: max_length_per_device {length}, gradient_checkpointing "
+                            f"{'on' if checkpointing else 'off'}, fused head {'on' if fused_head else 'off'}")
+    counts = count_parameters(config, lora_rank)
+
+    def peak(seq: int, head: bool, ckpt: bool) -> float:
+        p = plan(config, seq=seq, lora_rank=lora_rank, fused_head=head, counts=counts, checkpointing=ckpt,
+                 shards=shards)
+        if offload_optimizer or offload_model:
+            p = dataclasses.replace(p, optimizer=0, optimizer_temporary=0)
+        if offload_model:
+            p = dataclasses.replace(p, weights=0, gradients=0)
+        return p.update_peak * HEADROOM
+
+    applies = fused_head_applies(config, tp_size)
+
+    def head_at(seq: int) -> bool:
+        return fused_head if fused_head is not None else applies and seq >= LONG_MICRO_BATCH
+
+    length = max_length
+    if length is None:  # the longest that fits, checkpointing unless it is set off
+        fitting = [s for s in range(1024, MAX_AUTO_LENGTH + 1, 1024)
+                   if peak(s, head_at(s), checkpointing is not False) <= free_bytes]
+        length = fitting[-1] if fitting else 1024
+    head = head_at(length)
+    ckpt = checkpointing if checkpointing is not None else peak(length, head, False) > free_bytes
+    need = peak(length, head, ckpt)
+    note = (f"max_length_per_device {length}{' (chosen)' if max_length is None else ''}, gradient_checkpointing "
+            f"{'on' if ckpt else 'off'}{' (chosen)' if checkpointing is None else ''}, fused head "
+            f"{'on' if head else 'off'}{' (chosen)' if fused_head is None else ''}: the update's estimated peak "
+            f"{need / HEADROOM / GIB:.1f} GiB, {need / GIB:.1f} with 10% headroom, against {free_bytes / GIB:.1f} GiB "
+            "free (train/models/memory_plan.py)")
+    if need > free_bytes:
+        note += ("; it does not fit even so: LoRA (actor.lora.rank), actor.offload_optimizer=true or more GPUs "
+                 "(FSDP shards the weights and the optimizer) would")
+    return AutoSettings(length, ckpt, head, note)
 
 
 def describe(name: str, p: MemoryPlan, seq: int, lora_rank: int) -> str:

@@ -8,6 +8,7 @@ reference / old log-probs when needed -> advantages -> actor update -> push weig
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import random
@@ -253,6 +254,8 @@ class Trainer:
         updates = self.total_steps * cfg.actor.update_per_rollout * cfg.actor.mini_batches
         actor = Actor(cfg.actor, ctx, paths.actor, pad_token_id=pad_id, train=True, temperature=temperature,
                       total_updates=updates, layout=layout("actor"), adapter_seed=cfg.trainer.seed)
+        if actor.cfg is not cfg.actor:  # null memory settings decided by the actor: the reference runs with them too
+            cfg = self.cfg = dataclasses.replace(cfg, actor=actor.cfg)
         ref = None
         same_base = os.path.realpath(paths.reference) == os.path.realpath(paths.actor)
 
@@ -315,6 +318,8 @@ class Trainer:
         if rollout_ranks:
             parts.append(f"{rollout_ranks} dedicated rollout rank(s) (rollout.ranks)")
         self.log.write(f"{self.ctx.world_size} ranks on {nodes} node(s); " + "; ".join(parts))
+        if m.actor.memory_note:
+            self.log.write(f"actor memory settings: {m.actor.memory_note}")
         for role, worker in m.trained.items():
             if worker.lora.enabled:
                 trainable, total = worker.parameter_counts()
