@@ -48,7 +48,7 @@ def test_gpu_suite_tiny_runs_every_section(tmp_path):
         assert trl["ours"]["step_s_mean"] > 0 and trl["trl"]["step_s_mean"] > 0 and trl["ours_over_trl_samples_per_s"] > 0
     # the big-model cases at toy sizes: LoRA trains its adapters only; the full model's push is timed
     big = {c["case"]: c for c in s["bigmodel"]["cases"]}
-    assert list(big) == ["llama3.1-8b-lora32", "qwen3-4b-full"]
+    assert list(big) == ["llama3.1-8b-lora32", "qwen3-4b-full", "llama3.1-8b-lora32-20k"]
     lora, full = big["llama3.1-8b-lora32"], big["qwen3-4b-full"]
     assert 0 < lora["trainable_params"] < lora["params"] and full["trainable_params"] == full["params"]
     assert full["push_s_per_billion"] > 0 and "push_s_per_billion" not in lora

@@ -146,3 +146,37 @@ def test_the_actor_decides_null_settings_before_it_builds_the_model():
         out, note = with_memory_settings(cfg, ctx, layout, str(ROOT / "stub" / "model"), train=True)
         assert (out.max_length_per_device, out.gradient_checkpointing, out.use_liger_kernel) == (4096, False, False)
         assert cfg.max_length_per_device is None and "on cpu" in note  # a copy: the caller's config is unchanged
+
+
+def test_what_the_other_models_keep_is_taken_off_before_choosing():
+    from train.models.memory_plan import auto_settings, count_parameters, resident_bytes
+
+    config, free = preset_config("qwen2.5-0.5b"), 20 * GIB
+    params, _ = count_parameters(config)
+    assert resident_bytes(config, trainable=False) == 4 * params  # a frozen fp32 reference
+    assert resident_bytes(config, trainable=True, shards=4) == 16 * params // 4  # a critic sharded over 4 ranks
+    alone = auto_settings(None, None, None, config=config, device_type="cuda", free_bytes=free)
+    with_critic = auto_settings(None, None, None, config=config, device_type="cuda", free_bytes=free,
+                                reserved_bytes=resident_bytes(config, trainable=True))
+    assert with_critic.max_length_per_device < alone.max_length_per_device
+    assert _fits(config, with_critic.max_length_per_device, head=True, ckpt=True,
+                 free=free - resident_bytes(config, trainable=True))
+    assert "once the other models take" in with_critic.note
+
+
+def test_the_trainer_leaves_room_for_the_reference_and_the_critic(tmp_path):
+    """resident_elsewhere, which the trainer hands the actor: a KL reference keeps 4 bytes per parameter, a
+    critic 16, a LoRA actor's own base nothing (the reference is the actor with its adapters off)."""
+    from train.models.memory_plan import count_parameters, load_config
+    from train.trainer.config import ModelPaths
+    from train.trainer.grpo import resident_elsewhere
+
+    stub = str(ROOT / "stub" / "model")
+    params, _ = count_parameters(load_config(stub))
+    paths = ModelPaths(actor=stub, tokenizer=stub, reference=stub, critic=stub, rollout=stub, rollout_tokenizer=stub)
+    one = lambda role: 1  # noqa: E731
+    assert resident_elsewhere(run_config(), paths, [], one) == 0  # GRPO without KL: nothing else
+    assert resident_elsewhere(run_config({"actor.kl.coef": 0.1}), paths, [], one) == 4 * params
+    assert resident_elsewhere(run_config({"actor.kl.coef": 0.1, "actor.lora.rank": 8}), paths, [], one) == 0
+    ppo = run_config({"actor.kl.coef": 0.1, "adv.estimator": "gae"})
+    assert resident_elsewhere(ppo, paths, [], lambda role: 2) == (4 * params + 16 * params) // 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -22,7 +23,7 @@ from train.algorithms.schedules import entropy_coef_schedule
 from train.models import optim
 from train.models.config import ActorConfig
 from train.models.lora import LoraSettings, adapters_disabled
-from train.models.memory_plan import auto_settings
+from train.models.memory_plan import CPU_MAX_LENGTH, AutoSettings, auto_settings
 from train.models.model_init import build_model
 from train.models.router_replay import RouterBalance, RouterReplay
 from train.models.trainable import Norms, Trainable, UpdateStats
@@ -59,7 +60,7 @@ def loss_settings(cfg: ActorConfig) -> LossSettings:
 LAG_BUCKETS = 5
 
 def with_memory_settings(cfg: ActorConfig, ctx: DistContext, layout: Layout, model_path: str,
-                         train: bool) -> tuple[ActorConfig, str | None]:
+                         train: bool, reserved_bytes: int = 0) -> tuple[ActorConfig, str | None]:
     """`cfg` with actor.max_length_per_device, gradient_checkpointing and use_liger_kernel decided where they
     are null (train/models/memory_plan.auto_settings: from the model's shapes and this device's free memory on a
     GPU; 4096, off, off on CPU), and the line that says how (None when none was null)."""
@@ -70,11 +71,19 @@ def with_memory_settings(cfg: ActorConfig, ctx: DistContext, layout: Layout, mod
     cuda = ctx.device.type == "cuda"
     # the least free memory of any rank, so that every rank decides alike (collective, as the build is)
     free = -all_reduce_max(-float(torch.cuda.mem_get_info(ctx.device)[0]), ctx.device) if cuda else None
-    auto = auto_settings(cfg.max_length_per_device, cfg.gradient_checkpointing, cfg.use_liger_kernel,
-                         config=AutoConfig.from_pretrained(model_path) if cuda else None, device_type=ctx.device.type,
-                         free_bytes=int(free) if free is not None else None,
-                         lora_rank=cfg.lora.rank if train else 0, shards=layout.sizes.fsdp, tp_size=layout.sizes.tp,
-                         offload_optimizer=bool(cfg.offload_optimizer), offload_model=bool(cfg.offload_model))
+    settings = (cfg.max_length_per_device, cfg.gradient_checkpointing, cfg.use_liger_kernel)
+    try:
+        auto = auto_settings(*settings, config=AutoConfig.from_pretrained(model_path) if cuda else None,
+                             device_type=ctx.device.type, free_bytes=int(free) if free is not None else None,
+                             lora_rank=cfg.lora.rank if train else 0, shards=layout.sizes.fsdp, tp_size=layout.sizes.tp,
+                             offload_optimizer=bool(cfg.offload_optimizer), offload_model=bool(cfg.offload_model),
+                             reserved_bytes=reserved_bytes)
+    except Exception as e:  # a model the plan cannot read: the CPU defaults, with checkpointing, and why
+        length, ckpt, head = settings
+        auto = AutoSettings(length or CPU_MAX_LENGTH, True if ckpt is None else ckpt, bool(head),
+                            f"no memory estimate for {model_path} ({type(e).__name__}: {str(e)[:120]}): "
+                            f"max_length_per_device {length or CPU_MAX_LENGTH}, gradient_checkpointing "
+                            f"{'on' if ckpt is None or ckpt else 'off'}, fused head {'on' if head else 'off'}")
     return _replaced(cfg, max_length_per_device=auto.max_length_per_device,
                      gradient_checkpointing=auto.gradient_checkpointing, use_liger_kernel=auto.use_liger_kernel), auto.note
 
@@ -91,11 +100,15 @@ def _replaced(cfg, **values):
 
 class Actor(Trainable):
     def __init__(self, cfg: ActorConfig, ctx: DistContext, model_path: str, *, pad_token_id: int, train: bool,
-                 temperature: float, total_updates: int = 1, layout: Layout | None = None, adapter_seed: int = 0):
+                 temperature: float, total_updates: int = 1, layout: Layout | None = None, adapter_seed: int = 0,
+                 reserved_bytes: int | Callable[[], int] = 0):
         layout = layout or layout_for(cfg, ctx.world_size, ctx.device.type, "actor")
         # null memory settings decided here, once: `self.cfg` holds the values the actor runs with
         head_asked = cfg.use_liger_kernel
-        cfg, self.memory_note = with_memory_settings(cfg, ctx, layout, model_path, train)
+        needs = ctx.device.type == "cuda" and None in (cfg.max_length_per_device, cfg.gradient_checkpointing,
+                                                       cfg.use_liger_kernel)
+        reserved = (reserved_bytes() if callable(reserved_bytes) else reserved_bytes) if needs else 0
+        cfg, self.memory_note = with_memory_settings(cfg, ctx, layout, model_path, train, reserved)
         super().__init__(layout, ctx.device, pad_token_id, cfg.max_length_per_device,
                          cfg.max_inference_length_per_device or 2 * cfg.max_length_per_device,
                          cfg.max_grad_norm, bool(cfg.offload_optimizer))

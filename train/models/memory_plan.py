@@ -34,8 +34,9 @@ before building the model; on CPU they are 4096, off and off, as before):
   logits are not post-processed) and the micro-batch is >= 8192 tokens. Measured on an H100 at 8K and 16K
   tokens: the same update time as the plain head within 2%, without the [tokens, vocab] logits.
 - `actor.max_length_per_device`: the largest multiple of 1024 up to 65536 whose update peak (this plan,
-  with checkpointing unless it is set off) plus 10% fits the device's free memory when the actor is built
-  (the engine sleeps during the update); 1024 at least.
+  with checkpointing unless it is set off) plus 10% fits the device's free memory when the actor is built,
+  less what the reference, teachers or critic will keep (`resident_bytes`; the engine sleeps during the
+  update); 1024 at least.
 - `actor.gradient_checkpointing`: off when the update at that length fits without it, else on.
 """
 from __future__ import annotations
@@ -45,6 +46,8 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
+
+from train.models.vlm import text_config
 
 GIB = 2**30
 HEADROOM = 1.10
@@ -92,12 +95,12 @@ def count_parameters(config, lora_rank: int = 0) -> tuple[int, int]:
     """(base parameters, LoRA adapter parameters at `lora_rank` on the default targets), counted on a
     model built on the meta device: exact, tied embeddings once."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from train.models.lora import DEFAULT_TARGETS
+    from train.models.vlm import model_class
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = model_class(config).from_config(config)
     # peft's A (rank x in) and B (out x rank) on every targeted linear layer
     adapters = sum(lora_rank * (m.in_features + m.out_features) for name, m in model.named_modules()
                    if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in DEFAULT_TARGETS)
@@ -143,6 +146,7 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
     `counts`: `count_parameters(config, lora_rank)` when the caller has it already; `shards`: the FSDP
     ranks the weights, gradients and moments are split over."""
     params, adapters = counts or count_parameters(config, lora_rank)
+    config = text_config(config)  # a vision-language model: its language model's shapes (the tower's activations are left out)
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or h // heads
@@ -163,6 +167,14 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
                       optimizer=8 * trainable // shards, optimizer_temporary=(4 * trainable // shards) if foreach else 0,
                       activations=kept + head, unshard=unshard, engine_weights=engine,
                       kv_cache=replies * (prompt + new) * kv_per_token)
+
+
+def resident_bytes(config, *, trainable: bool, shards: int = 1) -> int:
+    """Device bytes per rank that another model of the run keeps through the actor's update: a frozen one
+    (the KL reference, a teacher) its fp32 weights, a trained one (the critic) also gradients and AdamW
+    moments (16 bytes per parameter), over `shards` FSDP ranks."""
+    params, _ = count_parameters(config)
+    return params * (16 if trainable else 4) // max(1, shards)
 
 
 CPU_MAX_LENGTH = 4096  # actor.max_length_per_device=null on CPU (the default before it could be null)
@@ -191,10 +203,12 @@ def fused_head_applies(config, tp_size: int) -> bool:
 
 def auto_settings(max_length: int | None, checkpointing: bool | None, fused_head: bool | None, *, config,
                   device_type: str, free_bytes: int | None, lora_rank: int = 0, shards: int = 1,
-                  tp_size: int = 1, offload_optimizer: bool = False, offload_model: bool = False) -> AutoSettings:
+                  tp_size: int = 1, offload_optimizer: bool = False, offload_model: bool = False,
+                  reserved_bytes: int = 0) -> AutoSettings:
     """Values for whichever of actor.max_length_per_device, actor.gradient_checkpointing and
     actor.use_liger_kernel are None (the module docstring's rule); set ones are kept as they are. With
-    actor.offload_optimizer (offload_model) the moments (and weights and gradients) are not on the device."""
+    actor.offload_optimizer (offload_model) the moments (and weights and gradients) are not on the device.
+    `reserved_bytes`: what the run's other models will hold (resident_bytes), taken off the free memory."""
     if None not in (max_length, checkpointing, fused_head):
         return AutoSettings(max_length, checkpointing, fused_head)
     if device_type != "cuda" or free_bytes is None:
@@ -203,6 +217,7 @@ def auto_settings(max_length: int | None, checkpointing: bool | None, fused_head
                             f"on {device_type}: max_length_per_device {length}, gradient_checkpointing "
                             f"{'on' if checkpointing else 'off'}, fused head {'on' if fused_head else 'off'}")
     counts = count_parameters(config, lora_rank)
+    free_bytes -= reserved_bytes
 
     def peak(seq: int, head: bool, ckpt: bool) -> float:
         p = plan(config, seq=seq, lora_rank=lora_rank, fused_head=head, counts=counts, checkpointing=ckpt,
@@ -230,7 +245,8 @@ def auto_settings(max_length: int | None, checkpointing: bool | None, fused_head
             f"{'on' if ckpt else 'off'}{' (chosen)' if checkpointing is None else ''}, fused head "
             f"{'on' if head else 'off'}{' (chosen)' if fused_head is None else ''}: the update's estimated peak "
             f"{need / HEADROOM / GIB:.1f} GiB, {need / GIB:.1f} with 10% headroom, against {free_bytes / GIB:.1f} GiB "
-            "free (train/models/memory_plan.py)")
+            f"free{f' once the other models take {reserved_bytes / GIB:.1f}' if reserved_bytes else ''} "
+            "(train/models/memory_plan.py)")
     if need > free_bytes:
         note += ("; it does not fit even so: LoRA (actor.lora.rank), actor.offload_optimizer=true or more GPUs "
                  "(FSDP shards the weights and the optimizer) would")

@@ -8,12 +8,12 @@ reference / old log-probs when needed -> advantages -> actor update -> push weig
 """
 from __future__ import annotations
 
-import dataclasses
 import errno
 import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NoReturn
 
@@ -47,6 +47,7 @@ from train.engines import build_engine
 from train.models.actor import Actor, AdapterFreeReference
 from train.models.critic import Critic
 from train.models.lora import LoraTargetError
+from train.models.memory_plan import resident_bytes
 from train.models.model_init import ModelWeightsError
 from train.models.router_replay import dispatch_routes
 from train.models.shared_base import engine_model_over, share_base_refusal
@@ -63,7 +64,7 @@ from train.runtime.run_folder import RunFolderError, claim
 from train.runtime.device_memory import phase_peak
 from train.runtime.watchdog import Watchdog
 from train.trainer.advantages import compute_advantages
-from train.trainer.config import (ConfigError, collective_timeout_s, data_sources, has_reference_slot,
+from train.trainer.config import (ConfigError, ModelPaths, collective_timeout_s, data_sources, has_reference_slot,
                                   quote_values_with_equals, resolve_aliases, role_config, rollout_ranks,
                                   sampling_params, useless_settings, validate)
 from train.trainer.data_check import PromptOverflowLog, check_data, context_length
@@ -75,7 +76,7 @@ from train.trainer.health import HealthDetector
 from train.trainer.policy_sync import PolicySync
 from train.trainer.prefetch import RolloutTimeout, StepRollout
 from train.trainer.report import RunReport
-from train.trainer.schema import load
+from train.trainer.schema import RunConfig, load
 from train.trainer.inflight import read_saved_rank
 from train.trainer.sources import rollout_source
 from train.trainer.teachers import RoutedTeachers, TeacherRoutes
@@ -95,6 +96,24 @@ def seed_everything(seed: int, rank: int) -> None:
     random.seed(seed + rank)
     np.random.seed(seed + rank)
     torch.manual_seed(seed + rank)
+
+
+def resident_elsewhere(cfg: RunConfig, paths: ModelPaths, teacher_folders: list[str],
+                       shards: Callable[[str], int]) -> int:
+    """Device bytes per rank that the run's other models keep while the actor updates (its null memory settings
+    leave room for them, train/models/memory_plan.py): the reference or each teacher (frozen), the critic (trained;
+    PPO). A LoRA actor's reference on its own base is the actor itself, with nothing of its own. `shards(role)`:
+    the FSDP ranks that role's model is split over."""
+    from transformers import AutoConfig
+
+    same_base = os.path.realpath(paths.reference) == os.path.realpath(paths.actor)
+    frozen = (teacher_folders if paths.teachers else
+              [paths.reference] if has_reference_slot(cfg) and not (cfg.actor.lora.rank and same_base) else [])
+    held = sum(resident_bytes(AutoConfig.from_pretrained(f), trainable=False, shards=shards("ref_actor"))
+               for f in frozen)
+    if cfg.adv.estimator == "gae":
+        held += resident_bytes(AutoConfig.from_pretrained(paths.critic), trainable=True, shards=shards("critic"))
+    return held
 
 
 @dataclass
@@ -252,19 +271,21 @@ class Trainer:
             return layouts[key]
 
         updates = self.total_steps * cfg.actor.update_per_rollout * cfg.actor.mini_batches
-        actor = Actor(cfg.actor, ctx, paths.actor, pad_token_id=pad_id, train=True, temperature=temperature,
-                      total_updates=updates, layout=layout("actor"), adapter_seed=cfg.trainer.seed)
-        if actor.cfg is not cfg.actor:  # null memory settings decided by the actor: the reference runs with them too
-            cfg = self.cfg = dataclasses.replace(cfg, actor=actor.cfg)
-        ref = None
         same_base = os.path.realpath(paths.reference) == os.path.realpath(paths.actor)
+        teachers = list(self.teacher_routes.folders) if paths.teachers else []
+        others = lambda: resident_elsewhere(cfg, paths, teachers, lambda role: layout(role).sizes.fsdp)  # noqa: E731
+        actor = Actor(cfg.actor, ctx, paths.actor, pad_token_id=pad_id, train=True, temperature=temperature,
+                      total_updates=updates, layout=layout("actor"), adapter_seed=cfg.trainer.seed, reserved_bytes=others)
+        if actor.cfg is not cfg.actor:  # null memory settings decided by the actor: the reference runs with them too
+            cfg = self.cfg = replace(cfg, actor=actor.cfg)
+        ref = None
 
         def frozen(folder: str) -> Actor:  # a model of the reference slot
             return Actor(role_config(cfg, "ref_actor"), ctx, folder, pad_token_id=pad_id, train=False,
                          temperature=temperature, layout=layout("ref_actor"))
 
         if paths.teachers:  # distill.teachers: a teacher per data source, each scoring its samples
-            ref = RoutedTeachers([frozen(folder) for folder in self.teacher_routes.folders])
+            ref = RoutedTeachers([frozen(folder) for folder in teachers])
         elif has_reference_slot(cfg) and actor.lora.enabled and same_base:
             ref = AdapterFreeReference(actor)  # the base model is the actor with its adapters off
         elif has_reference_slot(cfg):  # the KL reference, or the distillation teacher (paths.reference)
