@@ -338,6 +338,21 @@ def test_sampler_distribution_top_k_top_p() -> None:
     assert tok.item() == 0 and torch.isclose(lp, torch.log_softmax(logits[0], -1)[0])
 
 
+def test_rows_at_temperature_zero_or_one_skip_the_division_with_the_same_tokens_and_log_probs() -> None:
+    """The engine passes unit_temperature when every row's temperature is 0 or 1 (most RL): the pass that
+    divides by the temperature is skipped, and nothing may change, bit for bit."""
+    from train.engines.hf import sample_tokens
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 1000, generator=g) * 4
+    temperature = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    top_p, top_k = torch.tensor([1.0, 1.0, 0.9, 1.0, 1.0, 1.0, 0.5, 1.0]), torch.full((8,), -1)
+    u = 1.0 - torch.rand(8, generator=g, dtype=torch.float64)
+    divided = sample_tokens(logits, temperature, top_p, top_k, u)
+    skipped = sample_tokens(logits, temperature, top_p, top_k, u, unit_temperature=True)
+    assert torch.equal(divided[0], skipped[0]) and torch.equal(divided[1], skipped[1])
+
+
 # ---------------------------------------------------------------------------------------- the full sampling set
 
 

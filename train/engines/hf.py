@@ -642,8 +642,10 @@ class HFEngine:
                 logits = mask_unsampled(logits.float(), self._unsampled)
             if flags is None:  # per row on the host, so sampling never waits for the GPU to decide
                 flags = (any(params[j].temperature > 0 for j in active),
-                         any(params[j].top_p < 1 or 0 < params[j].top_k < logits.shape[-1] for j in active))
-            tok, lp = sample_tokens(logits, temp, top_p, top_k, u, min_p, any_sampled=flags[0], any_filtered=flags[1])
+                         any(params[j].top_p < 1 or 0 < params[j].top_k < logits.shape[-1] for j in active),
+                         all(params[j].temperature in (0, 1) for j in active))
+            tok, lp = sample_tokens(logits, temp, top_p, top_k, u, min_p, any_sampled=flags[0], any_filtered=flags[1],
+                                    unit_temperature=flags[2])
             if penalties is not None:
                 penalties.record(tok)
             keep: list[int] = []
@@ -845,6 +847,7 @@ def sample_tokens(
     *,
     any_sampled: bool | None = None,
     any_filtered: bool | None = None,
+    unit_temperature: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return (tokens, log-probs of those tokens).
 
@@ -856,12 +859,16 @@ def sample_tokens(
 
     `any_sampled` (some row has temperature > 0) and `any_filtered` (some row has top-p < 1 or
     0 < top-k < vocab), when the caller knows them, spare the device-to-host reads that would
-    otherwise decide them (each one waits for the GPU).
+    otherwise decide them (each one waits for the GPU). `unit_temperature` (every row's temperature is
+    0 or 1, as in most RL): the division by the temperature is skipped, one pass over [rows, vocab] less.
     """
     logits = logits.float()
     greedy = temperature <= 0
-    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logp = torch.log_softmax(logits / scale[:, None], dim=-1)
+    if unit_temperature:  # x / 1 is x exactly: the same log-probs without the pass
+        logp = torch.log_softmax(logits, dim=-1)
+    else:
+        scale = torch.where(greedy, torch.ones_like(temperature), temperature)
+        logp = torch.log_softmax(logits / scale[:, None], dim=-1)
     chosen = logits.argmax(dim=-1)
     if any_sampled if any_sampled is not None else not bool(greedy.all()):
         probs = logp.exp()
