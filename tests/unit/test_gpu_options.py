@@ -53,7 +53,7 @@ def test_defaults_are_valid_and_give_engine_arguments():
     (["rollout.base_port=80"], "rollout.base_port.*1024"),
     (["rollout.dtype=int8"], "rollout.dtype.*bfloat16"),
     (["rollout.sglang_kwargs=5"], "rollout.sglang_kwargs.*mapping"),
-    (["actor.use_liger_kernel=yes"], "actor.use_liger_kernel.*true or false"),
+    (["actor.use_liger_kernel=yes"], "actor.use_liger_kernel.*true, false or null"),
     (["rollout.offload_weights=1"], "rollout.offload_weights.*true or false"),
     (["rollout.static_cache=auto"], "rollout.static_cache.*true, false or null"),
 ])

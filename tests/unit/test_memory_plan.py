@@ -174,9 +174,14 @@ def test_the_trainer_leaves_room_for_the_reference_and_the_critic(tmp_path):
     stub = str(ROOT / "stub" / "model")
     params, _ = count_parameters(load_config(stub))
     paths = ModelPaths(actor=stub, tokenizer=stub, reference=stub, critic=stub, rollout=stub, rollout_tokenizer=stub)
-    one = lambda role: 1  # noqa: E731
-    assert resident_elsewhere(run_config(), paths, [], one) == 0  # GRPO without KL: nothing else
-    assert resident_elsewhere(run_config({"actor.kl.coef": 0.1}), paths, [], one) == 4 * params
-    assert resident_elsewhere(run_config({"actor.kl.coef": 0.1, "actor.lora.rank": 8}), paths, [], one) == 0
-    ppo = run_config({"actor.kl.coef": 0.1, "adv.estimator": "gae"})
-    assert resident_elsewhere(ppo, paths, [], lambda role: 2) == (4 * params + 16 * params) // 2
+    def held(overrides: dict, shards: int = 1) -> int:  # as the trainer asks, from the run's config
+        from train.trainer.config import has_reference_slot
+
+        cfg = run_config(overrides)
+        return resident_elsewhere(paths, [], reference_slot=has_reference_slot(cfg), lora=cfg.actor.lora.rank > 0,
+                                  critic=cfg.adv.estimator == "gae", shards=lambda role: shards)
+
+    assert held({}) == 0  # GRPO without KL: nothing else
+    assert held({"actor.kl.coef": 0.1}) == 4 * params
+    assert held({"actor.kl.coef": 0.1, "actor.lora.rank": 8}) == 0
+    assert held({"actor.kl.coef": 0.1, "adv.estimator": "gae"}, shards=2) == (4 * params + 16 * params) // 2

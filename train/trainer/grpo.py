@@ -76,7 +76,7 @@ from train.trainer.health import HealthDetector
 from train.trainer.policy_sync import PolicySync
 from train.trainer.prefetch import RolloutTimeout, StepRollout
 from train.trainer.report import RunReport
-from train.trainer.schema import RunConfig, load
+from train.trainer.schema import load
 from train.trainer.inflight import read_saved_rank
 from train.trainer.sources import rollout_source
 from train.trainer.teachers import RoutedTeachers, TeacherRoutes
@@ -98,20 +98,20 @@ def seed_everything(seed: int, rank: int) -> None:
     torch.manual_seed(seed + rank)
 
 
-def resident_elsewhere(cfg: RunConfig, paths: ModelPaths, teacher_folders: list[str],
-                       shards: Callable[[str], int]) -> int:
+def resident_elsewhere(paths: ModelPaths, teacher_folders: list[str], *, reference_slot: bool, lora: bool,
+                       critic: bool, shards: Callable[[str], int]) -> int:
     """Device bytes per rank that the run's other models keep while the actor updates (its null memory settings
-    leave room for them, train/models/memory_plan.py): the reference or each teacher (frozen), the critic (trained;
-    PPO). A LoRA actor's reference on its own base is the actor itself, with nothing of its own. `shards(role)`:
-    the FSDP ranks that role's model is split over."""
+    leave room for them, train/models/memory_plan.py): each teacher or the reference (frozen; `reference_slot`:
+    the run has one), the critic (trained; PPO). A LoRA actor's (`lora`) reference on its own base is the actor
+    itself, with nothing of its own. `shards(role)`: the FSDP ranks that role's model is split over."""
     from transformers import AutoConfig
 
     same_base = os.path.realpath(paths.reference) == os.path.realpath(paths.actor)
     frozen = (teacher_folders if paths.teachers else
-              [paths.reference] if has_reference_slot(cfg) and not (cfg.actor.lora.rank and same_base) else [])
+              [paths.reference] if reference_slot and not (lora and same_base) else [])
     held = sum(resident_bytes(AutoConfig.from_pretrained(f), trainable=False, shards=shards("ref_actor"))
                for f in frozen)
-    if cfg.adv.estimator == "gae":
+    if critic:
         held += resident_bytes(AutoConfig.from_pretrained(paths.critic), trainable=True, shards=shards("critic"))
     return held
 
@@ -273,7 +273,9 @@ class Trainer:
         updates = self.total_steps * cfg.actor.update_per_rollout * cfg.actor.mini_batches
         same_base = os.path.realpath(paths.reference) == os.path.realpath(paths.actor)
         teachers = list(self.teacher_routes.folders) if paths.teachers else []
-        others = lambda: resident_elsewhere(cfg, paths, teachers, lambda role: layout(role).sizes.fsdp)  # noqa: E731
+        others = lambda: resident_elsewhere(  # noqa: E731
+            paths, teachers, reference_slot=has_reference_slot(cfg), lora=cfg.actor.lora.rank > 0,
+            critic=cfg.adv.estimator == "gae", shards=lambda role: layout(role).sizes.fsdp)
         actor = Actor(cfg.actor, ctx, paths.actor, pad_token_id=pad_id, train=True, temperature=temperature,
                       total_updates=updates, layout=layout("actor"), adapter_seed=cfg.trainer.seed, reserved_bytes=others)
         if actor.cfg is not cfg.actor:  # null memory settings decided by the actor: the reference runs with them too
