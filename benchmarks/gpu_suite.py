@@ -319,9 +319,7 @@ def section_decode(args, work: Path, shapes: Shapes, info: dict) -> dict:
                 sync()
                 seconds = time.perf_counter() - start
                 tokens = sum(len(o.token_ids) for o in out)
-                # Mean context over the decode steps: the prompt and half the new tokens.
-                kv_bytes = batch * (shapes.decode_prompt + new / 2) * kv_bytes_per_token
-                bound = batch * bw * 1e12 / (weight_bytes + kv_bytes)
+                bound = decode_bound(shapes, batch, bw, weight_bytes, kv_bytes_per_token)
                 if path != "dynamic" and batch == max(shapes.decode_batches):
                     short = SamplingParams(max_new_tokens=32, temperature=1.0, ignore_eos=True)
                     # The batch the queue would form, run in this thread so the profiler sees its CPU side too.
@@ -343,6 +341,13 @@ def section_decode(args, work: Path, shapes: Shapes, info: dict) -> dict:
     return {"params": params, "weight_bytes": weight_bytes, "bandwidth_tb_s": bw,
             "bandwidth_source": "datasheet" if info["datasheet_hbm_tb_s"] else "measured copy",
             "measured_copy_tb_s": measured_bw, "batches": rows}
+
+
+def decode_bound(shapes: Shapes, batch: int, bw_tb_s: float, weight_bytes: int, kv_bytes_per_token: int) -> float:
+    """Tokens/s a decode of `batch` rows cannot beat: each step reads the weights once and every row's KV cache,
+    whose mean context over the decode steps is the prompt and half the new tokens."""
+    kv_bytes = batch * (shapes.decode_prompt + shapes.decode_new / 2) * kv_bytes_per_token
+    return batch * bw_tb_s * 1e12 / (weight_bytes + kv_bytes)
 
 
 def hf_generate_row(model, shapes: Shapes, bw: float, weight_bytes: int, kv_bytes_per_token: int) -> dict:
@@ -371,7 +376,7 @@ def hf_generate_row(model, shapes: Shapes, bw: float, weight_bytes: int, kv_byte
             sync()
         seconds = time.perf_counter() - start
         tokens = (out.shape[1] - ids.shape[1]) * batch
-        bound = batch * bw * 1e12 / (weight_bytes + batch * (shapes.decode_prompt + new / 2) * kv_bytes_per_token)
+        bound = decode_bound(shapes, batch, bw, weight_bytes, kv_bytes_per_token)
         row.update({"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                     "bound_tokens_per_s": bound, "fraction_of_bound": tokens / seconds / bound})
     except Exception as exc:  # the peer's failure is a row's note, not the section's

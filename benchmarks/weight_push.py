@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -122,20 +123,14 @@ def main() -> None:
 
 
 def build_deep(folder: str) -> str:
-    """A random Qwen2 with Qwen2.5-0.5B's layer count and tensor names, hidden size 64, the stub's tokenizer."""
-    import shutil
+    """A random Qwen2 with Qwen2.5-0.5B's layer count and tensor names, hidden size 64, the stub's tokenizer
+    (gpu_suite.write_model, which builds the GPU suite's models)."""
+    import dataclasses
 
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from gpu_suite import TINY, write_model
 
-    torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=24, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=512, max_position_embeddings=512, tie_word_embeddings=True,
-                         pad_token_id=0, eos_token_id=2)
-    Qwen2ForCausalLM(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(os.path.join(ROOT, "stub", "model", name), folder)
-    return folder
+    deep = dataclasses.replace(TINY, hidden=64, layers=24, heads=2, kv_heads=1, intermediate=128, vocab=512)
+    return str(write_model(deep, Path(folder)))
 
 
 def run(args) -> None:

@@ -165,23 +165,26 @@ def test_what_the_other_models_keep_is_taken_off_before_choosing():
 
 
 def test_the_trainer_leaves_room_for_the_reference_and_the_critic(tmp_path):
-    """resident_elsewhere, which the trainer hands the actor: a KL reference keeps 4 bytes per parameter, a
-    critic 16, a LoRA actor's own base nothing (the reference is the actor with its adapters off)."""
+    """reference_folders and resident_elsewhere, which the trainer uses both for the reserve it hands the actor and
+    for the models it builds: a KL reference keeps 4 bytes per parameter, a critic 16, a LoRA actor's own base
+    nothing (the reference is the actor with its adapters off)."""
     from train.models.memory_plan import count_parameters, load_config
-    from train.trainer.config import ModelPaths
-    from train.trainer.grpo import resident_elsewhere
+    from train.trainer.config import ModelPaths, has_reference_slot
+    from train.trainer.grpo import reference_folders, resident_elsewhere
 
     stub = str(ROOT / "stub" / "model")
     params, _ = count_parameters(load_config(stub))
     paths = ModelPaths(actor=stub, tokenizer=stub, reference=stub, critic=stub, rollout=stub, rollout_tokenizer=stub)
-    def held(overrides: dict, shards: int = 1) -> int:  # as the trainer asks, from the run's config
-        from train.trainer.config import has_reference_slot
 
+    def held(overrides: dict, shards: int = 1) -> int:  # as the trainer asks, from the run's config
         cfg = run_config(overrides)
-        return resident_elsewhere(paths, [], reference_slot=has_reference_slot(cfg), lora=cfg.actor.lora.rank > 0,
-                                  critic=cfg.adv.estimator == "gae", shards=lambda role: shards)
+        frozen = reference_folders(paths, [], reference_slot=has_reference_slot(cfg), lora=cfg.actor.lora.rank > 0)
+        critic = paths.critic if cfg.adv.estimator == "gae" else None
+        return resident_elsewhere(frozen, critic, lambda role: shards)
 
     assert held({}) == 0  # GRPO without KL: nothing else
     assert held({"actor.kl.coef": 0.1}) == 4 * params
     assert held({"actor.kl.coef": 0.1, "actor.lora.rank": 8}) == 0
     assert held({"actor.kl.coef": 0.1, "adv.estimator": "gae"}, shards=2) == (4 * params + 16 * params) // 2
+    teachers = ModelPaths(**{**vars(paths), "teachers": {"math": stub, "code": stub}})
+    assert reference_folders(teachers, [stub, stub], reference_slot=True, lora=True) == [stub, stub]

@@ -319,11 +319,11 @@ class HFEngine:
                             continue
                         into.append(target)
                         froms.append(tensor.detach())
-                    if into:
-                        self._copy(into, froms)
+                    self._copy(into, froms)
 
     def _copy(self, into: list[torch.Tensor], froms: list[torch.Tensor]) -> None:
-        """Write pushed values into the engine's tensors: one multi-tensor copy (with the dtype cast)."""
+        """Write pushed values into the engine's tensors: one multi-tensor copy (with the dtype cast); none for
+        an empty group (all shared or written while asleep)."""
         if into:
             torch._foreach_copy_(into, froms)
 

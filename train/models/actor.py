@@ -59,31 +59,37 @@ def loss_settings(cfg: ActorConfig) -> LossSettings:
 # (the last bucket: that many or more), with asynchronous rollouts.
 LAG_BUCKETS = 5
 
-def with_memory_settings(cfg: ActorConfig, ctx: DistContext, layout: Layout, model_path: str,
-                         train: bool, reserved_bytes: int = 0) -> tuple[ActorConfig, str | None]:
+def with_memory_settings(cfg: ActorConfig, ctx: DistContext, layout: Layout, model_path: str, train: bool,
+                         reserved_bytes: int | Callable[[], int] = 0) -> tuple[ActorConfig, str | None]:
     """`cfg` with actor.max_length_per_device, gradient_checkpointing and use_liger_kernel decided where they
     are null (train/models/memory_plan.auto_settings: from the model's shapes and this device's free memory on a
-    GPU; 4096, off, off on CPU), and the line that says how (None when none was null)."""
-    if None not in (cfg.max_length_per_device, cfg.gradient_checkpointing, cfg.use_liger_kernel):
+    GPU; 4096, off, off on CPU), and the line that says how (None when none was null). `reserved_bytes`: what
+    the run's other models will keep, or a function that says it (called only when a GPU's memory decides)."""
+    settings = (cfg.max_length_per_device, cfg.gradient_checkpointing, cfg.use_liger_kernel)
+    if None not in settings:
         return cfg, None
     from transformers import AutoConfig
 
-    cuda = ctx.device.type == "cuda"
-    # the least free memory of any rank, so that every rank decides alike (collective, as the build is)
-    free = -all_reduce_max(-float(torch.cuda.mem_get_info(ctx.device)[0]), ctx.device) if cuda else None
-    settings = (cfg.max_length_per_device, cfg.gradient_checkpointing, cfg.use_liger_kernel)
+    free = config = None
+    reserved = 0
+    if ctx.device.type == "cuda":
+        # the least free memory of any rank, so that every rank decides alike (collective, as the build is)
+        free = int(-all_reduce_max(-float(torch.cuda.mem_get_info(ctx.device)[0]), ctx.device))
+        config = AutoConfig.from_pretrained(model_path)
+        reserved = reserved_bytes() if callable(reserved_bytes) else reserved_bytes
     try:
-        auto = auto_settings(*settings, config=AutoConfig.from_pretrained(model_path) if cuda else None,
-                             device_type=ctx.device.type, free_bytes=int(free) if free is not None else None,
+        auto = auto_settings(*settings, config=config, device_type=ctx.device.type, free_bytes=free,
                              lora_rank=cfg.lora.rank if train else 0, shards=layout.sizes.fsdp, tp_size=layout.sizes.tp,
                              offload_optimizer=bool(cfg.offload_optimizer), offload_model=bool(cfg.offload_model),
-                             reserved_bytes=reserved_bytes)
+                             reserved_bytes=reserved)
     except Exception as e:  # a model the plan cannot read: the CPU defaults, with checkpointing, and why
-        length, ckpt, head = settings
-        auto = AutoSettings(length or CPU_MAX_LENGTH, True if ckpt is None else ckpt, bool(head),
+        length = settings[0] or CPU_MAX_LENGTH
+        ckpt = True if settings[1] is None else settings[1]
+        head = bool(settings[2])
+        auto = AutoSettings(length, ckpt, head,
                             f"no memory estimate for {model_path} ({type(e).__name__}: {str(e)[:120]}): "
-                            f"max_length_per_device {length or CPU_MAX_LENGTH}, gradient_checkpointing "
-                            f"{'on' if ckpt is None or ckpt else 'off'}, fused head {'on' if head else 'off'}")
+                            f"max_length_per_device {length}, gradient_checkpointing {'on' if ckpt else 'off'}, "
+                            f"fused head {'on' if head else 'off'}")
     return _replaced(cfg, max_length_per_device=auto.max_length_per_device,
                      gradient_checkpointing=auto.gradient_checkpointing, use_liger_kernel=auto.use_liger_kernel), auto.note
 
@@ -105,10 +111,7 @@ class Actor(Trainable):
         layout = layout or layout_for(cfg, ctx.world_size, ctx.device.type, "actor")
         # null memory settings decided here, once: `self.cfg` holds the values the actor runs with
         head_asked = cfg.use_liger_kernel
-        needs = ctx.device.type == "cuda" and None in (cfg.max_length_per_device, cfg.gradient_checkpointing,
-                                                       cfg.use_liger_kernel)
-        reserved = (reserved_bytes() if callable(reserved_bytes) else reserved_bytes) if needs else 0
-        cfg, self.memory_note = with_memory_settings(cfg, ctx, layout, model_path, train, reserved)
+        cfg, self.memory_note = with_memory_settings(cfg, ctx, layout, model_path, train, reserved_bytes)
         super().__init__(layout, ctx.device, pad_token_id, cfg.max_length_per_device,
                          cfg.max_inference_length_per_device or 2 * cfg.max_length_per_device,
                          cfg.max_grad_norm, bool(cfg.offload_optimizer))

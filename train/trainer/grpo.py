@@ -98,21 +98,26 @@ def seed_everything(seed: int, rank: int) -> None:
     torch.manual_seed(seed + rank)
 
 
-def resident_elsewhere(paths: ModelPaths, teacher_folders: list[str], *, reference_slot: bool, lora: bool,
-                       critic: bool, shards: Callable[[str], int]) -> int:
+def reference_folders(paths: ModelPaths, teacher_folders: list[str], *, reference_slot: bool, lora: bool) -> list[str]:
+    """The folders of the frozen models the run loads besides the actor: each teacher (distill.teachers), or the
+    model of the reference slot (`reference_slot`: a KL reference or a distillation teacher); none when a LoRA
+    actor's (`lora`) reference is its own base, the actor with its adapters off."""
+    if paths.teachers:
+        return list(teacher_folders)
+    same_base = os.path.realpath(paths.reference) == os.path.realpath(paths.actor)
+    return [paths.reference] if reference_slot and not (lora and same_base) else []
+
+
+def resident_elsewhere(frozen_folders: list[str], critic_folder: str | None, shards: Callable[[str], int]) -> int:
     """Device bytes per rank that the run's other models keep while the actor updates (its null memory settings
-    leave room for them, train/models/memory_plan.py): each teacher or the reference (frozen; `reference_slot`:
-    the run has one), the critic (trained; PPO). A LoRA actor's (`lora`) reference on its own base is the actor
-    itself, with nothing of its own. `shards(role)`: the FSDP ranks that role's model is split over."""
+    leave room for them, train/models/memory_plan.py): the frozen ones (`reference_folders`) and the critic
+    (trained; PPO). `shards(role)`: the FSDP ranks that role's model is split over."""
     from transformers import AutoConfig
 
-    same_base = os.path.realpath(paths.reference) == os.path.realpath(paths.actor)
-    frozen = (teacher_folders if paths.teachers else
-              [paths.reference] if reference_slot and not (lora and same_base) else [])
     held = sum(resident_bytes(AutoConfig.from_pretrained(f), trainable=False, shards=shards("ref_actor"))
-               for f in frozen)
-    if critic:
-        held += resident_bytes(AutoConfig.from_pretrained(paths.critic), trainable=True, shards=shards("critic"))
+               for f in frozen_folders)
+    if critic_folder is not None:
+        held += resident_bytes(AutoConfig.from_pretrained(critic_folder), trainable=True, shards=shards("critic"))
     return held
 
 
@@ -271,11 +276,12 @@ class Trainer:
             return layouts[key]
 
         updates = self.total_steps * cfg.actor.update_per_rollout * cfg.actor.mini_batches
-        same_base = os.path.realpath(paths.reference) == os.path.realpath(paths.actor)
-        teachers = list(self.teacher_routes.folders) if paths.teachers else []
-        others = lambda: resident_elsewhere(  # noqa: E731
-            paths, teachers, reference_slot=has_reference_slot(cfg), lora=cfg.actor.lora.rank > 0,
-            critic=cfg.adv.estimator == "gae", shards=lambda role: layout(role).sizes.fsdp)
+        # decided once: the reserve the actor leaves for them and the models built below
+        frozen_folders = reference_folders(paths, self.teacher_routes.folders if paths.teachers else [],
+                                           reference_slot=has_reference_slot(cfg), lora=cfg.actor.lora.rank > 0)
+        critic_folder = paths.critic if cfg.adv.estimator == "gae" else None
+        others = lambda: resident_elsewhere(frozen_folders, critic_folder,  # noqa: E731
+                                            lambda role: layout(role).sizes.fsdp)
         actor = Actor(cfg.actor, ctx, paths.actor, pad_token_id=pad_id, train=True, temperature=temperature,
                       total_updates=updates, layout=layout("actor"), adapter_seed=cfg.trainer.seed, reserved_bytes=others)
         if actor.cfg is not cfg.actor:  # null memory settings decided by the actor: the reference runs with them too
@@ -287,15 +293,15 @@ class Trainer:
                          temperature=temperature, layout=layout("ref_actor"))
 
         if paths.teachers:  # distill.teachers: a teacher per data source, each scoring its samples
-            ref = RoutedTeachers([frozen(folder) for folder in teachers])
-        elif has_reference_slot(cfg) and actor.lora.enabled and same_base:
-            ref = AdapterFreeReference(actor)  # the base model is the actor with its adapters off
-        elif has_reference_slot(cfg):  # the KL reference, or the distillation teacher (paths.reference)
-            ref = frozen(paths.reference)
+            ref = RoutedTeachers([frozen(folder) for folder in frozen_folders])
+        elif frozen_folders:  # the KL reference, or the distillation teacher (paths.reference)
+            ref = frozen(frozen_folders[0])
+        elif has_reference_slot(cfg):  # a LoRA actor on its own base: the base is the actor with its adapters off
+            ref = AdapterFreeReference(actor)
         critic = None
-        if cfg.adv.estimator == "gae":
+        if critic_folder is not None:
             critic_updates = self.total_steps * cfg.critic.update_per_rollout * cfg.critic.mini_batches
-            critic = Critic(cfg.critic, ctx, paths.critic, pad_token_id=pad_id, total_updates=critic_updates,
+            critic = Critic(cfg.critic, ctx, critic_folder, pad_token_id=pad_id, total_updates=critic_updates,
                             layout=layout("critic"), adapter_seed=cfg.trainer.seed)
         return Models(actor, ref, critic)
 
