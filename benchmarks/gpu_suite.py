@@ -19,7 +19,8 @@ Sections (each one's failure is recorded and the others still run; the exit stat
   on CUDA), same model, prompts and lengths.
 * `mfu`: the actor's update (FSDP2 path, bf16 on CUDA) on one packed micro-batch of 8k and of 16k
   tokens: 6 x params x tokens + attention FLOPs (LM head on action tokens) per second, over the
-  device's dense bf16 peak (datasheet where known, else a measured bf16 matmul).
+  device's dense bf16 peak (datasheet where known, else a measured bf16 matmul); then the same at 16k
+  with `actor.compile` (each decoder layer compiled), and the first compiled update's extra seconds.
 * `push`: weight push seconds per billion parameters (flat-bucket gather + the engine's copy), the
   trainer's `PolicySync.push` path.
 * `step`: 3 trainer steps on the same 0.5B-shaped model (stub tokenizer and data, `eq.py`),
@@ -408,7 +409,8 @@ def section_trl(args, work: Path, shapes: Shapes, model_dir: Path, info: dict) -
             "ours_over_trl_samples_per_s": result["ratio_samples_per_s_ours_over_trl"]}
 
 
-def build_actor(model_dir: Path, max_tokens: int, info: dict, lora: dict | None = None, fused_head: bool = False):
+def build_actor(model_dir: Path, max_tokens: int, info: dict, lora: dict | None = None, fused_head: bool = False,
+                compile_layers: bool = False):
     import torch
     from omegaconf import OmegaConf
 
@@ -422,6 +424,7 @@ def build_actor(model_dir: Path, max_tokens: int, info: dict, lora: dict | None 
     cfg.dtype = "bfloat16" if info["cuda"] else "float32"
     cfg.gradient_checkpointing = True
     cfg.use_liger_kernel = fused_head
+    cfg.compile = compile_layers
     if lora:
         cfg.lora.rank, cfg.lora.alpha = lora["rank"], lora["alpha"]
     torch.manual_seed(0)
@@ -451,50 +454,64 @@ def fixed_batch(tokens: int, vocab: int, groups: int = 2, per_group: int = 4):
 
 
 def section_mfu(args, work: Path, shapes: Shapes, info: dict, model_dir: Path) -> dict:
+    """The update's MFU: the eager actor with the plain and the fused head at each length, then the same actor
+    built with `actor.compile` (each decoder layer compiled) at the longest length. Returns the eager actor (the
+    push section's) under `_actor`."""
     import torch
-
-    from train.parallel.step_batch import dispatch, exchange_index
-    from vs_trl import update_gflop
 
     device = torch.device("cuda" if info["cuda"] else "cpu")
     peak = info["datasheet_bf16_tflops"]
     source = "datasheet"
     if peak is None:
         peak, source = measured_matmul_tflops(device, torch.bfloat16 if info["cuda"] else torch.float32), "measured matmul"
-    from train.parallel.fused_logprobs import FusedLogprobHead
-
     actor, ctx = build_actor(model_dir, max(shapes.mfu_tokens), info)
-    rows = []
     # The default LM head (logits of the action tokens, then log-softmax) and the fused one
     # (actor.use_liger_kernel: chunked, no [tokens, vocab] logits kept).
-    for fused, tokens in [(f, t) for f in (False, True) for t in shapes.mfu_tokens]:
-        actor.fused_head = FusedLogprobHead(actor.model) if fused else None
-        if info["cuda"]:
-            torch.cuda.reset_peak_memory_stats()
-        # 2 groups of 4 samples, each tokens/8 long (a quarter prompt), packed into one micro-batch
-        ids, masks, adv, sampler, max_new = fixed_batch(tokens, shapes.vocab)
-        index = exchange_index([len(x) for x in ids], list(range(len(ids))), [0.0] * len(ids), ctx.device)
-        batch = dispatch(index, ids, masks, sampler, actor.layout, 1, ctx.device)
-        batch.fields["advantages"] = [adv[g] * m for g, m in zip(batch.members, batch.mask)]
-        total = sum(len(x) for x in ids)
-        actions = sum(sum(m) for m in masks)
-        times = []
-        for i in range(3):  # the first is a warm-up
-            sync()
-            start = time.perf_counter()
-            actor.update(batch, max_new)
-            sync()
-            if i:
-                times.append(time.perf_counter() - start)
-        seconds = statistics.median(times)
-        if tokens == max(shapes.mfu_tokens):
-            profiled(lambda: actor.update(batch, max_new), work / f"mfu_profile_{tokens}{'_fused' if fused else ''}.txt")
-        gflop = update_gflop(str(model_dir), len(ids), total / len(ids), actions / len(ids))
-        tflops = gflop / seconds / 1e3
-        peak_mem = torch.cuda.max_memory_allocated() / 2**30 if info["cuda"] else None
-        rows.append({"lm_head": "fused" if fused else "plain", "tokens": total, "seconds": seconds, "tflops": tflops, "mfu": tflops / peak,
-                     "peak_gpu_gib": peak_mem})
+    rows = [mfu_row(actor, ctx, work, shapes, info, model_dir, peak, fused, tokens)
+            for fused in (False, True) for tokens in shapes.mfu_tokens]
+    compiled, ctx = build_actor(model_dir, max(shapes.mfu_tokens), info, compile_layers=True)
+    rows += [mfu_row(compiled, ctx, work, shapes, info, model_dir, peak, fused, max(shapes.mfu_tokens))
+             for fused in (False, True)]
+    del compiled
+    gc.collect()
     return {"peak_tflops": peak, "peak_source": source, "micro_batches": rows, "_actor": actor}
+
+
+def mfu_row(actor, ctx, work: Path, shapes: Shapes, info: dict, model_dir: Path, peak: float, fused: bool,
+            tokens: int) -> dict:
+    """One update of 2 groups of 4 samples, each tokens/8 long (a quarter prompt), packed into one micro-batch:
+    the median of two timed updates after a warm-up, its TFLOP/s and MFU; a profile at the longest length."""
+    import torch
+
+    from train.parallel.fused_logprobs import FusedLogprobHead
+    from train.parallel.step_batch import dispatch, exchange_index
+    from vs_trl import update_gflop
+
+    actor.fused_head = FusedLogprobHead(actor.model) if fused else None
+    if info["cuda"]:
+        torch.cuda.reset_peak_memory_stats()
+    ids, masks, adv, sampler, max_new = fixed_batch(tokens, shapes.vocab)
+    index = exchange_index([len(x) for x in ids], list(range(len(ids))), [0.0] * len(ids), ctx.device)
+    batch = dispatch(index, ids, masks, sampler, actor.layout, 1, ctx.device)
+    batch.fields["advantages"] = [adv[g] * m for g, m in zip(batch.members, batch.mask)]
+    total = sum(len(x) for x in ids)
+    actions = sum(sum(m) for m in masks)
+    times = []
+    for _ in range(3):  # the first is a warm-up (with actor.compile, where the layers compile)
+        sync()
+        start = time.perf_counter()
+        actor.update(batch, max_new)
+        sync()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times[1:])
+    if tokens == max(shapes.mfu_tokens):
+        tag = ("_fused" if fused else "") + ("_compiled" if actor.cfg.compile else "")
+        profiled(lambda: actor.update(batch, max_new), work / f"mfu_profile_{tokens}{tag}.txt")
+    gflop = update_gflop(str(model_dir), len(ids), total / len(ids), actions / len(ids))
+    tflops = gflop / seconds / 1e3
+    return {"lm_head": "fused" if fused else "plain", "compiled": bool(actor.cfg.compile), "tokens": total,
+            "seconds": seconds, "warmup_s": times[0], "tflops": tflops, "mfu": tflops / peak,
+            "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if info["cuda"] else None}
 
 
 def section_ring(shapes: Shapes, info: dict) -> dict:
@@ -916,7 +933,9 @@ def markdown(result: dict) -> str:
         for b in r["batches"])
         + f" (bandwidth {r['bandwidth_tb_s']:.2f} TB/s, {r['bandwidth_source']}; measured copy {r['measured_copy_tb_s']:.2f})")
     cell("mfu", lambda r: "; ".join(
-        f"{m.get('lm_head', 'plain')} head, {m['tokens']} tokens: {m['seconds']:.3f} s, {m['tflops']:.3g} TFLOP/s = MFU {100 * m['mfu']:.1f}%"
+        f"{m.get('lm_head', 'plain')} head{', compiled layers' if m.get('compiled') else ''}, {m['tokens']} tokens: "
+        f"{m['seconds']:.3f} s, {m['tflops']:.3g} TFLOP/s = MFU {100 * m['mfu']:.1f}%"
+        + (f" (first update {m['warmup_s']:.1f} s)" if m.get('compiled') else "")
         for m in r["micro_batches"]) + f" (peak {r['peak_tflops']:.3g} TFLOP/s, {r['peak_source']})")
     cell("push", lambda r: f"{r['seconds']:.4g} s for {r['params'] / 1e6:.3g}M params = {r['s_per_billion']:.3g} s per "
                            f"billion (verified); {r['s_per_billion_unverified']:.3g} s per billion with verify_push off")

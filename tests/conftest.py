@@ -46,24 +46,32 @@ def trainer_env() -> dict:
     return env
 
 
+def ranks_cmd(nproc: int, *target: str) -> list[str]:
+    """The command that runs `target` (`-m module ...`, or a script, and its arguments) on `nproc` local ranks:
+    torchrun for several, plain python for one (the trainer and the checks set up their own one-rank group, as
+    a one-process user's `python -m train.trainer.grpo` does; torchrun's launcher would add ~3 s to each)."""
+    if nproc == 1:
+        return [sys.executable, *target]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *target]
+
+
 def run_torchrun(cmd: list[str], timeout: int = 600, cwd: Path | str = ROOT,
                  env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a torchrun command (with trainer_env() plus `env`); relaunch once if a rank was killed by
-    a signal (torchrun reports "exitcode: -N"). Seen once in ~40 launches on this CPU: a rank aborting
-    at interpreter exit ("terminate called without an active exception") after its work was done. A
-    second crash, or any ordinary failure, is returned as is."""
+    """Run a torchrun command (or a one-rank plain python one: ranks_cmd) with trainer_env() plus `env`; relaunch
+    once if a rank was killed by a signal (torchrun reports "exitcode: -N"; python returns -N). Seen once in ~40
+    launches on this CPU: a rank aborting at interpreter exit ("terminate called without an active exception")
+    after its work was done. A second crash, or any ordinary failure, is returned as is."""
     full_env = {**trainer_env(), **(env or {})}
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 and "exitcode: -" in proc.stderr:
+    if proc.returncode < 0 or (proc.returncode != 0 and "exitcode: -" in proc.stderr):
         proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     return proc
 
 
 def run_trainer(overrides: list[str], nproc: int = 1, config: str = "stub", timeout: int = 600,
                 check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Launch `torchrun -m train.trainer.grpo` for real, as a user would."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           "-m", "train.trainer.grpo", "--config-name", config, "trainer.progress_bar=false", *overrides]
+    """Launch the trainer for real, as a user would (`torchrun -m train.trainer.grpo`; one process: `python -m`)."""
+    cmd = ranks_cmd(nproc, "-m", "train.trainer.grpo", "--config-name", config, "trainer.progress_bar=false", *overrides)
     proc = run_torchrun(cmd, timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -95,8 +103,7 @@ def launch_check(nproc: int, out: Path, *args: str, timeout: int = 300) -> dict:
     check saves per-rank files)."""
     import torch
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(ROOT / "tests" / "dist_checks.py"), *args, "--out", str(out)]
+    cmd = ranks_cmd(nproc, str(ROOT / "tests" / "dist_checks.py"), *args, "--out", str(out))
     proc = run_torchrun(cmd, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return torch.load(out) if Path(out).exists() else {}

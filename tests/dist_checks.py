@@ -140,6 +140,7 @@ def set_ownership(n: int, split: str, world: int) -> None:
 def layout_overrides(args) -> dict:
     return {"ddp_size": args.ddp, "tp_size": args.tp, "sp_size": args.sp, "ep_size": args.ep, "cp_size": args.cp,
             "offload_model": args.offload, "offload_optimizer": args.offload, "gradient_checkpointing": args.ac,
+            "compile": args.compile,
             **({"use_liger_kernel": True} if args.fused_head else {})}  # (an actor's key)
 
 
@@ -179,9 +180,12 @@ def step_and_save(worker, ctx, out) -> None:
     norm = worker.optimizer_step()
     weights = {name: full(p).detach().clone() for name, p in params()}
     optimized = [name for name, p in params() if p in worker.optimizer.state]
+    # actor.compile: the modules running compiled, and the graphs dynamo built for them (all layers together)
+    compiled = sum(getattr(m, "_compiled_call_impl", None) is not None for m in worker.model.modules())
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     if ctx.is_main:
         torch.save({"grads": grads, "norm": norm, "weights": weights, "optimized": optimized,
-                    "frozen_grads": frozen_grads, "adam": adam,
+                    "frozen_grads": frozen_grads, "adam": adam, "compiled_modules": compiled, "graphs": graphs,
                     "fused_head": getattr(worker, "fused_head", None) is not None}, out)
 
 
@@ -772,6 +776,7 @@ def main() -> None:
     parser.add_argument("--cp", type=int, default=1, help="context parallel size (ring attention)")
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--ac", action="store_true", help="activation checkpointing")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (actor.compile)")
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--bucket_kb", type=int, default=256)
     parser.add_argument("--ckpt", default=None)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, STUB_MODEL, kill_when, read_jsonl, run_torchrun, run_trainer, slow, tiny_model, trainer_env
+from conftest import ROOT, STUB_MODEL, kill_when, ranks_cmd, read_jsonl, run_torchrun, run_trainer, slow, tiny_model, trainer_env
 from train.runtime.checkpoint import consolidate
 
 SMALL = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",
@@ -19,8 +19,7 @@ SMALL = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.d
 
 
 def dist_check(nproc: int, out, *args: str) -> dict | None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(ROOT / "tests" / "dist_checks.py"), *args, "--out", str(out)]
+    cmd = ranks_cmd(nproc, str(ROOT / "tests" / "dist_checks.py"), *args, "--out", str(out))
     proc = run_torchrun(cmd, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return torch.load(out) if os.path.exists(out) and str(out).endswith(".pt") else None

@@ -128,6 +128,21 @@ def test_sequence_level_loss_and_entropy_bonus_across_shards(tmp_path, single_pr
     assert_same_update(single_process("grads", *extra), other, weight_atol=3e-5)
 
 
+# slow (~1-2 min each of inductor C++ builds): tests/unit/test_compile_layers.py checks the compiled layers by default.
+# tp_size > 1 is refused (its embeddings' gradients came out wrong compiled: test_parallel_layout.py).
+@pytest.mark.parametrize("nproc,flags", [slow(1, [], id="one-process"), slow(2, ["--ac"], id="fsdp2-checkpointing"),
+                                         slow(2, ["--sp", "2", *SHARED], id="sp2-shared"),
+                                         slow(2, ["--cp", "2", *SHARED], id="cp2-shared"),
+                                         slow(1, ["--lora", "8"], id="lora")])
+def test_compiled_layers_give_the_eager_update(tmp_path, single_process, nproc, flags):
+    """actor.compile: each decoder layer through torch.compile (inductor's C++ backend here), micro-batches of
+    several lengths (a recompile, then dynamic shapes), against the eager single-process update."""
+    other = launch(nproc, tmp_path / "x.pt", "grads", "--max_tokens", "64", "--clip", "0.05", "--compile", *flags)
+    assert other["compiled_modules"] == 4 and other["graphs"] > 0  # the stub's decoder layers, really compiled
+    reference = [f for f in flags if f in ("--grouped", "--lora", "8")]  # the same samples (and adapters), eager
+    assert_same_update(single_process("grads", *reference), other, all_learn="--lora" not in flags)
+
+
 # All in the slow set (suite time): the critic shares the Trainable update loop and the backbone's
 # parallel plans with the actor, whose layout cases run by default
 @pytest.mark.parametrize("layout", [slow("dp2"), slow("fsdp2"), slow("tp2"), slow("sp2"), slow("fsdp2_tp2")])

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, can_mount_in_a_namespace, read_jsonl, slow, trainer_env
+from conftest import ROOT, can_mount_in_a_namespace, ranks_cmd, read_jsonl, slow, trainer_env
 
 SMALL = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",
          "trainer.test_freq=null", "trainer.progress_bar=false"]
@@ -28,8 +28,7 @@ def reward_fn(messages, answer):
 
 
 def trainer_cmd(nproc: int, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-            "-m", "train.trainer.grpo", "--config-name", "stub", *overrides]
+    return ranks_cmd(nproc, "-m", "train.trainer.grpo", "--config-name", "stub", *overrides)
 
 
 def peak_rss_of(cmd: list[str], timeout: int = 300) -> tuple[subprocess.CompletedProcess, float]:

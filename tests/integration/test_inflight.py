@@ -2,6 +2,7 @@
 token with the version that sampled it, the per-sample staleness bound (requeue | finish) that drops no prompt,
 and checkpoints that keep every group in flight: an exact resume, and no group lost or trained twice on another
 world size."""
+import time
 from collections import Counter
 
 import pytest
@@ -267,21 +268,25 @@ STUCK_JUDGE_ENV = '''
 import asyncio
 
 async def reward_fn(messages, answer):
-    await asyncio.sleep(8)  # a judge that does not answer in time
+    await asyncio.sleep(300)  # a judge that does not answer in time
     return 1.0
 '''
 
 
 def test_a_continuous_wait_for_a_step_s_groups_times_out_naming_it(small_data, tmp_path):
     """The trainer waits rollout.async_timeout_s for a step's groups, then fails with one line naming the step, what
-    it had and the key."""
+    it had and the key, at once: the run does not wait for the stuck judge on its way out (it used to give the
+    segment in flight 60 s to end)."""
     env_file = tmp_path / "stuck_judge.py"
     env_file.write_text(STUCK_JUDGE_ENV)
+    start = time.monotonic()
     out = run_trainer([f"trainer.save_dir={tmp_path / 'run'}", f"data.train_data_path={small_data}",
                        "trainer.total_steps=2", *INFLIGHT, "rollout.inflight_mode=continuous",
-                       f"rollout.env_path={env_file}", "rollout.async_timeout_s=2"], check=False, timeout=120)
+                       f"rollout.env_path={env_file}", "rollout.async_timeout_s=2", "rollout.env_timeout_s=300"],
+                      check=False, timeout=120)
     assert out.returncode != 0
     assert "rollout.async_timeout_s" in out.stderr and "step 1's 4 groups (0 generated and scored" in out.stderr
+    assert time.monotonic() - start < 45  # start-up and 2 s of waiting; not the segment's 60 s nor the judge's 300
 
 
 # -- the bound -------------------------------------------------------------------------------------------------

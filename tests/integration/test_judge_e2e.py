@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, free_port, read_jsonl, running, search_service, trainer_env
+from conftest import ROOT, free_port, ranks_cmd, read_jsonl, running, search_service, trainer_env
 from train.utils.services import stop
 
 TABLE = ("count", "errors", "p50_s", "p95_s", "p99_s", "max_s", "wait_s")
@@ -33,10 +33,9 @@ def test_judge_run_survives_the_judge_dying(tmp_path, search_tiny):
         env = trainer_env()
         env.update(SEARCH_URL=search_url, JUDGE_BASE_URL=f"http://127.0.0.1:{port}/v1", JUDGE_MODEL="judge",
                    JUDGE_MAX_RETRIES="1", JUDGE_BACKOFF_S="0.05", JUDGE_TIMEOUT_S="20")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--standalone",
-               "-m", "train.trainer.grpo", "--config-name", "judge", "trainer.progress_bar=false",
-               f"trainer.save_dir={save}", f"actor.model_name={search_tiny}", f"trainer.total_steps={steps}",
-               "trainer.test_freq=null", "data.prompts_per_rollout=4", "trainer.log_samples=16"]
+        cmd = ranks_cmd(1, "-m", "train.trainer.grpo", "--config-name", "judge", "trainer.progress_bar=false",
+                        f"trainer.save_dir={save}", f"actor.model_name={search_tiny}", f"trainer.total_steps={steps}",
+                        "trainer.test_freq=null", "data.prompts_per_rollout=4", "trainer.log_samples=16")
         with open(tmp_path / "trainer.log", "w") as log:
             run = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
             try:

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sys
 import textwrap
 
 import pytest
 import torch
 
-from conftest import ROOT, compose_config, read_jsonl, run_torchrun, run_trainer, slow
+from conftest import ROOT, compose_config, ranks_cmd, read_jsonl, run_torchrun, run_trainer, slow
 from model_families import FAMILIES, MATRIX, MIXTURES, build, markdown
 from train.trainer.config import ConfigError, validate
 
@@ -62,8 +61,8 @@ def cells(features: tuple[str, ...], works: bool):
 def test_a_family_loads_shard_by_shard_like_from_pretrained(tmp_path, family_model, family, feature):
     nproc, flags = LAYOUTS[feature]
     out = tmp_path / "load.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(ROOT / "tests" / "dist_checks.py"), "load", "--model", family_model(family), *flags, "--out", str(out)]
+    cmd = ranks_cmd(nproc, str(ROOT / "tests" / "dist_checks.py"), "load", "--model", family_model(family), *flags,
+                    "--out", str(out))
     proc = run_torchrun(cmd, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     result = torch.load(out)
@@ -151,9 +150,8 @@ def test_a_family_packs_rows_with_shared_prompts_like_each_sequence_alone(tmp_pa
     """The actor's packed passes (several packs, each group's prompt laid out once, FSDP2 on 1 process)
     against the plain model on each sequence alone: log-probs on action tokens, the policy loss's gradient."""
     out = tmp_path / "packing.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--standalone",
-           str(ROOT / "tests" / "dist_checks.py"), "packing", "--model", family_model(family), "--grouped", "--share",
-           "--out", str(out)]
+    cmd = ranks_cmd(1, str(ROOT / "tests" / "dist_checks.py"), "packing", "--model", family_model(family), "--grouped",
+                    "--share", "--out", str(out))
     proc = run_torchrun(cmd, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     result = torch.load(out)

@@ -1,12 +1,11 @@
 """Packed micro-batches: budgets, balance across dp groups, boundaries (positions restart, no
 attention across sequences), and the same log-probs and gradients as running each sequence alone."""
-import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import ROOT, STUB_MODEL, run_torchrun
+from conftest import ROOT, STUB_MODEL, ranks_cmd, run_torchrun
 from train.parallel.packing import balance, build_packed as build_packed_tensors, plan_packs
 from train.parallel.seq_parallel import install_packed_attention
 
@@ -136,8 +135,7 @@ def test_actor_packed_update_matches_an_unpacked_reference(tmp_path):
     """The actor (several packs, FSDP2, 1 process) against a plain per-sequence float64 reference:
     log-probs on action tokens and the gradient of the policy loss."""
     out = tmp_path / "packing.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--standalone",
-           str(ROOT / "tests" / "dist_checks.py"), "packing", "--out", str(out)]
+    cmd = ranks_cmd(1, str(ROOT / "tests" / "dist_checks.py"), "packing", "--out", str(out))
     proc = run_torchrun(cmd, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     result = torch.load(out)

@@ -75,6 +75,10 @@ pytestmark = pytest.mark.usefixtures("in_repo_root")  # config paths are relativ
     (["adv.estimator=gae", "critic.ddp_size=3"], 4, r"critic.ddp_size=3 does not divide"),
     (["actor.kl.coef=0.1", "ref_actor.tp_size=3"], 4, r"ref_actor.tp_size=3 does not divide"),
     (["actor.offload_model=yes"], 2, r"'actor.offload_model': expected true or false"),
+    # compiled layers under tensor parallelism trained the embeddings wrong (dist_checks.py grads --tp 2 --compile)
+    (["actor.compile=true", "actor.tp_size=2"], 2, r"'actor.compile': compiled layers under tensor parallelism"),
+    (["actor.compile=true", "actor.kl.coef=0.1", "ref_actor.tp_size=2"], 2, r"'actor.compile'.*actor.compile=false"),
+    (["adv.estimator=gae", "critic.compile=true", "critic.tp_size=2"], 2, r"'critic.compile'"),
 ])
 def test_config_checks_each_models_layout(overrides, world, pattern):
     with pytest.raises(ConfigError, match=pattern):
@@ -84,6 +88,7 @@ def test_config_checks_each_models_layout(overrides, world, pattern):
 def test_valid_layouts_pass_and_the_reference_mirrors_the_actor():
     cfg = compose_config(["actor.tp_size=2", "actor.sp_size=2", "actor.kl.coef=0.1", "ref_actor.sp_size=1"])
     validate(cfg, world_size=4)
+    validate(compose_config(["actor.compile=true", "actor.sp_size=2", "actor.cp_size=2"]), world_size=4)
     ref = role_config(load(cfg), "ref_actor")
     assert (ref.tp_size, ref.sp_size) == (2, 1)  # tp from the actor, sp overridden
 

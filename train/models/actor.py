@@ -125,7 +125,8 @@ class Actor(Trainable):
         self.model = build_model(model_path, self.layout, ctx.device,
                                  param_dtype=cfg.dtype,
                                  gradient_checkpointing=train and cfg.gradient_checkpointing,
-                                 offload=bool(cfg.offload_model), lora=self.lora, adapter_seed=adapter_seed)
+                                 offload=bool(cfg.offload_model), lora=self.lora, adapter_seed=adapter_seed,
+                                 compile_layers=bool(cfg.compile))
         if train and cfg.freeze_vision:  # a vision-language actor that keeps its image encoder as it is
             vision_tower(self.model).requires_grad_(False)
         # A vision-language model's placeholder tokens have probability 0, as in the engine (vlm.mask_unsampled).

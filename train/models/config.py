@@ -128,6 +128,8 @@ class ActorConfig:
                                                   "when the update would not fit without; off on CPU)")
     use_liger_kernel: bool | None = setting("fused log-prob/entropy head, no [batch, seq, vocab] logits (null: on a "
                                             "GPU for micro-batches of 8192 tokens or more, where it applies)")
+    compile: bool = setting("torch.compile each decoder layer of the actor (and of its KL reference): its "
+                            "element-wise work fused; compiles on the first micro-batches (docs/gpu.md)")
     share_prompt: bool = setting("each group's prompt laid out once per packed row in every pass")
     router_replay: str | None = setting("mixtures of experts: null (off) | response (positions holding sampled "
                                         "tokens) | all (the prompt's and tool replies' too): the trainer's routers "
@@ -170,6 +172,7 @@ class CriticConfig:
     offload_optimizer: bool = setting("Adam moments on the CPU between steps")
     dtype: str = setting("float32 | bfloat16 (as actor.dtype)", choices=DTYPES)
     gradient_checkpointing: bool = setting("recompute activations in the backward pass")
+    compile: bool = setting("torch.compile each decoder layer (as actor.compile)")
     lora: LoraConfig = setting("adapters on the critic's backbone (as actor.lora); the value head trains fully")
     lr: float = setting("the learning rate", gt=0, example="1e-5")
     weight_decay: float = setting("AdamW weight decay")

@@ -37,7 +37,8 @@ class Critic(Trainable):
         self.model = build_model(model_path, self.layout, ctx.device, value_head=True,
                                  param_dtype=cfg.dtype,
                                  gradient_checkpointing=cfg.gradient_checkpointing, offload=bool(cfg.offload_model),
-                                 lora=self.lora, lora_key="critic.lora", adapter_seed=adapter_seed)
+                                 lora=self.lora, lora_key="critic.lora", adapter_seed=adapter_seed,
+                                 compile_layers=bool(cfg.compile))
         self.optimizer = optim.build_optimizer(self.model, cfg.lr, cfg.betas, cfg.weight_decay)
         self.scheduler = optim.build_scheduler(self.optimizer, total_updates, cfg.warmup_ratio, "constant", 1.0)
 

@@ -167,12 +167,13 @@ def reset_non_persistent_buffers(model: torch.nn.Module) -> None:
 def build_model(path: str, layout: Layout, device: torch.device, *, value_head: bool = False,
                 param_dtype: str = "float32", gradient_checkpointing: bool = False,
                 offload: bool = False, lora: LoraSettings | None = None, lora_key: str = "actor.lora",
-                adapter_seed: int = 0) -> torch.nn.Module:
+                adapter_seed: int = 0, compile_layers: bool = False) -> torch.nn.Module:
     """The causal LM of `path` (or with `value_head`, its backbone with a zero value head: the
     critic), wrapped for `layout`, with only this rank's shards ever allocated. With `lora` enabled,
     LoRA adapters are injected before the parallel plan (train/models/lora.py): the base is frozen
     and filled from `path`, the adapters start as B = 0 (the base model's outputs) and A drawn from
-    `adapter_seed`; the critic's value head stays trainable."""
+    `adapter_seed`; the critic's value head stays trainable. `compile_layers`: torch.compile each decoder
+    layer (parallelize.apply_compile)."""
     from train.models.value_model import ValueModel
 
     config = AutoConfig.from_pretrained(path)
@@ -194,7 +195,7 @@ def build_model(path: str, layout: Layout, device: torch.device, *, value_head: 
     tied = bool(getattr(config, "tie_word_embeddings", False)) and not value_head
     conversions = conversions_of(model)  # before FSDP renames the classes they are found by
     parallelize(model, layout, param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing,
-                offload=offload)
+                offload=offload, compile_layers=compile_layers)
     model.to_empty(device=device)
     if tied and model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
         model.tie_weights()  # to_empty gives each module its own tensor: tie them again

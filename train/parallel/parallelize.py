@@ -2,7 +2,7 @@
 applied in order by `parallelize`: `apply_tp` (train/parallel/tensor_parallel.py), `apply_ep`
 (routed experts split over ep ranks: train/parallel/expert_parallel.py),
 `install_packed_attention` (segment attention over packed rows, Ulysses when sp > 1:
-train/parallel/seq_parallel.py), `apply_ac`, `apply_fsdp`."""
+train/parallel/seq_parallel.py), `apply_ac`, `apply_compile`, `apply_fsdp`."""
 from __future__ import annotations
 
 import torch
@@ -40,6 +40,30 @@ def apply_ac(model: torch.nn.Module) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def compile_refusal(tp_size: int) -> str | None:
+    """Why a layout cannot compile its layers (None when it can). Under tensor parallelism the compiled layers
+    gave wrong gradients for the embeddings (the backward's sum of the layer input's gradient over the tp ranks
+    went missing, torch 2.13 on CPU): refused rather than trained wrong."""
+    if tp_size > 1:
+        return (f"compiled layers under tensor parallelism (tp_size {tp_size}) gave wrong gradients in our checks; "
+                "use tp_size=1 (FSDP, sp or cp instead) or compile off")
+    return None
+
+
+def apply_compile(model: torch.nn.Module) -> int:
+    """torch.compile each decoder layer in place (`Module.compile`: the parameters and their state-dict
+    names stay, so checkpoints, pushes and FSDP see the same model), so a layer's norms, RoPE, SwiGLU
+    and residual adds run as a few fused kernels instead of one kernel each. Layers of one class share
+    the compiled code (dynamo guards on what the forward reads, not on which layer runs it); the first
+    micro-batch of a new length recompiles once, and from then on the lengths are dynamic. Compiled
+    inside activation checkpointing (the recompute replays the compiled forward) and under FSDP2's hooks
+    (which dynamo leaves to run eagerly). Returns the number of layers compiled."""
+    layers = transformer_layers(model)
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: str = "float32",
                reshard_after_forward: bool = True, offload: bool = False,
                expert_mesh: DeviceMesh | None = None) -> torch.nn.Module:
@@ -67,10 +91,10 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: str = "flo
 
 
 def parallelize(model: torch.nn.Module, layout: Layout, *, param_dtype: str = "float32",
-                gradient_checkpointing: bool = False, offload: bool = False) -> torch.nn.Module:
+                gradient_checkpointing: bool = False, offload: bool = False, compile_layers: bool = False) -> torch.nn.Module:
     """The composition, in the order the pieces require: TP plans on plain modules, packed
-    (and, with sp > 1, Ulysses) attention, activation checkpointing, then FSDP over the (ddp, fsdp)
-    mesh. A single replica in fp32 without offload (one process) stays a plain module: FSDP would
+    (and, with sp > 1, Ulysses) attention, activation checkpointing, compiled layers (`compile_layers`), then FSDP
+    over the (ddp, fsdp) mesh. A single replica in fp32 without offload (one process) stays a plain module: FSDP would
     shard over one rank and only add its hooks and DTensor dispatch to every call."""
     if layout.sizes.tp > 1:
         apply_tp(model, layout.tp_mesh)
@@ -79,6 +103,11 @@ def parallelize(model: torch.nn.Module, layout: Layout, *, param_dtype: str = "f
     install_packed_attention(model)
     if gradient_checkpointing:
         apply_ac(model)
+    if compile_layers:
+        why = compile_refusal(layout.sizes.tp)
+        if why is not None:
+            raise ValueError(why)
+        apply_compile(model)
     if layout.fsdp_mesh.size() == 1 and layout.sizes.tp == 1 and param_dtype == "float32" and not offload:
         return model
     return apply_fsdp(model, layout.fsdp_mesh, param_dtype=param_dtype, offload=offload,

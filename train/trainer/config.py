@@ -472,6 +472,7 @@ def _validate_parallel(run: RunConfig, world_size: int, paths: ModelPaths) -> No
     from transformers import AutoConfig
 
     from train.parallel.layout import LayoutError, check_model_fits, layout_sizes
+    from train.parallel.parallelize import compile_refusal
 
     roles = ["actor"]
     if has_reference_slot(run):
@@ -485,6 +486,11 @@ def _validate_parallel(run: RunConfig, world_size: int, paths: ModelPaths) -> No
                                  ep=getattr(section, "ep_size", None) or 1, cp=getattr(section, "cp_size", None) or 1)
         except LayoutError as e:
             raise ConfigError(f"config: {e}") from None
+        if section.compile:
+            why = compile_refusal(sizes.tp)
+            if why is not None:
+                key = "critic.compile" if role == "critic" else "actor.compile"  # (the reference takes the actor's)
+                _fail(key, why, f"{key}=false")
         path = {"actor": paths.actor, "ref_actor": paths.reference, "critic": paths.critic}[role]
         # the reference slot holds every distill.teachers model too, each laid out as ref_actor
         for path in [path, *(paths.teachers.values() if role == "ref_actor" else [])]:

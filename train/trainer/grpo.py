@@ -605,8 +605,10 @@ class Trainer:
             how = "no checkpoint was saved (trainer.save_on_signal=false): a restart begins again"
         self.log.write(f"stopped by {signal_name} after step {step}; {how}")
 
-    def close(self) -> None:
-        self.rollouts.close()
+    def close(self, failed: bool = False) -> None:
+        """Release what the run holds. After a failure the rollouts in flight are not waited for (an env call may
+        be what is stuck): the error line comes at once. A checkpoint being written still completes."""
+        self.rollouts.close(wait_s=0.0 if failed else 60.0)
         self.watchdog.close()
         self.checkpointer.close()
         self.log.close()
@@ -638,10 +640,12 @@ def run(cfg: DictConfig) -> None:
                   num_threads=run_cfg.trainer.num_threads)
             return
         trainer = Trainer(cfg, ctx)
+        failed = True
         try:
             trainer.fit(stop)
+            failed = False
         finally:
-            trainer.close()
+            trainer.close(failed)
     finally:
         stop.uninstall()
         cleanup()

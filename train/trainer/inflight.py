@@ -149,8 +149,8 @@ class InflightRollouts(RolloutSource):
     def settle(self, metrics: dict[str, float]) -> float:
         return self._drain(metrics) if self.prefetch.in_flight else 0.0
 
-    def _idle(self) -> bool:
-        return self.prefetch.close()
+    def _idle(self, wait_s: float) -> bool:
+        return self.prefetch.close(wait_s)
 
     # -- segments --------------------------------------------------------------------------
     def _background_segment(self, step: int, generated: Callable[[], None]) -> StepRollout:
@@ -421,11 +421,11 @@ class ContinuousRollouts(InflightRollouts):
             super()._admit()
             self._cond.notify_all()
 
-    def _idle(self) -> bool:
+    def _idle(self, wait_s: float) -> bool:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join(timeout=60.0)
+        self._thread.join(timeout=wait_s)
         return not self._thread.is_alive()
 
     # -- the segments' thread --------------------------------------------------------------

@@ -104,18 +104,20 @@ class RolloutSource:
                               "flight (saved with rollout.inflight=true); resume with rollout.inflight=true, or their "
                               "prompts would be lost")
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 60.0) -> None:
         """Stop making rollouts; the rollout worker (its event loop, env clients, engine) closes when
-        nothing is left running (a rollout still running holds the worker's loop: the process ends with it)."""
-        if self._idle():
+        nothing is left running (a rollout still running holds the worker's loop: the process ends with it).
+        A rollout in flight gets `wait_s` seconds to end (0 when the run failed: its error line should not wait
+        for a stuck env call)."""
+        if self._idle(wait_s):
             self.rollout.close()
 
     def api_calls(self) -> list[dict]:
         """External calls the environments made since the last call (for the step's latency statistics)."""
         return self.rollout.pop_api_calls()
 
-    def _idle(self) -> bool:
-        """Whether nothing is left running once this source stops."""
+    def _idle(self, wait_s: float) -> bool:
+        """Whether nothing is left running once this source stops (waiting at most `wait_s` seconds)."""
         return True
 
     # -- making rollouts -------------------------------------------------------------------
@@ -293,8 +295,8 @@ class PrefetchedRollouts(RolloutSource):
         self.prefetch.restore(with_rewards_on_samples(rollouts))  # trained as they were generated: bit-exact
         return True
 
-    def _idle(self) -> bool:
-        return self.prefetch.close()
+    def _idle(self, wait_s: float) -> bool:
+        return self.prefetch.close(wait_s)
 
     def _roll_ahead(self, step: int) -> None:
         """Queue the rollouts of steps step+1 .. step+k: those missing below step+k (the first steps,
