@@ -58,10 +58,12 @@ def test_gpu_suite_tiny_runs_every_section(tmp_path):
     for row in s["mfu"]["micro_batches"]:
         assert 0 < row["mfu"] < 1.5 and row["seconds"] > 0
     # the plain LM head at each size, then the fused one
-    assert [(m["lm_head"], m["tokens"]) for m in s["mfu"]["micro_batches"]] == [
-        (head, t) for head in ("plain", "fused") for t in result["shapes"]["mfu_tokens"]]
+    longest = max(result["shapes"]["mfu_tokens"])  # then the compiled actor (actor.compile) at the longest length
+    assert [(m["lm_head"], m["tokens"], m["compiled"]) for m in s["mfu"]["micro_batches"]] == [
+        (head, t, False) for head in ("plain", "fused") for t in result["shapes"]["mfu_tokens"]] + [
+        ("plain", longest, True), ("fused", longest, True)]
     assert s["push"]["s_per_billion"] > 0 and s["push"]["s_per_billion_unverified"] > 0 and s["push"]["params"] > 0
-    for name in ("decode_profile.txt", f"mfu_profile_{max(result['shapes']['mfu_tokens'])}_fused.txt",
+    for name in ("decode_profile.txt", f"mfu_profile_{longest}_fused.txt", f"mfu_profile_{longest}_compiled.txt",
                  "push_profile_verify_True.txt"):
         assert "Self CPU" in (tmp_path / name).read_text()  # the profiles the GPU run is read by
     assert s["step"]["steps"] == 3 and s["step"]["time/step_s"] > 0 and "time/rollout_s" in s["step"]
