@@ -45,8 +45,9 @@ def compile_refusal(tp_size: int) -> str | None:
     gave wrong gradients for the embeddings (the backward's sum of the layer input's gradient over the tp ranks
     went missing, torch 2.13 on CPU): refused rather than trained wrong."""
     if tp_size > 1:
-        return (f"compiled layers under tensor parallelism (tp_size {tp_size}) gave wrong gradients in our checks; "
-                "use tp_size=1 (FSDP, sp or cp instead) or compile off")
+        return (f"compiled layers under tensor parallelism (tp_size {tp_size}) gave the embeddings wrong gradients "
+                "on torch 2.13 (the sum of the layers' input gradient over the tp ranks went missing): lay the model "
+                "out with tp_size=1 (FSDP, sp or cp shard it instead) or leave compile off")
     return None
 
 
