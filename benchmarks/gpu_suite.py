@@ -19,8 +19,9 @@ Sections (each one's failure is recorded and the others still run; the exit stat
   on CUDA), same model, prompts and lengths.
 * `mfu`: the actor's update (FSDP2 path, bf16 on CUDA) on one packed micro-batch of 8k and of 16k
   tokens: 6 x params x tokens + attention FLOPs (LM head on action tokens) per second, over the
-  device's dense bf16 peak (datasheet where known, else a measured bf16 matmul); then the same at 16k
-  with `actor.compile` (each decoder layer compiled), and the first compiled update's extra seconds.
+  device's dense bf16 peak (datasheet where known, else a measured bf16 matmul).
+* `mfu_compiled`: the same at 16k with `actor.compile` (each decoder layer compiled), both heads, and the first
+  compiled update's seconds (compiling included).
 * `push`: weight push seconds per billion parameters (flat-bucket gather + the engine's copy), the
   trainer's `PolicySync.push` path.
 * `step`: 3 trainer steps on the same 0.5B-shaped model (stub tokenizer and data, `eq.py`),
@@ -70,7 +71,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step", "trl", "bigmodel", "moe", "vlm", "ring")
+SECTIONS = ("tests", "demo", "decode", "mfu", "mfu_compiled", "push", "step", "trl", "bigmodel", "moe", "vlm", "ring")
 
 # Datasheet figures (dense bf16 TFLOP/s, HBM TB/s) matched on torch.cuda.get_device_name().
 DATASHEET = (
@@ -453,28 +454,36 @@ def fixed_batch(tokens: int, vocab: int, groups: int = 2, per_group: int = 4):
     return ids, masks, adv, sampler, length - prompt_len
 
 
-def section_mfu(args, work: Path, shapes: Shapes, info: dict, model_dir: Path) -> dict:
-    """The update's MFU: the eager actor with the plain and the fused head at each length, then the same actor
-    built with `actor.compile` (each decoder layer compiled) at the longest length. Returns the eager actor (the
-    push section's) under `_actor`."""
+def mfu_peak(info: dict) -> tuple[float, str]:
+    """The dense bf16 peak MFU is taken against: the datasheet's where known, else a measured matmul."""
     import torch
 
+    if info["datasheet_bf16_tflops"] is not None:
+        return info["datasheet_bf16_tflops"], "datasheet"
     device = torch.device("cuda" if info["cuda"] else "cpu")
-    peak = info["datasheet_bf16_tflops"]
-    source = "datasheet"
-    if peak is None:
-        peak, source = measured_matmul_tflops(device, torch.bfloat16 if info["cuda"] else torch.float32), "measured matmul"
+    return measured_matmul_tflops(device, torch.bfloat16 if info["cuda"] else torch.float32), "measured matmul"
+
+
+def section_mfu(args, work: Path, shapes: Shapes, info: dict, model_dir: Path) -> dict:
+    """The update's MFU: the eager actor with the plain and the fused head at each length. Returns the actor (the
+    push section's) under `_actor`."""
+    peak, source = mfu_peak(info)
     actor, ctx = build_actor(model_dir, max(shapes.mfu_tokens), info)
     # The default LM head (logits of the action tokens, then log-softmax) and the fused one
     # (actor.use_liger_kernel: chunked, no [tokens, vocab] logits kept).
     rows = [mfu_row(actor, ctx, work, shapes, info, model_dir, peak, fused, tokens)
             for fused in (False, True) for tokens in shapes.mfu_tokens]
-    compiled, ctx = build_actor(model_dir, max(shapes.mfu_tokens), info, compile_layers=True)
-    rows += [mfu_row(compiled, ctx, work, shapes, info, model_dir, peak, fused, max(shapes.mfu_tokens))
-             for fused in (False, True)]
-    del compiled
-    gc.collect()
     return {"peak_tflops": peak, "peak_source": source, "micro_batches": rows, "_actor": actor}
+
+
+def section_mfu_compiled(args, work: Path, shapes: Shapes, info: dict, model_dir: Path) -> dict:
+    """The same update with `actor.compile` (each decoder layer compiled) at the longest length, both heads; its
+    own section, so a time limit that stops it keeps the eager figures."""
+    peak, source = mfu_peak(info)
+    actor, ctx = build_actor(model_dir, max(shapes.mfu_tokens), info, compile_layers=True)
+    rows = [mfu_row(actor, ctx, work, shapes, info, model_dir, peak, fused, max(shapes.mfu_tokens))
+            for fused in (False, True)]
+    return {"peak_tflops": peak, "peak_source": source, "micro_batches": rows}
 
 
 def mfu_row(actor, ctx, work: Path, shapes: Shapes, info: dict, model_dir: Path, peak: float, fused: bool,
@@ -932,11 +941,15 @@ def markdown(result: dict) -> str:
         f"{b['tokens_per_s']:,.0f} tok/s = {100 * b['fraction_of_bound']:.2g}% of the bound ({b['bound_tokens_per_s']:,.0f})")
         for b in r["batches"])
         + f" (bandwidth {r['bandwidth_tb_s']:.2f} TB/s, {r['bandwidth_source']}; measured copy {r['measured_copy_tb_s']:.2f})")
-    cell("mfu", lambda r: "; ".join(
-        f"{m.get('lm_head', 'plain')} head{', compiled layers' if m.get('compiled') else ''}, {m['tokens']} tokens: "
-        f"{m['seconds']:.3f} s, {m['tflops']:.3g} TFLOP/s = MFU {100 * m['mfu']:.1f}%"
-        + (f" (first update {m['warmup_s']:.1f} s)" if m.get('compiled') else "")
-        for m in r["micro_batches"]) + f" (peak {r['peak_tflops']:.3g} TFLOP/s, {r['peak_source']})")
+    def mfu(r: dict) -> str:
+        return "; ".join(
+            f"{m.get('lm_head', 'plain')} head{', compiled layers' if m.get('compiled') else ''}, {m['tokens']} tokens: "
+            f"{m['seconds']:.3f} s, {m['tflops']:.3g} TFLOP/s = MFU {100 * m['mfu']:.1f}%"
+            + (f" (first update {m['warmup_s']:.1f} s)" if m.get('compiled') else "")
+            for m in r["micro_batches"]) + f" (peak {r['peak_tflops']:.3g} TFLOP/s, {r['peak_source']})"
+
+    cell("mfu", mfu)
+    cell("mfu_compiled", mfu)
     cell("push", lambda r: f"{r['seconds']:.4g} s for {r['params'] / 1e6:.3g}M params = {r['s_per_billion']:.3g} s per "
                            f"billion (verified); {r['s_per_billion_unverified']:.3g} s per billion with verify_push off")
     cell("bigmodel", lambda r: "; ".join(
@@ -999,7 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[gpu_suite] {name} ...", flush=True)
             start = time.perf_counter()
             try:
-                if name in ("mfu", "push", "step", "trl") and model_dir is None:
+                if name in ("mfu", "mfu_compiled", "push", "step", "trl") and model_dir is None:
                     model_dir = write_model(shapes, Path(tmp))
                     args.model_dir = str(model_dir)
                 if name == "tests":
@@ -1014,6 +1027,8 @@ def main(argv: list[str] | None = None) -> int:
                     actor = None  # the mfu section's actor: its memory is not this section's
                     gc.collect()
                     out = section_bigmodel(args, work, info)
+                elif name == "mfu_compiled":
+                    out = section_mfu_compiled(args, work, shapes, info, model_dir)
                 elif name == "mfu":
                     out = section_mfu(args, work, shapes, info, model_dir)
                     actor = out.pop("_actor")

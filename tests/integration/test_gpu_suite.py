@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT
 
-SECTIONS = ("tests", "demo", "decode", "mfu", "push", "step", "trl", "bigmodel", "moe", "vlm", "ring")
+SECTIONS = ("tests", "demo", "decode", "mfu", "mfu_compiled", "push", "step", "trl", "bigmodel", "moe", "vlm", "ring")
 
 
 @pytest.mark.slow
@@ -58,10 +58,13 @@ def test_gpu_suite_tiny_runs_every_section(tmp_path):
     for row in s["mfu"]["micro_batches"]:
         assert 0 < row["mfu"] < 1.5 and row["seconds"] > 0
     # the plain LM head at each size, then the fused one
-    longest = max(result["shapes"]["mfu_tokens"])  # then the compiled actor (actor.compile) at the longest length
+    longest = max(result["shapes"]["mfu_tokens"])
     assert [(m["lm_head"], m["tokens"], m["compiled"]) for m in s["mfu"]["micro_batches"]] == [
-        (head, t, False) for head in ("plain", "fused") for t in result["shapes"]["mfu_tokens"]] + [
+        (head, t, False) for head in ("plain", "fused") for t in result["shapes"]["mfu_tokens"]]
+    # the compiled actor (actor.compile) at the longest length, in its own section
+    assert [(m["lm_head"], m["tokens"], m["compiled"]) for m in s["mfu_compiled"]["micro_batches"]] == [
         ("plain", longest, True), ("fused", longest, True)]
+    assert all(0 < m["mfu"] < 1.5 and m["warmup_s"] > m["seconds"] for m in s["mfu_compiled"]["micro_batches"])
     assert s["push"]["s_per_billion"] > 0 and s["push"]["s_per_billion_unverified"] > 0 and s["push"]["params"] > 0
     for name in ("decode_profile.txt", f"mfu_profile_{longest}_fused.txt", f"mfu_profile_{longest}_compiled.txt",
                  "push_profile_verify_True.txt"):
