@@ -608,7 +608,10 @@ class Trainer:
     def close(self, failed: bool = False) -> None:
         """Release what the run holds. After a failure the rollouts in flight are not waited for (an env call may
         be what is stuck): the error line comes at once. A checkpoint being written still completes."""
-        self.rollouts.close(wait_s=0.0 if failed else 60.0)
+        if failed:
+            self.rollouts.close(wait_s=0.0)
+        else:
+            self.rollouts.close()  # RolloutSource's own wait for a rollout in flight
         self.watchdog.close()
         self.checkpointer.close()
         self.log.close()
