@@ -147,7 +147,10 @@ def layout_overrides(args) -> dict:
 def grads(args, ctx) -> None:
     torch.manual_seed(0)
     cfg = actor_cfg(agg_mode=args.agg, max_length_per_device=args.max_tokens, max_grad_norm=args.clip,
-                    loss=args.loss, **{"entropy.coef": args.entropy}, **layout_overrides(args), **lora_overrides(args))
+                    loss=args.loss, dtype=args.dtype, **{"entropy.coef": args.entropy}, **layout_overrides(args),
+                    **lora_overrides(args))
+    if args.reduce_every_pack:  # the accumulation as it was before gradients were reduced once per mini-batch
+        Actor.defers_grad_sync = property(lambda self: False)
     actor = Actor(cfg, ctx, args.model, pad_token_id=0, train=True, temperature=1.0, total_updates=1)
     if args.lora:
         perturb_adapters(actor.model)
@@ -158,8 +161,11 @@ def grads(args, ctx) -> None:
     norms, [packs] = actor.prepare(sb, 1)
     shared_packs(packs, args)
     actor.model.train()
-    actor.accumulate(packs, norms[0], actor.policy_loss(sb, 32), UpdateStats())  # gradients, no step
-    step_and_save(actor, ctx, args.out)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        actor.accumulate(packs, norms[0], actor.policy_loss(sb, 32), UpdateStats())  # gradients, no step
+    # FSDP's gradient reductions (one per FSDP unit and backward that reduces), and the packs they came from
+    reduces = sum(e.name.startswith("FSDP::post_backward_reduce") for e in prof.events())
+    step_and_save(actor, ctx, args.out, packs=len(packs), reduces=reduces, defers=actor.defers_grad_sync)
 
 
 def shared_packs(packs, args) -> None:
@@ -168,9 +174,9 @@ def shared_packs(packs, args) -> None:
         assert sum(mb.laid_out for mb in packs) < sum(mb.represented for mb in packs), "nothing was shared"
 
 
-def step_and_save(worker, ctx, out) -> None:
+def step_and_save(worker, ctx, out, **extra) -> None:
     """Full gradients of the trainable parameters, the optimizer step's (clipped) norm, the updated
-    full weights (frozen ones too) and the names the optimizer keeps state for, to `out` on rank 0."""
+    full weights (frozen ones too) and the names the optimizer keeps state for, and `extra`, to `out` on rank 0."""
     params = worker.model.named_parameters
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 - one process: plain tensors
     grads = {name: full(p.grad).clone() for name, p in params() if p.requires_grad}
@@ -186,7 +192,7 @@ def step_and_save(worker, ctx, out) -> None:
     if ctx.is_main:
         torch.save({"grads": grads, "norm": norm, "weights": weights, "optimized": optimized,
                     "frozen_grads": frozen_grads, "adam": adam, "compiled_modules": compiled, "graphs": graphs,
-                    "fused_head": getattr(worker, "fused_head", None) is not None}, out)
+                    "fused_head": getattr(worker, "fused_head", None) is not None, **extra}, out)
 
 
 def placed_like(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -784,7 +790,9 @@ def main() -> None:
     parser.add_argument("--share", action="store_true", help="dispatch with share_prompt (lay each prompt out once)")
     parser.add_argument("--fused_head", action="store_true", help="actor.use_liger_kernel: the fused log-prob head")
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank of the actor / critic (0: full model)")
-    parser.add_argument("--dtype", default="float32", help="the actor's compute dtype (shared_base)")
+    parser.add_argument("--dtype", default="float32", help="the actor's compute dtype (grads, shared_base)")
+    parser.add_argument("--reduce_every_pack", action="store_true",
+                        help="grads: reduce gradients after every pack, not once per mini-batch")
     parser.add_argument("--freeze", action="store_true", help="vision: actor.freeze_vision")
     parser.add_argument("--mixed", action="store_true", help="vision: rows of text only among the picture rows")
     parser.add_argument("--critic", action="store_true", help="vision: the critic's values vs a reference too")

@@ -230,3 +230,33 @@ def test_weight_push_gathers_full_tensors_in_flat_buckets(tmp_path, name, nproc,
             assert r["gathers"] == 0
     assert "lm_head.weight" not in out["expected_names"]  # tied to the embeddings: pushed once
 
+
+
+FSDP_UNITS = 5  # the stub's 4 decoder layers and the root
+
+
+def test_one_gpu_in_bf16_reduces_gradients_once_per_mini_batch_with_the_same_update(tmp_path):
+    """One rank with actor.dtype=bfloat16 runs under FSDP2 (bf16 compute, fp32 masters): the backwards of a
+    mini-batch's packs add into FSDP's unsharded fp32 gradients and are reduced once, after the last pack,
+    instead of once per pack, and the update is the same bit for bit."""
+    flags = ("--dtype", "bfloat16", "--max_tokens", "64", "--clip", "0.05")
+    once = launch(1, tmp_path / "once.pt", "grads", *flags)
+    every = launch(1, tmp_path / "every.pt", "grads", *flags, "--reduce_every_pack")
+    assert once["defers"] and not every["defers"] and once["packs"] == every["packs"] >= 3
+    assert once["reduces"] == FSDP_UNITS and every["reduces"] == FSDP_UNITS * every["packs"]
+    assert once["norm"] == every["norm"]
+    for part in ("grads", "weights"):
+        for name, value in every[part].items():
+            assert torch.equal(once[part][name], value), (part, name)
+
+
+@pytest.mark.parametrize("layout,deferred", [("dp2", True), slow("fsdp2", False)])
+def test_replicas_reduce_once_per_mini_batch_and_shards_after_every_pack(tmp_path, single_process, layout, deferred):
+    """Over ddp (each rank a whole replica) one all-reduce per mini-batch, not one per pack: traffic per step
+    that does not grow with the packs. Sharded over fsdp, every pack's gradients are reduced at once, so a rank
+    never holds more than its 1/fsdp share of them. Either way, the update of one process."""
+    nproc, flags = LAYOUTS[layout]
+    other = launch(nproc, tmp_path / "x.pt", "grads", "--max_tokens", "64", "--clip", "0.05", *SHARED, *flags)
+    assert other["defers"] == deferred and other["packs"] >= 2
+    assert other["reduces"] == FSDP_UNITS * (1 if deferred else other["packs"])
+    assert_same_update(single_process("grads", "--grouped"), other)

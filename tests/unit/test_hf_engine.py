@@ -353,6 +353,51 @@ def test_rows_at_temperature_zero_or_one_skip_the_division_with_the_same_tokens_
     assert torch.equal(divided[0], skipped[0]) and torch.equal(divided[1], skipped[1])
 
 
+def test_only_the_rows_that_ask_for_top_p_or_top_k_are_filtered_as_a_float64_reference_samples() -> None:
+    """The engine passes the index of the rows with top-p/top-k (`filtered`), and only those are sorted. Each
+    row's token is the one a float64 inverse CDF of its own (truncated, renormalised) distribution gives,
+    whether the index is passed, left for the sampler to find, or the row is sampled alone."""
+    from train.engines.hf import sample_tokens
+
+    g = torch.Generator().manual_seed(5)
+    n, vocab = 12, 300
+    logits = torch.randn(n, vocab, generator=g) * 3
+    temperature = torch.tensor([1.0, 0.7, 1.0, 0.0, 1.3, 1.0, 1.0, 0.9, 1.0, 1.0, 0.0, 1.0])
+    top_p = torch.tensor([1.0, 0.8, 1.0, 0.5, 1.0, 0.6, 1.0, 1.0, 0.95, 1.0, 1.0, 1.0])
+    top_k = torch.tensor([-1, -1, 5, -1, 40, -1, -1, vocab, -1, 1, -1, 0])
+    u = 1.0 - torch.rand(n, generator=g, dtype=torch.float64)
+    asks = [i for i in range(n) if top_p[i] < 1 or 0 < top_k[i] < vocab]
+    assert asks == [1, 2, 3, 4, 5, 8, 9]
+
+    def reference(i: int) -> int:
+        if temperature[i] <= 0:
+            return int(logits[i].argmax())
+        p = torch.softmax(logits[i].double() / float(temperature[i]), -1)
+        order = p.argsort(descending=True)
+        ranked = p[order]
+        keep = (ranked.cumsum(0) - ranked < float(top_p[i])) | (float(top_p[i]) >= 1)
+        if 0 < int(top_k[i]) < vocab:
+            keep &= torch.arange(vocab) < int(top_k[i])
+        keep[0] = True
+        kept = torch.zeros(vocab, dtype=torch.float64)
+        kept[order] = ranked * keep
+        cdf = kept.cumsum(0)
+        return int(torch.searchsorted(cdf, float(u[i]) * cdf[-1:]).clamp(max=vocab - 1))
+
+    want = [reference(i) for i in range(n)]
+    passed = sample_tokens(logits, temperature, top_p, top_k, u, filtered=torch.tensor(asks))
+    found = sample_tokens(logits, temperature, top_p, top_k, u)
+    alone = [sample_tokens(logits[i:i + 1], temperature[i:i + 1], top_p[i:i + 1], top_k[i:i + 1], u[i:i + 1])
+             for i in range(n)]
+    assert passed[0].tolist() == want
+    assert torch.equal(passed[0], found[0]) and torch.equal(passed[1], found[1])
+    assert [int(t) for t, _ in alone] == want
+    # none asks: no row is sorted, and the tokens are those of plain inverse-CDF sampling
+    off_p, off_k = torch.ones(n), torch.full((n,), -1)
+    plain = sample_tokens(logits, temperature, off_p, off_k, u, filtered=torch.tensor([], dtype=torch.long))
+    assert torch.equal(plain[0], sample_tokens(logits, temperature, off_p, off_k, u)[0])
+
+
 # ---------------------------------------------------------------------------------------- the full sampling set
 
 

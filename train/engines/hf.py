@@ -632,7 +632,7 @@ class HFEngine:
             captured = static.captures
         uniforms = uniforms.to(dev)  # once: no host-to-device copy per step
         live = None  # device index of the active rows (None: all of them)
-        flags = None  # (any row sampled, any row filtered) of the active rows
+        flags = None  # of the active rows: (any sampled, the filtering ones, unit temperatures, any min-p)
         while True:
             step = len(tokens[active[0]])  # every active row has sampled as many tokens
             u = uniforms[:, step] if live is None else uniforms[live, step]
@@ -641,11 +641,14 @@ class HFEngine:
             if self._unsampled is not None:
                 logits = mask_unsampled(logits.float(), self._unsampled)
             if flags is None:  # per row on the host, so sampling never waits for the GPU to decide
+                vocab = logits.shape[-1]
                 flags = (any(params[j].temperature > 0 for j in active),
-                         any(params[j].top_p < 1 or 0 < params[j].top_k < logits.shape[-1] for j in active),
-                         all(params[j].temperature in (0, 1) for j in active))
-            tok, lp = sample_tokens(logits, temp, top_p, top_k, u, min_p, any_sampled=flags[0], any_filtered=flags[1],
-                                    unit_temperature=flags[2])
+                         torch.tensor([b for b, j in enumerate(active) if params[j].top_p < 1
+                                       or 0 < params[j].top_k < vocab], dtype=torch.long, device=dev),
+                         all(params[j].temperature in (0, 1) for j in active),
+                         any(params[j].min_p > 0 for j in active))
+            tok, lp = sample_tokens(logits, temp, top_p, top_k, u, min_p if flags[3] else None, any_sampled=flags[0],
+                                    filtered=flags[1], unit_temperature=flags[2])
             if penalties is not None:
                 penalties.record(tok)
             keep: list[int] = []
@@ -846,7 +849,7 @@ def sample_tokens(
     min_p: torch.Tensor | None = None,
     *,
     any_sampled: bool | None = None,
-    any_filtered: bool | None = None,
+    filtered: torch.Tensor | None = None,
     unit_temperature: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return (tokens, log-probs of those tokens).
@@ -857,10 +860,12 @@ def sample_tokens(
     trainer recomputes from `log_softmax(logits / T)`; truncation (top-p, top-k, min-p) is not
     renormalised into it. Penalties, when used, are already applied to `logits`.
 
-    `any_sampled` (some row has temperature > 0) and `any_filtered` (some row has top-p < 1 or
-    0 < top-k < vocab), when the caller knows them, spare the device-to-host reads that would
-    otherwise decide them (each one waits for the GPU). `unit_temperature` (every row's temperature is
-    0 or 1, as in most RL): the division by the temperature is skipped, one pass over [rows, vocab] less.
+    What the caller knows from the rows' parameters spares the device-to-host reads that would otherwise
+    decide it (each one waits for the GPU): `any_sampled` (some row has temperature > 0), `filtered` (a
+    device index of the rows with top-p < 1 or 0 < top-k < vocab; empty = none). Only those rows are sorted:
+    a temperature-only row needs no sort, and gets the same values either way. `unit_temperature` (every
+    row's temperature is 0 or 1, as in most RL): the division by the temperature is skipped, one pass over
+    [rows, vocab] less. A `min_p` given is applied to its rows with min_p > 0 (pass None when none asks).
     """
     logits = logits.float()
     greedy = temperature <= 0
@@ -873,22 +878,28 @@ def sample_tokens(
     if any_sampled if any_sampled is not None else not bool(greedy.all()):
         probs = logp.exp()
         vocab = probs.shape[-1]
-        if min_p is not None and bool((min_p > 0).any()):
+        if min_p is not None:
             floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
             truncated = torch.where(probs >= floor, probs, torch.zeros((), dtype=probs.dtype, device=probs.device))
             # Renormalised (top-p then sees the truncated distribution), on the rows that asked only:
             # the others keep their values bit for bit, so their samples do not depend on the batch.
             probs = torch.where(min_p[:, None] > 0, truncated / truncated.sum(dim=-1, keepdim=True), probs)
-        if any_filtered if any_filtered is not None else bool(((top_p < 1) | ((top_k > 0) & (top_k < vocab))).any()):
-            ranked, order = probs.sort(dim=-1, descending=True)
+        if filtered is None:
+            filtered = ((top_p < 1) | ((top_k > 0) & (top_k < vocab))).nonzero().squeeze(1)
+        if filtered.numel():
+            every = filtered.numel() == probs.shape[0]
+            rows = probs if every else probs[filtered]
+            row_p, row_k = (top_p, top_k) if every else (top_p[filtered], top_k[filtered])
+            ranked, order = rows.sort(dim=-1, descending=True)
             rank = torch.arange(vocab, device=probs.device)
             mass_before = ranked.cumsum(-1) - ranked
-            keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
-            keep &= (top_k[:, None] <= 0) | (rank < top_k[:, None])
+            keep = (mass_before < row_p[:, None]) | (row_p[:, None] >= 1)
+            keep &= (row_k[:, None] <= 0) | (rank < row_k[:, None])
             keep[:, 0] = True  # the most likely token always survives
-            # Back in vocabulary order: every row inverts the same ordering of its CDF, so a row
-            # without top-p/top-k samples the same token whether or not another row of its batch filters.
-            probs = torch.zeros_like(probs).scatter_(1, order, ranked * keep)
+            # Back in vocabulary order, so every row samples by inverting the CDF of its probabilities in
+            # the same order: a row's token does not depend on whether another row of its batch filters.
+            rows = torch.zeros_like(rows).scatter_(1, order, ranked * keep)
+            probs = rows if every else probs.index_copy(0, filtered, rows)
         cdf = probs.cumsum(-1)
         target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
         sampled = torch.searchsorted(cdf, target).clamp(max=vocab - 1).squeeze(1)

@@ -114,7 +114,8 @@ class Actor(Trainable):
         cfg, self.memory_note = with_memory_settings(cfg, ctx, layout, model_path, train, reserved_bytes)
         super().__init__(layout, ctx.device, pad_token_id, cfg.max_length_per_device,
                          cfg.max_inference_length_per_device or 2 * cfg.max_length_per_device,
-                         cfg.max_grad_norm, bool(cfg.offload_optimizer))
+                         cfg.max_grad_norm, bool(cfg.offload_optimizer),
+                         bool(cfg.offload_model))
         self.cfg, self.ctx, self.train = cfg, ctx, train
         self.total_updates = total_updates
         self.temperature = temperature

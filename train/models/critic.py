@@ -28,7 +28,8 @@ class Critic(Trainable):
         layout = layout or layout_for(cfg, ctx.world_size, ctx.device.type, "critic")
         super().__init__(layout, ctx.device, pad_token_id, cfg.max_length_per_device,
                          cfg.max_inference_length_per_device or 2 * cfg.max_length_per_device,
-                         cfg.max_grad_norm, bool(cfg.offload_optimizer))
+                         cfg.max_grad_norm, bool(cfg.offload_optimizer),
+                         bool(cfg.offload_model))
         self.cfg, self.ctx = cfg, ctx
         # The backbone of `model_path` (or a critic this trainer exported) and a value head, built on
         # the meta device and filled shard by shard; critic.lora: adapters on the backbone, the value

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from train.models import optim
 from train.models.vlm import VisionSpec, image_spans, is_vision_config, mrope_positions
@@ -57,10 +58,10 @@ class Trainable:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
 
     def __init__(self, layout: Layout, device: torch.device, pad_id: int, max_tokens: int, infer_tokens: int,
-                 max_grad_norm: float = 1.0, offload_optimizer: bool = False) -> None:
+                 max_grad_norm: float = 1.0, offload_optimizer: bool = False, offload_model: bool = False) -> None:
         self.layout, self.device, self.pad_id = layout, device, pad_id
         self.max_tokens, self.infer_tokens = max_tokens, infer_tokens
-        self.max_grad_norm, self.offload_optimizer = max_grad_norm, offload_optimizer
+        self.max_grad_norm, self.offload_optimizer, self.offload_model = max_grad_norm, offload_optimizer, offload_model
 
     # -- state: what checkpoints and the governor's snapshots hold ---------------------------------
     def state_parts(self) -> dict[str, object]:
@@ -181,9 +182,30 @@ class Trainable:
             [self.packs(batch, members, self.max_tokens) for members in parts])
 
     def accumulate(self, packs: list[PackedMicroBatch], norms: Norms, loss: LossHook, stats: UpdateStats) -> None:
-        """Backward over one mini-batch's packs: gradients summed into .grad, no optimizer step."""
-        for mb in packs:
-            (loss(mb, norms, stats) * self.layout.grad_scale).backward()
+        """Backward over one mini-batch's packs: gradients summed into .grad, no optimizer step.
+
+        Where each rank holds whole parameters under FSDP (`defers_grad_sync`), gradients are reduced once,
+        after the last pack: the backwards before it add into FSDP's unsharded float32 gradients."""
+        defer = self.defers_grad_sync and len(packs) > 1
+        try:
+            for i, mb in enumerate(packs):
+                if defer:
+                    self.model.set_requires_gradient_sync(i == len(packs) - 1)
+                (loss(mb, norms, stats) * self.layout.grad_scale).backward()
+        finally:
+            if defer:
+                self.model.set_requires_gradient_sync(True)
+
+    @property
+    def defers_grad_sync(self) -> bool:
+        """Whether `accumulate` reduces gradients once per mini-batch rather than once per pack: under FSDP
+        with an fsdp size of 1 (one GPU in bf16, or replicas over ddp), without offload. There a shard is the
+        whole tensor, so the unsharded float32 gradients held between packs take no more memory than the
+        reduced ones, and a mini-batch of M packs makes 1 reduction (one all-reduce over ddp), not M, and
+        runs FSDP's per-parameter reduce copies once. With fsdp > 1 each rank would hold whole gradients
+        instead of its 1/fsdp share, so gradients are reduced after every pack there."""
+        return (isinstance(self.model, FSDPModule) and self.layout.sizes.fsdp == 1
+                and not self.offload_model)
 
     def mini_batch_norms(self, batch: StepBatch, mini_batches: int) -> list[Norms]:
         """Each mini-batch's global normalisers (action tokens, sequences): one all-reduce."""
