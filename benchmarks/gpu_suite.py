@@ -14,7 +14,9 @@ Sections (each one's failure is recorded and the others still run; the exit stat
   (config built here, no download) at batch 64 and 256, against the memory-bandwidth bound: each
   decode step reads the weights once and every row's KV cache, so tokens/s <= batch x bandwidth /
   (weight bytes + KV bytes). Bandwidth: the device's datasheet figure where known (H100, H200, A100),
-  and the copy bandwidth measured here (read + write of a 1 GiB buffer) in any case. The last row is
+  and the copy bandwidth measured here (read + write of a 1 GiB buffer) in any case. Rows: the static path,
+  the dynamic one (largest batch), the static path with compiled norm and MLP modules, then with compiled
+  decoder layers (`rollout.compile_decode_scope=layers`). The last row is
   the peer: transformers' own `generate` on the largest batch with its static cache (which it compiles
   on CUDA), same model, prompts and lengths.
 * `mfu`: the actor's update (FSDP2 path, bf16 on CUDA) on one packed micro-batch of 8k and of 16k
@@ -296,13 +298,17 @@ def section_decode(args, work: Path, shapes: Shapes, info: dict) -> dict:
     rows = []
     # The engine's path on this device (static cache + CUDA graphs on GPU), then the dynamic-cache
     # path it replaced (on the largest batch only: it is the slow one) for the before/after.
-    # Last, the static path with the engine's norm and MLP modules compiled (rollout.compile_decode).
+    # Then the static path with the engine's norm and MLP modules compiled (rollout.compile_decode), and last with
+    # each whole decoder layer compiled for the decode steps (rollout.compile_decode_scope=layers).
     static_here = None if info["cuda"] else True
     for path, static, batches in (("static", static_here, shapes.decode_batches),
                                   ("dynamic", False, shapes.decode_batches[-1:]),
-                                  ("static+compiled", static_here, shapes.decode_batches)):
+                                  ("static+compiled", static_here, shapes.decode_batches),
+                                  ("static+compiled layers", static_here, shapes.decode_batches)):
+        uncompile_modules(model)  # (the engines share this model: copy_model=False)
         engine = HFEngine(model, eos_token_ids=[], max_batch_size=max(shapes.decode_batches), copy_model=False,
-                          static_cache=static, compile_decode=path == "static+compiled")
+                          static_cache=static, compile_decode=path.startswith("static+compiled"),
+                          compile_scope="layers" if path.endswith("layers") else "modules")
         try:
             for batch in batches:
                 g = torch.Generator().manual_seed(batch)
@@ -326,7 +332,7 @@ def section_decode(args, work: Path, shapes: Shapes, info: dict) -> dict:
                     short = SamplingParams(max_new_tokens=32, temperature=1.0, ignore_eos=True)
                     # The batch the queue would form, run in this thread so the profiler sees its CPU side too.
                     profiled(lambda: engine._generate_batch([(p, short, ()) for p in prompts]),
-                             work / f"decode_profile{'_compiled' if 'compiled' in path else ''}.txt")
+                             work / f"decode_profile{'_' + path[7:].replace(' ', '_') if 'compiled' in path else ''}.txt")
                 rows.append({"path": path, "batch": batch, "new_tokens": new, "tokens": tokens, "seconds": seconds,
                              "tokens_per_s": tokens / seconds, "bound_tokens_per_s": bound,
                              "fraction_of_bound": tokens / seconds / bound, "cuda_graphs": engine.stats["cuda_graphs"],

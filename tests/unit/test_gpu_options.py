@@ -32,6 +32,7 @@ def test_defaults_are_valid_and_give_engine_arguments():
     hf = engine_kwargs(cfg.rollout, ctx, model_path="m", tokenizer="tok", seed=42)
     assert hf == {"path": "m", "tokenizer": "tok", "device": torch.device("cpu"), "dtype": None,
                   "max_batch_size": cfg.rollout.max_batch_size, "static_cache": None, "compile_decode": None,
+                  "compile_scope": "modules",
                   "prefill_chunk": 8192, "seed": 43, "lora": None}
     cfg = compose_config(["rollout.engine=sglang", "rollout.tp_size=2", "rollout.gpu_memory_utilization=0.6",
                 "rollout.bucket_size_mb=256", "+rollout.sglang_kwargs.context_length=4096"])

@@ -144,6 +144,42 @@ def test_compiled_decode_modules_match_the_dynamic_path_on_cpu() -> None:
     assert all(getattr(m, "_compiled_call_impl", None) is None for m in other.modules())
 
 
+def qwen2_layers(layers: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=512)).eval()
+
+
+def test_compiled_decoder_layers_sample_what_the_eager_path_does_with_graphs_shared_by_all_layers() -> None:
+    """compile_scope="layers": each whole decoder layer through inductor (C++ on CPU) for the static path's
+    decode steps: the same tokens as the dynamic path, log-probs to rounding. No graph reads a layer index,
+    so a model with 3x the layers compiles no more graphs (else: one per layer, and eager past dynamo's
+    recompile limit), and the prefill and the module's own class stay eager."""
+    def graphs(layers: int) -> tuple[HFEngine, int]:
+        torch._dynamo.reset()  # no code compiled before (reset leaves the counters: cleared too)
+        torch._dynamo.utils.counters.clear()
+        # no EOS: rows finish at their budgets, so both models decode the same sequence of shapes
+        engine = HFEngine(qwen2_layers(layers), eos_token_ids=[], static_cache=True, seed=5, compile_decode=True,
+                          compile_scope="layers")
+        reqs = requests()[:12]
+        want = generate(HFEngine(qwen2_layers(layers), eos_token_ids=[], seed=5), reqs)
+        got = generate(engine, reqs)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=2e-4)
+        assert engine.compile_error is None and engine.stats["compiled_modules"] == layers
+        return engine, int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+    engine, two = graphs(2)
+    _, six = graphs(6)
+    assert 0 < two == six, (two, six)
+    # outside the decode steps the layers run their eager forward, with their int layer index
+    layer = engine.model.model.layers[1]
+    assert layer._compiled_call_impl is None and layer.self_attn.layer_idx == 1
+    torch._dynamo.reset()
+
+
 def test_a_compile_that_fails_falls_back_to_the_eager_modules() -> None:
     model = llama()
     engine = HFEngine(model, eos_token_ids=[2], static_cache=True, seed=5, compile_decode=True)

@@ -81,6 +81,7 @@ def engine_kwargs(rollout: Any, ctx: Any, *, model_path: str, tokenizer: Any, se
         "max_batch_size": rollout.max_batch_size,
         "static_cache": rollout.static_cache,  # None: on CUDA (train/engines/static_decode.py)
         "compile_decode": rollout.compile_decode,  # None: on CUDA with the static cache
+        "compile_scope": rollout.compile_decode_scope,  # modules | layers
         "prefill_chunk": rollout.prefill_chunk,  # None: a prompt's prefill in one forward
         "seed": seed + ctx.rank,
         "lora": lora,  # the actor's LoRA layers (None: a full model); pushes then send adapters only

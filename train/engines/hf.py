@@ -51,7 +51,7 @@ import torch
 from transformers import DynamicCache
 
 from train.engines.base import Generation, SamplingParams
-from train.engines.static_decode import (StaticDecoder, column_bucket, compile_decode_modules,
+from train.engines.static_decode import (CompiledLayers, StaticDecoder, column_bucket, compile_decode_modules,
                                          install_grouped_decode_attention, kv_bytes_per_token, row_bucket,
                                          supports_static_decode, uncompile_modules)
 from train.models.router_replay import RoutingRecorder
@@ -127,6 +127,7 @@ class HFEngine:
         static_cache: bool | None = None,
         static_cache_max_bytes: int | None = None,
         compile_decode: bool | None = None,
+        compile_scope: str = "modules",
         borrowed: Iterable[str] = (),
         record_routing: bool = False,
         prefill_chunk: int | None = 8192,
@@ -143,7 +144,9 @@ class HFEngine:
         `compile_decode`: torch.compile this engine's norm and MLP module instances
         (static_decode.compile_decode_modules) so their element-wise work runs fused; None = with the
         static path on CUDA (measured 1.07-1.19x there), off on CPU. A compile that fails is recorded in
-        `compile_error` and the engine goes on eagerly.
+        `compile_error` and the engine goes on eagerly. `compile_scope`: "modules" (the above) or "layers":
+        each whole decoder layer compiled for the static path's decode steps (static_decode.CompiledLayers;
+        RoPE, residual adds and bias adds fused too; the prefill and the dynamic path stay eager).
         `borrowed`: names of tensors the model borrows from the trainer's actor (rollout.share_actor_base,
         train/models/shared_base.py): a push may not write them, and `sleep()` leaves them in place.
         `record_routing` (a mixture of experts; actor.router_replay): every Generation's `extra["routing"]`
@@ -222,9 +225,16 @@ class HFEngine:
             "static_parts": 0,  # parts of batches split to fit the static buffers' memory
             "compiled_modules": 0,  # module instances running compiled (compile_decode)
         }
+        if compile_scope not in ("modules", "layers"):
+            raise ValueError(f"compile_scope must be 'modules' or 'layers', got {compile_scope!r}")
         if compile_decode is None:
             compile_decode = self.static_cache and self.device.type == "cuda"
-        if compile_decode:
+        self._compiled_layers: CompiledLayers | None = None  # compile_scope "layers": what the static path runs
+        if compile_decode and compile_scope == "layers":
+            if self.static_cache:  # only the static path's steps run them
+                self._compiled_layers = CompiledLayers(self.model)
+                self.stats["compiled_modules"] = len(self._compiled_layers)
+        elif compile_decode:
             self.stats["compiled_modules"] = compile_decode_modules(self.model)
 
     @classmethod
@@ -487,6 +497,7 @@ class HFEngine:
                 # Compiling failed (no compiler, an unsupported op): the same batch again, eagerly.
                 self.compile_error = f"{type(exc).__name__}: {exc}"
                 uncompile_modules(self.model)
+                self._compiled_layers = None
                 self.stats["compiled_modules"] = 0
                 self._static = None  # its graphs may hold compiled kernels
                 results = self._decode_in_parts(requests)
@@ -747,7 +758,8 @@ class HFEngine:
         if limit is not None and rows * columns * per_cell > limit:
             return None
         self._static = StaticDecoder(self.model, self._cache_arg, self._logits_to_keep, rows, columns, kv_shapes,
-                                     dtype, self.device, self.device.type == "cuda", weights_key)
+                                     dtype, self.device, self.device.type == "cuda", weights_key,
+                                     self._compiled_layers)
         self.stats["static_batches"] += 1
         return self._static
 

@@ -115,6 +115,9 @@ class SlotCache(DynamicCache):
         super().__init__(config=config)
         self.slot_keys, self.slot_values, self.column, self.columns = keys, values, column, columns
 
+    # Never traced: compiled decoder layers (`compile_decode_layers`) break their graph here, so no graph reads
+    # `layer_idx` and every layer shares one compiled code (else dynamo compiles a graph per layer).
+    @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.slot_keys[layer_idx], self.slot_values[layer_idx]
@@ -132,8 +135,9 @@ class StaticDecoder:
 
     def __init__(self, model: torch.nn.Module, cache_arg: str, logits_to_keep: bool, rows: int, columns: int,
                  kv_shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
-                 use_graphs: bool, weights_key: tuple) -> None:
+                 use_graphs: bool, weights_key: tuple, compiled_layers: CompiledLayers | None = None) -> None:
         self.model, self.cache_arg, self.logits_to_keep = model, cache_arg, logits_to_keep
+        self.compiled_layers = compiled_layers
         self.rows, self.columns, self.device, self.use_graphs = rows, columns, device, use_graphs
         self.weights_key = weights_key
         zeros = lambda heads, dim: torch.zeros(rows, heads, columns, dim, dtype=dtype, device=device)  # noqa: E731
@@ -211,7 +215,10 @@ class StaticDecoder:
                                   "use_cache": True}
         if self.logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        return self.model(**kwargs).logits[:, -1, :]
+        if self.compiled_layers is None:
+            return self.model(**kwargs).logits[:, -1, :]
+        with self.compiled_layers:
+            return self.model(**kwargs).logits[:, -1, :]
 
     def _run(self, rows: int, columns: int) -> torch.Tensor:
         graph = self.graphs.get((rows, columns))
@@ -250,6 +257,42 @@ def compile_decode_modules(model: torch.nn.Module) -> int:
             module.compile()
             count += 1
     return count
+
+
+class CompiledLayers:
+    """Each decoder layer of the engine's model through torch.compile, for the decode step only: entering
+    installs the compiled calls on the layers (never their class: the actor shares it), leaving removes them,
+    so the prefill, whose `DynamicCache` state dynamo would guard on layer by layer, runs eagerly. A layer's
+    graphs stop at `SlotCache.update` and go on after it, so RoPE, the residual adds, the norms and the
+    SwiGLU fuse around the matrix products and no graph reads a layer index: the layers share their compiled
+    code (graphs per shape class, not per layer). The static path's CUDA graphs capture the compiled kernels."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from train.parallel.parallelize import transformer_layers
+
+        self.layers = transformer_layers(model)
+        self.calls = [torch.compile(layer._call_impl, dynamic=True) for layer in self.layers]
+        # The modules that hand their `layer_idx` to the cache, and that index as a CPU tensor: dynamo guards
+        # on an int attribute's value (a recompile per layer, and eager once past its recompile limit), on a
+        # tensor's shape and dtype only. SlotCache.update indexes its buffers with it as it would with the int.
+        self.indexed = [(m, m.layer_idx, torch.tensor(m.layer_idx)) for layer in self.layers for m in layer.modules()
+                        if type(getattr(m, "layer_idx", None)) is int]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __enter__(self) -> CompiledLayers:
+        for layer, call in zip(self.layers, self.calls):
+            layer._compiled_call_impl = call
+        for module, _, index in self.indexed:
+            module.layer_idx = index
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for layer in self.layers:
+            layer._compiled_call_impl = None
+        for module, index, _ in self.indexed:
+            module.layer_idx = index
 
 
 def uncompile_modules(model: torch.nn.Module) -> None:

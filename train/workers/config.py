@@ -54,6 +54,9 @@ class RolloutConfig:
                                         "one pass)", ge=1)
     compile_decode: bool | None = setting("hf: torch.compile the engine's norm and MLP module instances (fused "
                                           "element-wise kernels in the decode graphs; null: on GPU)")
+    compile_decode_scope: str = setting("hf: what compile_decode compiles: modules (the norm and MLP instances, "
+                                        "prefill included) | layers (each whole decoder layer, for the static "
+                                        "path's decode steps)", choices=("modules", "layers"))
     share_actor_base: bool | None = setting("hf + LoRA: the engine's base weights are the actor's own tensors (no "
                                             "second copy; null: where it applies, true: required)")
     tp_size: int = setting("sglang: GPUs per engine; the first rank of each group of tp_size owns it", ge=1)
