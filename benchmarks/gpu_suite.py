@@ -15,10 +15,11 @@ Sections (each one's failure is recorded and the others still run; the exit stat
   decode step reads the weights once and every row's KV cache, so tokens/s <= batch x bandwidth /
   (weight bytes + KV bytes). Bandwidth: the device's datasheet figure where known (H100, H200, A100),
   and the copy bandwidth measured here (read + write of a 1 GiB buffer) in any case. Rows: the static path,
-  the dynamic one (largest batch), the static path with compiled norm and MLP modules, then with compiled
-  decoder layers (`rollout.compile_decode_scope=layers`). The last row is
+  the dynamic one (largest batch), the static path with compiled norm and MLP modules. The last row is
   the peer: transformers' own `generate` on the largest batch with its static cache (which it compiles
   on CUDA), same model, prompts and lengths.
+* `decode_layers`: the same static rows with each whole decoder layer compiled for the decode steps
+  (`rollout.compile_decode_scope=layers`), to set beside `decode`'s compiled modules.
 * `mfu`: the actor's update (FSDP2 path, bf16 on CUDA) on one packed micro-batch of 8k and of 16k
   tokens: 6 x params x tokens + attention FLOPs (LM head on action tokens) per second, over the
   device's dense bf16 peak (datasheet where known, else a measured bf16 matmul).
@@ -73,7 +74,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-SECTIONS = ("tests", "demo", "decode", "mfu", "mfu_compiled", "push", "step", "trl", "bigmodel", "moe", "vlm", "ring")
+SECTIONS = ("tests", "demo", "decode", "decode_layers", "mfu", "mfu_compiled", "push", "step", "trl", "bigmodel", "moe", "vlm", "ring")
 
 # Datasheet figures (dense bf16 TFLOP/s, HBM TB/s) matched on torch.cuda.get_device_name().
 DATASHEET = (
@@ -277,7 +278,9 @@ async def generate_all(engine, prompts: list[list[int]], sampling):
     return await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
 
 
-def section_decode(args, work: Path, shapes: Shapes, info: dict) -> dict:
+def section_decode(args, work: Path, shapes: Shapes, info: dict, layers: bool = False) -> dict:
+    """The decode rows (see the module docstring); `layers`: only the static path with compiled decoder layers
+    (section `decode_layers`, apart so that a time limit which stops its compiling keeps the `decode` rows)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -298,13 +301,13 @@ def section_decode(args, work: Path, shapes: Shapes, info: dict) -> dict:
     rows = []
     # The engine's path on this device (static cache + CUDA graphs on GPU), then the dynamic-cache
     # path it replaced (on the largest batch only: it is the slow one) for the before/after.
-    # Then the static path with the engine's norm and MLP modules compiled (rollout.compile_decode), and last with
-    # each whole decoder layer compiled for the decode steps (rollout.compile_decode_scope=layers).
+    # Then the static path with the engine's norm and MLP modules compiled (rollout.compile_decode); in the
+    # decode_layers section, with each whole decoder layer compiled instead (rollout.compile_decode_scope=layers).
     static_here = None if info["cuda"] else True
-    for path, static, batches in (("static", static_here, shapes.decode_batches),
-                                  ("dynamic", False, shapes.decode_batches[-1:]),
-                                  ("static+compiled", static_here, shapes.decode_batches),
-                                  ("static+compiled layers", static_here, shapes.decode_batches)):
+    paths = ((("static+compiled layers", static_here, shapes.decode_batches),) if layers else
+             (("static", static_here, shapes.decode_batches), ("dynamic", False, shapes.decode_batches[-1:]),
+              ("static+compiled", static_here, shapes.decode_batches)))
+    for path, static, batches in paths:
         uncompile_modules(model)  # (the engines share this model: copy_model=False)
         engine = HFEngine(model, eos_token_ids=[], max_batch_size=max(shapes.decode_batches), copy_model=False,
                           static_cache=static, compile_decode=path.startswith("static+compiled"),
@@ -341,7 +344,8 @@ def section_decode(args, work: Path, shapes: Shapes, info: dict) -> dict:
         finally:
             engine.close()
             del engine
-    rows.append(hf_generate_row(model, shapes, bw, weight_bytes, kv_bytes_per_token))
+    if not layers:
+        rows.append(hf_generate_row(model, shapes, bw, weight_bytes, kv_bytes_per_token))
     uncompile_modules(model)
     del model
     if info["cuda"]:
@@ -942,11 +946,16 @@ def markdown(result: dict) -> str:
     cell("tests", lambda r: f"{r['passed']} passed, {r['skipped']} skipped")
     cell("demo", lambda r: f"test reward {' -> '.join(f'{v:.3f} (step {k})' for k, v in r['test_reward'])}; "
                            f"{r['steps']} steps in {r['wall_s']:.0f} s")
-    cell("decode", lambda r: "; ".join(
-        f"{b.get('path', 'static')} batch {b['batch']}: " + (f"FAILED {b['error']}" if "error" in b else
-        f"{b['tokens_per_s']:,.0f} tok/s = {100 * b['fraction_of_bound']:.2g}% of the bound ({b['bound_tokens_per_s']:,.0f})")
-        for b in r["batches"])
-        + f" (bandwidth {r['bandwidth_tb_s']:.2f} TB/s, {r['bandwidth_source']}; measured copy {r['measured_copy_tb_s']:.2f})")
+    def decode(r: dict) -> str:
+        return "; ".join(
+            f"{b.get('path', 'static')} batch {b['batch']}: " + (f"FAILED {b['error']}" if "error" in b else
+            f"{b['tokens_per_s']:,.0f} tok/s = {100 * b['fraction_of_bound']:.2g}% of the bound ({b['bound_tokens_per_s']:,.0f})")
+            for b in r["batches"]) + (f" (bandwidth {r['bandwidth_tb_s']:.2f} TB/s, {r['bandwidth_source']}; "
+                                      f"measured copy {r['measured_copy_tb_s']:.2f})")
+
+    cell("decode", decode)
+    cell("decode_layers", decode)
+
     def mfu(r: dict) -> str:
         return "; ".join(
             f"{m.get('lm_head', 'plain')} head{', compiled layers' if m.get('compiled') else ''}, {m['tokens']} tokens: "
@@ -1025,8 +1034,8 @@ def main(argv: list[str] | None = None) -> int:
                     out = section_tests(args, work)
                 elif name == "demo":
                     out = section_demo(args, work)
-                elif name == "decode":
-                    out = section_decode(args, work, shapes, info)
+                elif name in ("decode", "decode_layers"):
+                    out = section_decode(args, work, shapes, info, layers=name == "decode_layers")
                 elif name == "ring":
                     out = section_ring(shapes, info)
                 elif name == "bigmodel":

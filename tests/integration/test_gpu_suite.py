@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT
 
-SECTIONS = ("tests", "demo", "decode", "mfu", "mfu_compiled", "push", "step", "trl", "bigmodel", "moe", "vlm", "ring")
+SECTIONS = ("tests", "demo", "decode", "decode_layers", "mfu", "mfu_compiled", "push", "step", "trl", "bigmodel", "moe", "vlm", "ring")
 
 
 @pytest.mark.slow
@@ -26,16 +26,18 @@ def test_gpu_suite_tiny_runs_every_section(tmp_path):
     assert s["tests"]["files"] and s["tests"]["skipped"] >= 2 and s["tests"]["passed"] == 0
     assert s["demo"]["test_reward"] and all(0.0 <= r <= 1.0 for _, r in s["demo"]["test_reward"])
     # the static-cache path at every batch (on CPU without graphs), the dynamic one at the largest, then
-    # the static path with compiled norm and MLP modules (rollout.compile_decode; inductor's C++ on CPU), then with
-    # compiled decoder layers (rollout.compile_decode_scope=layers), and last the peer: transformers' generate
-    # with its static cache on the largest batch
+    # the static path with compiled norm and MLP modules (rollout.compile_decode; inductor's C++ on CPU), and last
+    # the peer: transformers' generate with its static cache on the largest batch; then (decode_layers) compiled
+    # decoder layers (rollout.compile_decode_scope=layers)
     decode = s["decode"]["batches"]
     batches = result["shapes"]["decode_batches"]
     peer = "transformers generate (static cache)"
     assert [(r["path"], r["batch"]) for r in decode] == (
         [("static", b) for b in batches] + [("dynamic", batches[-1])] + [("static+compiled", b) for b in batches]
-        + [("static+compiled layers", b) for b in batches] + [(peer, batches[-1])])
-    for row in decode:
+        + [(peer, batches[-1])])
+    layers = s["decode_layers"]["batches"]  # its own section
+    assert [(r["path"], r["batch"]) for r in layers] == [("static+compiled layers", b) for b in batches]
+    for row in decode + layers:
         assert row["tokens"] == row["batch"] * row["new_tokens"]  # ignore_eos: every row runs to the end
         assert 0 < row["fraction_of_bound"] and row["tokens_per_s"] > 0
         if row["path"] != peer:
@@ -66,7 +68,8 @@ def test_gpu_suite_tiny_runs_every_section(tmp_path):
     # the compiled actor (actor.compile) at the longest length, in its own section
     assert [(m["lm_head"], m["tokens"], m["compiled"]) for m in s["mfu_compiled"]["micro_batches"]] == [
         ("plain", longest, True), ("fused", longest, True)]
-    assert all(0 < m["mfu"] < 1.5 and m["warmup_s"] > m["seconds"] for m in s["mfu_compiled"]["micro_batches"])
+    # (the first update's seconds include compiling; with inductor's cache warm they may not exceed the timed one's)
+    assert all(0 < m["mfu"] < 1.5 and m["warmup_s"] > 0 for m in s["mfu_compiled"]["micro_batches"])
     assert s["push"]["s_per_billion"] > 0 and s["push"]["s_per_billion_unverified"] > 0 and s["push"]["params"] > 0
     for name in ("decode_profile.txt", "decode_profile_compiled_layers.txt", f"mfu_profile_{longest}_fused.txt", f"mfu_profile_{longest}_compiled.txt",
                  "push_profile_verify_True.txt"):
