@@ -353,14 +353,16 @@ def test_rows_at_temperature_zero_or_one_skip_the_division_with_the_same_tokens_
     assert torch.equal(divided[0], skipped[0]) and torch.equal(divided[1], skipped[1])
 
 
-def test_only_the_rows_that_ask_for_top_p_or_top_k_are_filtered_as_a_float64_reference_samples() -> None:
+# 300: one running sum over the vocabulary; 3000: inverse_cdf's two levels (3 blocks of 1000)
+@pytest.mark.parametrize("vocab", [300, 3000])
+def test_only_the_rows_that_ask_for_top_p_or_top_k_are_filtered_as_a_float64_reference_samples(vocab) -> None:
     """The engine passes the index of the rows with top-p/top-k (`filtered`), and only those are sorted. Each
     row's token is the one a float64 inverse CDF of its own (truncated, renormalised) distribution gives,
     whether the index is passed, left for the sampler to find, or the row is sampled alone."""
     from train.engines.hf import sample_tokens
 
     g = torch.Generator().manual_seed(5)
-    n, vocab = 12, 300
+    n = 12
     logits = torch.randn(n, vocab, generator=g) * 3
     temperature = torch.tensor([1.0, 0.7, 1.0, 0.0, 1.3, 1.0, 1.0, 0.9, 1.0, 1.0, 0.0, 1.0])
     top_p = torch.tensor([1.0, 0.8, 1.0, 0.5, 1.0, 0.6, 1.0, 1.0, 0.95, 1.0, 1.0, 1.0])
@@ -396,6 +398,30 @@ def test_only_the_rows_that_ask_for_top_p_or_top_k_are_filtered_as_a_float64_ref
     off_p, off_k = torch.ones(n), torch.full((n,), -1)
     plain = sample_tokens(logits, temperature, off_p, off_k, u, filtered=torch.tensor([], dtype=torch.long))
     assert torch.equal(plain[0], sample_tokens(logits, temperature, off_p, off_k, u)[0])
+
+
+def test_the_two_level_inverse_cdf_picks_the_float64_reference_token_and_never_a_zero_probability_one() -> None:
+    """inverse_cdf over a vocabulary of 151,936 (Qwen's: 1,187 blocks of 128) and of a prime size (one running
+    sum): per row, the first token whose float64 cumulative probability reaches u x total; rows with most
+    tokens at probability 0 (as after top-k) and u at the ends of (0, 1] never get a zero-probability token."""
+    from train.engines.hf import inverse_cdf
+
+    g = torch.Generator().manual_seed(11)
+    for vocab in (151936, 1009):
+        rows = 24
+        probs = torch.softmax(torch.randn(rows, vocab, generator=g) * 3, -1)
+        sparse = torch.rand(rows, vocab, generator=g) < 0.98  # rows 12-23 keep ~2% of their tokens
+        sparse[:12] = False
+        probs = torch.where(sparse, torch.zeros(()), probs)
+        u = 1.0 - torch.rand(rows, generator=g, dtype=torch.float64)
+        u[0], u[12], u[1], u[13] = 1.0, 1.0, 1e-9, 1e-9
+        got = inverse_cdf(probs, u)
+        cdf = probs.double().cumsum(-1)
+        want = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:]).squeeze(1)
+        assert (probs[torch.arange(rows), got] > 0).all()
+        # float32 sums in another order than the float64 reference: a token may move only where the target
+        # lies within rounding of a boundary, which these rows do not come near
+        assert got.tolist() == want.tolist(), vocab
 
 
 # ---------------------------------------------------------------------------------------- the full sampling set
