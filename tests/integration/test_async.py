@@ -44,8 +44,12 @@ def test_a_stuck_rollout_side_times_out_naming_the_step():
     with pytest.raises(RolloutTimeout, match="rollout side to finish step 7's rollout") as e:
         prefetch.drain()
     assert time.monotonic() - start < 5 and "rollout.async_timeout_s" in str(e.value)
+    # Still in flight after the timeout: a failed run's close must not close the worker it runs on, and its
+    # thread is a daemon, so the process does not wait for it on the way out.
+    assert prefetch.in_flight and not prefetch.close(wait_s=0.0)
+    assert [t.daemon for t in threading.enumerate() if t.name == "rollout-prefetch"] == [True]
     release.set()
-    prefetch.close()
+    assert prefetch.close() and not prefetch.in_flight
 
 
 def test_a_push_waits_for_the_generation_not_for_the_rewards():
@@ -287,3 +291,36 @@ def test_pending_rollouts_of_an_older_checkpoint_keep_their_shaped_rewards():
     restored, = with_rewards_on_samples([old])
     assert [(s.shaped_reward, s.overlong_penalty) for s in restored.samples] == [(0.75, -0.25), (-0.25, -0.25)]
     assert "rewards" not in vars(restored) and "penalties" not in vars(restored)
+
+
+STUCK_AFTER_FIRST_STEP = """
+import asyncio
+
+calls = 0
+
+
+async def reward_fn(messages, answer):
+    global calls
+    calls += 1
+    if calls > 16:  # step 1's 16 samples are scored; the prefetched step 2's judge never answers in time
+        await asyncio.sleep(300)
+    return 1.0
+"""
+
+
+def test_a_prefetched_rollout_stuck_in_its_judge_fails_the_run_at_once_with_its_line(small_data, tmp_path):
+    """Step 2's rollout, made ahead on the rollout thread, hangs in its judge: the trainer waits
+    rollout.async_timeout_s for it, then ends with one error line naming the step and the key, and the process
+    exits without waiting for the judge (it used to close the worker under the running rollout, print that
+    error instead, and wait for the thread at exit)."""
+    env_file = tmp_path / "stuck_judge.py"
+    env_file.write_text(STUCK_AFTER_FIRST_STEP)
+    start = time.monotonic()
+    out = run_trainer([f"trainer.save_dir={tmp_path / 'run'}", f"data.train_data_path={small_data}",
+                       "trainer.total_steps=3", *ASYNC, f"rollout.env_path={env_file}", "rollout.async_timeout_s=3",
+                       "rollout.env_timeout_s=300"], check=False, timeout=150)
+    assert out.returncode == 4, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "rollout.async_timeout_s" in errors[0] and "step 2's rollout" in errors[0], errors
+    assert "event loop is already running" not in out.stderr
+    assert time.monotonic() - start < 60  # start-up, one step and 3 s of waiting; not the judge's 300 s

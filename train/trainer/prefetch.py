@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
@@ -48,8 +48,7 @@ class RolloutPrefetcher:
         sample will use the engine again (or not at all: its return counts as that)."""
         self.generate, self.timeout_s = generate, timeout_s
         self._generated = threading.Event()  # the rollout in flight no longer uses the engine
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-prefetch")
-        self._future: Future | None = None
+        self._future: Future | None = None  # the rollout in flight (until it is handed over or has failed)
         self._step: int | None = None  # the step of the rollout in flight
         self._done: deque[StepRollout] = deque()  # finished (drained or restored), not yet taken
         self._failure: BaseException | None = None  # the rollout in flight failed before it finished generating
@@ -73,7 +72,7 @@ class RolloutPrefetcher:
         self._step = step
         self._generated = threading.Event()
         self._failure = None
-        self._future = self._executor.submit(self._run, step, self._generated)
+        self._future = in_daemon_thread(self._run, step, self._generated)
 
     def _run(self, step: int, generated: threading.Event) -> StepRollout:
         try:
@@ -108,14 +107,17 @@ class RolloutPrefetcher:
             return 0.0
         start = time.monotonic()
         try:
-            self._done.append(self._future.result(timeout=self.timeout_s))
-        except FutureTimeout:
+            done = self._future.result(timeout=self.timeout_s)
+        except FutureTimeout:  # still running: in flight for `close`, which must not close what it uses
             raise RolloutTimeout(
                 f"the trainer waited {self.timeout_s:.0f} s (rollout.async_timeout_s) for the rollout side to finish "
                 f"step {self._step}'s rollout; the engine or an env call is stuck (see the watchdog's stack dump "
                 "if it fired)") from None
-        finally:
+        except BaseException:  # the rollout's own error: it has ended
             self._future = None
+            raise
+        self._future = None
+        self._done.append(done)
         return time.monotonic() - start
 
     def last_finished(self) -> StepRollout | None:
@@ -143,17 +145,34 @@ class RolloutPrefetcher:
 
     def close(self, wait_s: float = 60.0) -> bool:
         """Stop; a rollout in flight (its rewards, after a stop between steps) gets `wait_s` seconds to
-        end. Whether nothing is left running (the rollout worker's loop may then be closed)."""
-        idle = True
+        end. Whether nothing is left running (the rollout worker's loop may then be closed). One still
+        running is left to its daemon thread: the process does not wait for it on the way out."""
         if self._future is not None:
             try:
                 self._future.result(timeout=wait_s)
             except FutureTimeout:
-                idle = False
+                return False
             except Exception:  # the rollout's own error: the run is ending anyway, and said why
                 pass
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        return idle
+            self._future = None
+        return True
+
+
+def in_daemon_thread(fn: Callable, *args) -> Future:
+    """`fn(*args)` on a new daemon thread, as a Future. (A ThreadPoolExecutor's worker is joined when the
+    interpreter exits, so a rollout stuck in an env call would hold a failed run's process until it returned.)"""
+    future: Future = Future()
+
+    def body() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # handed to whoever waits on the future
+            future.set_exception(e)
+
+    threading.Thread(target=body, name="rollout-prefetch", daemon=True).start()
+    return future
 
 
 def staleness(versions: list[list[int]], trainer_version: int) -> list[int]:
