@@ -643,7 +643,7 @@ class HFEngine:
             captured = static.captures
         uniforms = uniforms.to(dev)  # once: no host-to-device copy per step
         live = None  # device index of the active rows (None: all of them)
-        flags = None  # of the active rows: (any sampled, the filtering ones, unit temperatures, any min-p, any greedy)
+        flags = None  # what sample_tokens is told of the active rows (and asks_min_p), set again when rows drop
         while True:
             step = len(tokens[active[0]])  # every active row has sampled as many tokens
             u = uniforms[:, step] if live is None else uniforms[live, step]
@@ -653,14 +653,13 @@ class HFEngine:
                 logits = mask_unsampled(logits.float(), self._unsampled)
             if flags is None:  # per row on the host, so sampling never waits for the GPU to decide
                 vocab = logits.shape[-1]
-                flags = (any(params[j].temperature > 0 for j in active),
-                         torch.tensor([b for b, j in enumerate(active) if params[j].top_p < 1
-                                       or 0 < params[j].top_k < vocab], dtype=torch.long, device=dev),
-                         all(params[j].temperature in (0, 1) for j in active),
-                         any(params[j].min_p > 0 for j in active),
-                         any(params[j].temperature <= 0 for j in active))
-            tok, lp = sample_tokens(logits, temp, top_p, top_k, u, min_p if flags[3] else None, any_sampled=flags[0],
-                                    filtered=flags[1], unit_temperature=flags[2], any_greedy=flags[4])
+                flags = {"any_sampled": any(params[j].temperature > 0 for j in active),
+                         "filtered": torch.tensor([b for b, j in enumerate(active) if params[j].top_p < 1
+                                                   or 0 < params[j].top_k < vocab], dtype=torch.long, device=dev),
+                         "unit_temperature": all(params[j].temperature in (0, 1) for j in active),
+                         "any_greedy": any(params[j].temperature <= 0 for j in active)}
+                asks_min_p = any(params[j].min_p > 0 for j in active)
+            tok, lp = sample_tokens(logits, temp, top_p, top_k, u, min_p if asks_min_p else None, **flags)
             if penalties is not None:
                 penalties.record(tok)
             keep: list[int] = []

@@ -25,6 +25,7 @@ How:
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -115,7 +116,7 @@ class SlotCache(DynamicCache):
         super().__init__(config=config)
         self.slot_keys, self.slot_values, self.column, self.columns = keys, values, column, columns
 
-    # Never traced: compiled decoder layers (`compile_decode_layers`) break their graph here, so no graph reads
+    # Never traced: compiled decoder layers (`CompiledLayers`) break their graph here, so no graph reads
     # `layer_idx` and every layer shares one compiled code (else dynamo compiles a graph per layer).
     @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
@@ -137,7 +138,8 @@ class StaticDecoder:
                  kv_shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
                  use_graphs: bool, weights_key: tuple, compiled_layers: CompiledLayers | None = None) -> None:
         self.model, self.cache_arg, self.logits_to_keep = model, cache_arg, logits_to_keep
-        self.compiled_layers = compiled_layers
+        # what each decode step's forward runs inside: the compiled layers installed, or nothing
+        self.step_context = compiled_layers if compiled_layers is not None else contextlib.nullcontext()
         self.rows, self.columns, self.device, self.use_graphs = rows, columns, device, use_graphs
         self.weights_key = weights_key
         zeros = lambda heads, dim: torch.zeros(rows, heads, columns, dim, dtype=dtype, device=device)  # noqa: E731
@@ -215,9 +217,7 @@ class StaticDecoder:
                                   "use_cache": True}
         if self.logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        if self.compiled_layers is None:
-            return self.model(**kwargs).logits[:, -1, :]
-        with self.compiled_layers:
+        with self.step_context:
             return self.model(**kwargs).logits[:, -1, :]
 
     def _run(self, rows: int, columns: int) -> torch.Tensor:
