@@ -29,9 +29,9 @@ def llama(seed: int = 0) -> LlamaForCausalLM:
     return model
 
 
-def qwen2(seed: int = 0) -> Qwen2ForCausalLM:
+def qwen2(seed: int = 0, layers: int = 3) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
                          tie_word_embeddings=True)
     model = Qwen2ForCausalLM(config).eval()
@@ -144,13 +144,6 @@ def test_compiled_decode_modules_match_the_dynamic_path_on_cpu() -> None:
     assert all(getattr(m, "_compiled_call_impl", None) is None for m in other.modules())
 
 
-def qwen2_layers(layers: int) -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                                        num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=512)).eval()
-
-
 def test_compiled_decoder_layers_sample_what_the_eager_path_does_with_graphs_shared_by_all_layers() -> None:
     """compile_scope="layers": each whole decoder layer through inductor (C++ on CPU) for the static path's
     decode steps: the same tokens as the dynamic path, log-probs to rounding. No graph reads a layer index,
@@ -160,10 +153,10 @@ def test_compiled_decoder_layers_sample_what_the_eager_path_does_with_graphs_sha
         torch._dynamo.reset()  # no code compiled before (reset leaves the counters: cleared too)
         torch._dynamo.utils.counters.clear()
         # no EOS: rows finish at their budgets, so both models decode the same sequence of shapes
-        engine = HFEngine(qwen2_layers(layers), eos_token_ids=[], static_cache=True, seed=5, compile_decode=True,
+        engine = HFEngine(qwen2(layers=layers), eos_token_ids=[], static_cache=True, seed=5, compile_decode=True,
                           compile_scope="layers")
         reqs = requests()[:12]
-        want = generate(HFEngine(qwen2_layers(layers), eos_token_ids=[], seed=5), reqs)
+        want = generate(HFEngine(qwen2(layers=layers), eos_token_ids=[], seed=5), reqs)
         got = generate(engine, reqs)
         assert [g.token_ids for g in got] == [w.token_ids for w in want]
         for g, w in zip(got, want):
