@@ -9,6 +9,7 @@ import asyncio
 import os
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from omegaconf import OmegaConf
@@ -20,6 +21,7 @@ from train.engines.hf import HFEngine  # noqa: E402
 from train.models.actor import Actor  # noqa: E402
 from train.models.critic import Critic  # noqa: E402
 from train.models.trainable import UpdateStats  # noqa: E402
+from train.parallel.collectives import all_reduce_sum  # noqa: E402
 from train.parallel.distributed import cleanup, init_distributed  # noqa: E402
 from train.parallel.step_batch import StepBatch, assign, dispatch, exchange_index  # noqa: E402
 from train.parallel.weight_sync import gather_full_tensors  # noqa: E402
@@ -767,7 +769,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["vision", "grads", "match", "critic_grads", "reference", "teachers", "lora_reference",
                                          "shared_base", "packing", "router_replay", "ring", "drift",
-                                         "collectives", "advantages", "push", "load", "reshard", "sync"])
+                                         "collectives", "advantages", "push", "load", "reshard", "sync", "shard_norms"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--agg", default="all_token_mean")
     parser.add_argument("--split", default="uneven")
@@ -805,7 +807,7 @@ def main() -> None:
          "lora_reference": lora_reference, "shared_base": shared_base, "router_replay": router_replay, "ring": ring,
          "packing": packing, "collectives": collectives, "advantages": advantages,
          "push": push, "load": load, "reshard": reshard, "sync": sync, "vision": vision,
-         "drift": drift}[args.mode](args, ctx)
+         "drift": drift, "shard_norms": shard_norms}[args.mode](args, ctx)
     finally:
         cleanup()
 
@@ -920,6 +922,44 @@ def critic_values_vs_reference(args, ctx, sb: StepBatch, processor) -> float:
             want = critic.model.value_head(hidden).squeeze(-1)[:-1]
             worst = max(worst, float((got - want).abs().max()) / float(want.abs().max()))
     return worst
+
+
+def shard_norms(args, ctx) -> None:
+    """optim.clip_grad_norm and Trainable.local_weight_square (what the update calls) on DTensors laid out as the
+    trainer lays parameters out on 2 ranks: sharded unevenly (FSDP), replicated, HSDP on a (2, 1) mesh (replicated
+    over ddp), and one case with a Partial gradient (the DTensor fallback). Each case's full tensors come from a seed
+    (the same on every rank); rank 0 saves the norms and the clipped full gradients, the test checks them in float64."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from train.models import optim
+    from train.models.trainable import Trainable
+
+    flat = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
+    hsdp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ddp", "fsdp"))
+    shapes = [(5, 3), (7,), (2, 4), (1, 6)]
+    cases = {"fsdp": (flat, [[Shard(0)], [Shard(0)], [Replicate()], [Shard(0)]]),
+             "hsdp": (hsdp, [[Replicate(), Shard(0)]] * 4),
+             "partial": (flat, [[Shard(0)], [Replicate()], [Partial()], [Shard(0)]])}
+    out = {"shapes": shapes}
+    for name, (mesh, placements) in cases.items():
+        g = torch.Generator().manual_seed(7)
+        weights = [torch.randn(s, generator=g) for s in shapes]
+        grads = [torch.randn(s, generator=g) for s in shapes]
+        params = []
+        for w, grad, place in zip(weights, grads, placements):
+            partial = place[0].is_partial()  # a replicated weight whose gradient is half on each rank, summed
+            p = torch.nn.Parameter(distribute_tensor(w, mesh, [Replicate()] if partial else place))
+            p.grad = DTensor.from_local(grad / 2, mesh, place) if partial else distribute_tensor(grad, mesh, place)
+            params.append(p)
+        holder = SimpleNamespace(model=torch.nn.ParameterList(params), device=torch.device("cpu"))
+        square = Trainable.local_weight_square(holder)
+        weight_norm = all_reduce_sum([square], torch.device("cpu"))[0] ** 0.5
+        norm = float(optim.clip_grad_norm(params, max_norm=args.clip))
+        full = [p.grad.full_tensor() for p in params]
+        out[name] = {"norm": norm, "weight_norm": weight_norm, "clipped": full}
+    if ctx.is_main:
+        torch.save(out, args.out)
 
 
 def collectives(args, ctx) -> None:

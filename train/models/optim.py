@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from train.parallel.shard_norms import local_pieces, local_square_sum, sum_over_mesh
+
 
 def build_optimizer(model: torch.nn.Module, lr: float, betas, weight_decay: float) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters, fused (one kernel over all tensors, plain or FSDP's DTensor
@@ -45,23 +47,40 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+@torch.no_grad()
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip the gradients to a global L2 norm `max_norm`; returns the pre-clip norm (a plain tensor).
-    Gradients on one device mesh (or none): torch's clip_grad_norm_, whose DTensor reductions span every
-    shard. On several meshes (expert parallelism: dense weights over fsdp, experts over efsdp x ep) each
-    mesh's norm is reduced on its own and the squares added; every gradient is scaled by the same factor."""
+    """Clip the gradients to a global L2 norm `max_norm`; returns the pre-clip norm (a float32 0-d tensor on the
+    gradients' device). Gradients on one device mesh (or none): norms and scaling over each rank's local
+    pieces with foreach kernels (train/parallel/shard_norms.py) and one all-reduce per mesh dim, a fixed number
+    of kernels whatever the tensor count. On several meshes (expert parallelism: dense weights over fsdp, experts
+    over efsdp x ep), or with a Partial gradient, torch's DTensor reductions: each mesh's norm is reduced on its
+    own and the squares added. Every gradient is scaled by the same factor, min(1, max_norm / (norm + 1e-6)) as
+    torch's clip_grad_norm_ does."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    meshes = {getattr(g, "device_mesh", None) for g in grads}
+    held = local_pieces(grads) if len(meshes) == 1 else None
+    if held is not None:
+        pieces, copies = held
+        device = pieces[0].device
+        norm = sum_over_mesh(local_square_sum(pieces, copies, device), meshes.pop()).sqrt().float()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for piece in pieces:
+            by_device.setdefault(piece.device, []).append(piece)
+        for where, group in by_device.items():
+            torch._foreach_mul_(group, coef.to(where))
+        return norm
     by_mesh: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
-    if len(by_mesh) <= 1:
-        return _whole(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    squares = [_whole(torch.nn.utils.get_total_norm(grads)).double() ** 2 for grads in by_mesh.values()]
+    for g in grads:
+        by_mesh.setdefault(getattr(g, "device_mesh", None), []).append(g)
+    squares = [_whole(torch.nn.utils.get_total_norm(group)).double() ** 2 for group in by_mesh.values()]
     norm = torch.stack(squares).sum().sqrt().float()
     coef = float(max_norm / (norm + 1e-6))  # torch's clip_coef
     if coef < 1.0 and torch.isfinite(norm):
-        for grads in by_mesh.values():
-            torch._foreach_mul_(grads, coef)
+        for group in by_mesh.values():
+            torch._foreach_mul_(group, coef)
     return norm
 
 

@@ -22,6 +22,7 @@ from train.parallel.collectives import all_reduce_max_many, all_reduce_sum
 from train.parallel.layout import Layout
 from train.parallel.packing import (PackedMicroBatch, SampleMedia, build_packed, keyed_ids, plan_packs, prompt_units,
                                     unit_length)
+from train.parallel.shard_norms import local_pieces, local_square_sum
 from train.parallel.step_batch import StepBatch
 from train.utils.image_inputs import ImageInputs
 
@@ -217,24 +218,12 @@ class Trainable:
         totals = all_reduce_sum(counts, self.device)
         return [Norms(max(totals[2 * m], 1.0), max(totals[2 * m + 1], 1.0)) for m in range(mini_batches)]
 
-    @torch.no_grad()
     def local_weight_square(self) -> float:
         """This rank's share of the squared L2 norm of the model's trainable weights (no collective;
         with LoRA, the adapters: the frozen base never moves): each rank reads only its own shards; a
-        shard replicated over a mesh dim counts 1/copies."""
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self.model.parameters():
-            if not p.requires_grad:
-                continue
-            local = p.to_local() if hasattr(p, "to_local") else p
-            square = torch.linalg.vector_norm(local, dtype=torch.float32).double() ** 2
-            mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", ())
-            copies = 1
-            for dim, placement in enumerate(placements):
-                if placement.is_replicate():
-                    copies *= mesh.size(dim)
-            total += square / copies
-        return float(total)
+        shard replicated over a mesh dim counts 1/copies. Foreach kernels over the local shards."""
+        pieces, copies = local_pieces([p for p in self.model.parameters() if p.requires_grad])
+        return float(local_square_sum(pieces, copies, self.device))
 
     def parameter_counts(self) -> tuple[int, int]:
         """(trainable, all) parameters of the full model (global shapes: no collective)."""
