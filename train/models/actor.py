@@ -281,10 +281,10 @@ class Actor(Trainable):
             stats.add("tokens", n_mask)
             stats.add("laid_out", float(mb.laid_out))
             stats.add("represented", float(mb.represented))
-            if n_mask > 0:
-                stats.max("ratio_max", st["ratio_max"])
-                stats.max("neg_ratio_min", -st["ratio_min"])
-                stats.max("sampler_ratio_max", mismatch["max_ratio"])
+            # (-inf without action tokens: ratio_extremes' identities, so no check that reads the device)
+            stats.max("ratio_max", st["ratio_max"])
+            stats.max("neg_ratio_min", -st["ratio_min"])
+            stats.max("sampler_ratio_max", mismatch["max_ratio"])
             return value
 
         return loss

@@ -36,16 +36,39 @@ class Norms:
 
 @dataclass
 class UpdateStats:
-    """Metric sums (one rank per dp group adds), maxima (this rank's), optimizer steps' grad norms."""
-    sums: dict[str, float] = field(default_factory=dict)
-    maxima: dict[str, float] = field(default_factory=dict)
+    """Metric sums (one rank per dp group adds), maxima (this rank's), optimizer steps' grad norms.
+
+    Values may be device tensors: they are added on their device in float64 (the sums Python floats would give)
+    and read in one copy by `settle`, so a pack's metrics do not stop the host until the GPU has caught up (a
+    dozen reads of device values per pack before)."""
+    sums: dict[str, float | torch.Tensor] = field(default_factory=dict)
+    maxima: dict[str, float | torch.Tensor] = field(default_factory=dict)
     grad_norms: list[float] = field(default_factory=list)
 
-    def add(self, key: str, value) -> None:
-        self.sums[key] = self.sums.get(key, 0.0) + float(value)
+    def add(self, key: str, value: float | torch.Tensor) -> None:
+        if isinstance(value, torch.Tensor):
+            value = value.detach().double()
+        self.sums[key] = self.sums.get(key, 0.0) + value
 
-    def max(self, key: str, value) -> None:
-        self.maxima[key] = max(self.maxima.get(key, float("-inf")), float(value))
+    def max(self, key: str, value: float | torch.Tensor) -> None:
+        old = self.maxima.get(key)
+        if isinstance(value, torch.Tensor):
+            value = value.detach().double()
+            if old is not None:
+                value = torch.maximum(value, torch.as_tensor(old, dtype=torch.float64, device=value.device))
+            self.maxima[key] = value
+        else:
+            self.maxima[key] = value if old is None else max(old, value)
+
+    def settle(self) -> None:
+        """Every device value read to the host as a float, in one copy per device."""
+        held = [(d, k) for d in (self.sums, self.maxima) for k, v in d.items() if isinstance(v, torch.Tensor)]
+        by_device: dict[torch.device, list] = {}
+        for d, k in held:
+            by_device.setdefault(d[k].device, []).append((d, k))
+        for keys in by_device.values():
+            for (d, k), v in zip(keys, torch.stack([d[k] for d, k in keys]).tolist()):
+                d[k] = v
 
 
 LossHook = Callable[[PackedMicroBatch, Norms, UpdateStats], torch.Tensor]
@@ -166,6 +189,7 @@ class Trainable:
             for m, part in enumerate(packs):
                 local = UpdateStats(maxima=stats.maxima)
                 self.accumulate(part, norms[m], loss, local)
+                local.settle()
                 sums = {key: value * lead for key, value in local.sums.items()}
                 if after_backward is not None and after_backward(epoch, sums, len(stats.grad_norms)):
                     self.optimizer.zero_grad(set_to_none=True)  # this step is not taken

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 
-@torch.no_grad()
 def local_pieces(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]] | None:
     """Each tensor's local piece and the number of ranks of its mesh that hold the same piece; None when a
     piece is Partial (a pending sum over ranks, whose norm is not the sum of its pieces' norms)."""
@@ -30,7 +29,7 @@ def local_pieces(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[
                 return None
             if placement.is_replicate():
                 held *= t.device_mesh.size(dim)
-        pieces.append(t.to_local())  # (under no_grad: the local tensor itself, no autograd op)
+        pieces.append(t._local_tensor)  # to_local() would make a view of a Parameter's: an op per tensor
         copies.append(held)
     return pieces, copies
 
