@@ -109,6 +109,7 @@ def build(args, folder: Path):
     cfg.dtype = args.dtype
     cfg.gradient_checkpointing = True
     cfg.use_liger_kernel = False
+    cfg.compile = args.compile
     torch.manual_seed(0)
     actor = Actor(cfg, ctx, str(folder), pad_token_id=0, train=True, temperature=1.0, total_updates=1000)
     ids, masks, adv, sampler, max_new = gpu_suite.fixed_batch(args.tokens, shapes.vocab)
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=512, help="tokens in the update's batch (8 samples)")
     p.add_argument("--packs", type=int, default=1, help="packed micro-batches they are split into")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16: FSDP2 mixed precision over one rank, as on a GPU")
+    p.add_argument("--compile", action="store_true", help="actor.compile: each decoder layer compiled")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     phases.wrap(Actor, "_forward", "forward")
     with tempfile.TemporaryDirectory() as tmp:
         actor, batch, max_new = build(args, Path(tmp))
-        actor.update(batch, max_new)  # warm-up: the optimizer's state, first-call caches
+        for _ in range(3 if args.compile else 1):  # warm-up: the optimizer's state, caches, compiled graphs
+            actor.update(batch, max_new)
         totals = []
         per_phase: dict[str, list[float]] = collections.defaultdict(list)
         for _ in range(args.repeats):
@@ -156,13 +159,16 @@ def main(argv: list[str] | None = None) -> None:
         phases.counter = None
     params = sum(1 for _ in actor.model.parameters())
     print(f"{args.layers} layers, {params} tensors, {args.tokens} tokens in {args.packs} pack(s), {args.dtype}, "
-          f"model {type(actor.model).__name__}")
+          f"model {type(actor.model).__name__}{', compiled layers' if args.compile else ''}")
     print(f"| phase | ops | host syncs | ms (median of {args.repeats}) |\n|---|---|---|---|")
     for phase in PHASES:
         print(f"| {phase} | {counter.ops[phase]:,} | {counter.syncs[phase]} | "
               f"{statistics.median(per_phase[phase]) * 1e3:.1f} |")
     print(f"| **update** | **{sum(counter.ops.values()):,}** | **{sum(counter.syncs.values())}** | "
           f"**{statistics.median(totals) * 1e3:.1f}** |")
+    if args.compile:
+        print("(ops are counted with the layers running eagerly: dynamo does not run compiled code under a Python "
+              "dispatch mode; the seconds are the compiled ones)")
 
 
 if __name__ == "__main__":

@@ -170,9 +170,9 @@ class Trainable:
         [packs] = self._even_out([self.packs(batch, chosen, self.infer_tokens)])
         out: list[torch.Tensor | None] = [None] * len(batch)
         for mb in packs:
-            values = forward(mb)
+            values = forward(mb)[: len(mb.index)].float().cpu()  # one copy to the host per pack, not per sample
             for row, i in enumerate(mb.index):
-                out[i] = values[row, : batch.ids[i].numel() - 1].float().cpu()
+                out[i] = values[row, : batch.ids[i].numel() - 1]
         return out  # type: ignore[return-value]
 
     # -- the update loop -------------------------------------------------------------------------
