@@ -189,7 +189,6 @@ class Trainable:
             for m, part in enumerate(packs):
                 local = UpdateStats(maxima=stats.maxima)
                 self.accumulate(part, norms[m], loss, local)
-                local.settle()
                 sums = {key: value * lead for key, value in local.sums.items()}
                 if after_backward is not None and after_backward(epoch, sums, len(stats.grad_norms)):
                     self.optimizer.zero_grad(set_to_none=True)  # this step is not taken
@@ -207,7 +206,8 @@ class Trainable:
             [self.packs(batch, members, self.max_tokens) for members in parts])
 
     def accumulate(self, packs: list[PackedMicroBatch], norms: Norms, loss: LossHook, stats: UpdateStats) -> None:
-        """Backward over one mini-batch's packs: gradients summed into .grad, no optimizer step.
+        """Backward over one mini-batch's packs: gradients summed into .grad, no optimizer step; `stats` holds
+        the packs' metric sums as floats after it.
 
         Where each rank holds whole parameters under FSDP (`defers_grad_sync`), gradients are reduced once,
         after the last pack: the backwards before it add into FSDP's unsharded float32 gradients."""
@@ -217,6 +217,7 @@ class Trainable:
                 if defer:
                     self.model.set_requires_gradient_sync(i == len(packs) - 1)
                 (loss(mb, norms, stats) * self.layout.grad_scale).backward()
+            stats.settle()  # the packs' metrics, read in one copy
         finally:
             if defer:
                 self.model.set_requires_gradient_sync(True)
