@@ -49,11 +49,12 @@ def local_square_sum(pieces: list[torch.Tensor], copies: list[int], device: torc
 
 
 def sum_over_mesh(value: torch.Tensor, mesh) -> torch.Tensor:
-    """All-reduce (sum) `value` over every rank of `mesh` (one small collective per dim of size > 1); as it is
-    without a mesh."""
-    if mesh is None:
+    """All-reduce (sum) `value` over every rank of `mesh` (one small collective per dim of size > 1), on the mesh's
+    device type (offloaded shards are on the host, NCCL reduces on the GPU); as it is without a mesh."""
+    if mesh is None or mesh.size() == 1:
         return value
+    on_mesh = value.to(mesh.device_type)
     for dim in range(mesh.ndim):
         if mesh.size(dim) > 1:
-            dist.all_reduce(value, group=mesh.get_group(dim))
-    return value
+            dist.all_reduce(on_mesh, group=mesh.get_group(dim))
+    return on_mesh.to(value.device)
