@@ -1,6 +1,6 @@
 """The update's weight norm and gradient clipping (train/parallel/shard_norms.py, train/models/optim.py) against
 float64 references, and the number of ops they dispatch: fixed, whatever the number of tensors (on a GPU each op
-is a kernel launch; per-tensor arithmetic made them ~6,400 of a one-pack update's ~27,000 ops at 0.5B)."""
+is a kernel launch; per-tensor arithmetic made the weight norms 3,484 of a one-pack update's 18,375 ops at 0.5B)."""
 import math
 from types import SimpleNamespace
 

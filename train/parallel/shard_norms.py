@@ -1,8 +1,8 @@
 """Squared L2 norms of tensors held as shards (FSDP2 / TP DTensors, or plain tensors), computed on each
 rank's local pieces with foreach kernels: a fixed number of kernels per device whatever the tensor count.
-DTensor arithmetic dispatches several ops per tensor instead (the update's weight norms and gradient
-clipping were ~6,400 of the ~27,000 ops of a one-pack update at Qwen2.5-0.5B's 290 tensors, each a kernel
-launch on a GPU).
+Per-tensor arithmetic dispatches several ops per tensor instead (the update's weight norms were 3,484 of the
+18,375 ops of a one-pack update at Qwen2.5-0.5B's 290 tensors, each a kernel launch on a GPU:
+benchmarks/update_ops.py).
 
 Summed over the ranks of the tensors' device mesh, each rank's share gives the global sum: a piece held
 by c ranks (Replicate over mesh dims of sizes multiplying to c) counts 1/c on each of them.
