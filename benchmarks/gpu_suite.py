@@ -196,9 +196,11 @@ def measured_matmul_tflops(device, dtype) -> float:
     return 2 * n**3 / best / 1e12
 
 
-def profiled(fn, path: Path, rows: int = 30) -> None:
-    """Run `fn` once under torch.profiler and write its top ops (by device time on GPU, else CPU)."""
+def profiled(fn, path: Path, rows: int = 30) -> int:
+    """Run `fn` once under torch.profiler and write its top ops (by device time on GPU, else CPU); returns the
+    kernels it launched on the GPU (on CPU: the aten ops it ran, nested ones included)."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -208,6 +210,10 @@ def profiled(fn, path: Path, rows: int = 30) -> None:
         sync()
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     path.write_text(prof.key_averages().table(sort_by=key, row_limit=rows))
+    events = prof.events()
+    if cuda:
+        return sum(e.device_type == DeviceType.CUDA for e in events)
+    return sum(e.name.startswith("aten::") for e in events)
 
 
 # ------------------------------------------------------------------------------------------ sections
@@ -523,13 +529,15 @@ def mfu_row(actor, ctx, work: Path, shapes: Shapes, info: dict, model_dir: Path,
         sync()
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times[1:])
-    if tokens == max(shapes.mfu_tokens):
+    kernels = None
+    if tokens == max(shapes.mfu_tokens):  # the launches per update: what bounds a small model's update on a GPU
         tag = ("_fused" if fused else "") + ("_compiled" if actor.cfg.compile else "")
-        profiled(lambda: actor.update(batch, max_new), work / f"mfu_profile_{tokens}{tag}.txt")
+        kernels = profiled(lambda: actor.update(batch, max_new), work / f"mfu_profile_{tokens}{tag}.txt")
     gflop = update_gflop(str(model_dir), len(ids), total / len(ids), actions / len(ids))
     tflops = gflop / seconds / 1e3
     return {"lm_head": "fused" if fused else "plain", "compiled": bool(actor.cfg.compile), "tokens": total,
             "seconds": seconds, "warmup_s": times[0], "tflops": tflops, "mfu": tflops / peak,
+            ("kernels_per_update" if info["cuda"] else "ops_per_update"): kernels,
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if info["cuda"] else None}
 
 
@@ -961,6 +969,7 @@ def markdown(result: dict) -> str:
             f"{m.get('lm_head', 'plain')} head{', compiled layers' if m.get('compiled') else ''}, {m['tokens']} tokens: "
             f"{m['seconds']:.3f} s, {m['tflops']:.3g} TFLOP/s = MFU {100 * m['mfu']:.1f}%"
             + (f" (first update {m['warmup_s']:.1f} s)" if m.get('compiled') else "")
+            + "".join(f", {m[k]:,} {k.split('_')[0]} per update" for k in ("kernels_per_update", "ops_per_update") if m.get(k))
             for m in r["micro_batches"]) + f" (peak {r['peak_tflops']:.3g} TFLOP/s, {r['peak_source']})"
 
     cell("mfu", mfu)
