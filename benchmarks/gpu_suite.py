@@ -969,7 +969,8 @@ def markdown(result: dict) -> str:
             f"{m.get('lm_head', 'plain')} head{', compiled layers' if m.get('compiled') else ''}, {m['tokens']} tokens: "
             f"{m['seconds']:.3f} s, {m['tflops']:.3g} TFLOP/s = MFU {100 * m['mfu']:.1f}%"
             + (f" (first update {m['warmup_s']:.1f} s)" if m.get('compiled') else "")
-            + "".join(f", {m[k]:,} {k.split('_')[0]} per update" for k in ("kernels_per_update", "ops_per_update") if m.get(k))
+            + (f", {m['kernels_per_update']:,} kernels per update" if m.get("kernels_per_update") else "")
+            + (f", {m['ops_per_update']:,} aten ops per update" if m.get("ops_per_update") else "")
             for m in r["micro_batches"]) + f" (peak {r['peak_tflops']:.3g} TFLOP/s, {r['peak_source']})"
 
     cell("mfu", mfu)

@@ -62,10 +62,11 @@ class UpdateStats:
 
     def settle(self) -> None:
         """Every device value read to the host as a float, in one copy per device."""
-        held = [(d, k) for d in (self.sums, self.maxima) for k, v in d.items() if isinstance(v, torch.Tensor)]
         by_device: dict[torch.device, list] = {}
-        for d, k in held:
-            by_device.setdefault(d[k].device, []).append((d, k))
+        for d in (self.sums, self.maxima):
+            for k, v in d.items():
+                if isinstance(v, torch.Tensor):
+                    by_device.setdefault(v.device, []).append((d, k))
         for keys in by_device.values():
             for (d, k), v in zip(keys, torch.stack([d[k] for d, k in keys]).tolist()):
                 d[k] = v
