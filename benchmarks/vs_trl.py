@@ -46,6 +46,8 @@ from pathlib import Path
 from stub_runs import first_at, plot_curves
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `train` without an install too (a GPU image with the repository's folder only)
+    sys.path.insert(0, str(REPO))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,7 +142,6 @@ def trl_worker(cfg_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    sys.path.insert(0, str(REPO))
     from train.datasets.loading import load_rows
 
     transformers.utils.logging.set_verbosity_error()

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from train.parallel.shard_norms import local_pieces, local_square_sum, sum_over_mesh
+from train.parallel.shard_norms import local_pieces, local_square_sum, local_tensor, sum_over_mesh
 
 
 def build_optimizer(model: torch.nn.Module, lr: float, betas, weight_decay: float) -> torch.optim.Optimizer:
@@ -63,24 +63,21 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     held = local_pieces(grads) if len(meshes) == 1 else None
     if held is not None:
         pieces, copies = held
-        device = pieces[0].device
-        norm = sum_over_mesh(local_square_sum(pieces, copies, device), meshes.pop()).sqrt().float()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for piece in pieces:
-            by_device.setdefault(piece.device, []).append(piece)
-        for where, group in by_device.items():
-            torch._foreach_mul_(group, coef.to(where))
-        return norm
-    by_mesh: dict[object, list[torch.Tensor]] = {}
+        norm = sum_over_mesh(local_square_sum(pieces, copies, pieces[0].device), meshes.pop()).sqrt().float()
+    else:
+        by_mesh: dict[object, list[torch.Tensor]] = {}
+        for g in grads:
+            by_mesh.setdefault(getattr(g, "device_mesh", None), []).append(g)
+        squares = [_whole(torch.nn.utils.get_total_norm(group)).double() ** 2 for group in by_mesh.values()]
+        norm = torch.stack(squares).sum().sqrt().float()
+    # Every placement scales through its local piece (a Partial one's pending sum too): one foreach op per device.
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
-        by_mesh.setdefault(getattr(g, "device_mesh", None), []).append(g)
-    squares = [_whole(torch.nn.utils.get_total_norm(group)).double() ** 2 for group in by_mesh.values()]
-    norm = torch.stack(squares).sum().sqrt().float()
-    coef = float(max_norm / (norm + 1e-6))  # torch's clip_coef
-    if coef < 1.0 and torch.isfinite(norm):
-        for group in by_mesh.values():
-            torch._foreach_mul_(group, coef)
+        piece = local_tensor(g)
+        by_device.setdefault(piece.device, []).append(piece)
+    for where, group in by_device.items():
+        torch._foreach_mul_(group, coef.to(where))
     return norm
 
 

@@ -13,6 +13,13 @@ import torch
 import torch.distributed as dist
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `t` (a DTensor's local tensor, whatever its placement), or `t` itself. Scaling it in
+    place scales the whole DTensor, a Partial one's pending sum included (torch 2.11's DTensor `_foreach_mul_`
+    leaves a Partial tensor unscaled)."""
+    return t._local_tensor if getattr(t, "placements", None) is not None else t  # to_local(): an op per tensor
+
+
 def local_pieces(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]] | None:
     """Each tensor's local piece and the number of ranks of its mesh that hold the same piece; None when a
     piece is Partial (a pending sum over ranks, whose norm is not the sum of its pieces' norms)."""
@@ -29,7 +36,7 @@ def local_pieces(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[
                 return None
             if placement.is_replicate():
                 held *= t.device_mesh.size(dim)
-        pieces.append(t._local_tensor)  # to_local() would make a view of a Parameter's: an op per tensor
+        pieces.append(local_tensor(t))
         copies.append(held)
     return pieces, copies
 
