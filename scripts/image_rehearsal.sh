@@ -58,6 +58,7 @@ else
 fi
 OUT=$(mktemp -d)
 "$VENV/bin/python" benchmarks/gpu_suite.py --tiny --out "$OUT" > "$OUT/gpu_suite.log" 2>&1 || STATUS=$?
-grep -E "^\| |failed" "$OUT/gpu_suite.md" "$OUT/gpu_suite.log" 2>/dev/null | tail -n 30 || tail -n 30 "$OUT/gpu_suite.log"
+if [ -f "$OUT/gpu_suite.md" ]; then grep "^| " "$OUT/gpu_suite.md"; fi
+grep -E "^\[gpu_suite\] failed|Fatal Python error" "$OUT/gpu_suite.log" || true
 echo "image_rehearsal: exit $STATUS (tests and gpu_suite --tiny on torch $TORCH, transformers $TRANSFORMERS; log $OUT)"
 exit "$STATUS"
