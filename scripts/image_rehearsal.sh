@@ -11,8 +11,9 @@
 # PyPI's torch 2.11.0 for Linux is the CUDA build (with its NVIDIA libraries, ~3 GB): the image's own build,
 # run on the CPU. Such a build without a GPU has one fault of its own, which a GPU does not have: the first
 # trace by dynamo in a worker thread (the hf engine compiles in its thread) swaps in a no-op CUDA device guard
-# there, and a later backward or trace in the main thread segfaults. The venv's sitecustomize.py does that swap
-# in the main thread at start-up, in every Python process of the venv, so the rehearsal runs what the GPU runs.
+# there, and a later backward or trace in the main thread segfaults. The venv's sitecustomize.py
+# (scripts/rehearsal_sitecustomize.py) does that swap in the main thread first, in every Python process of the
+# venv, so the rehearsal runs what the GPU runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 USAGE="usage: bash scripts/image_rehearsal.sh [VENV] [unit|suite]"
@@ -35,19 +36,10 @@ if [ ! -f "$stamp" ]; then
   pipq --no-deps -r requirements-oracle.txt
   pipq -r requirements-bench.txt "torch==$TORCH" "transformers==$TRANSFORMERS"
   PYTHONWARNINGS=ignore pipq --no-deps -e .
-  cat > "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/sitecustomize.py" <<'EOF'
-# scripts/image_rehearsal.sh: a CUDA build of torch on a machine without a GPU swaps in a no-op CUDA device
-# guard the first time dynamo traces; done first in a worker thread, later backward passes segfault. Here,
-# in the main thread, first.
-try:
-    import torch
-    if not torch.cuda.is_available() and hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
-        torch._C._ensureCUDADeviceGuardSet()
-except Exception:
-    pass
-EOF
   touch "$stamp"
 fi
+cp scripts/rehearsal_sitecustomize.py \
+  "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/sitecustomize.py"
 "$VENV/bin/python" -c "import sys, torch, transformers; print('rehearsal: Python', sys.version.split()[0], \
 'torch', torch.__version__, 'transformers', transformers.__version__)"
 STATUS=0
