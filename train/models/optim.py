@@ -54,8 +54,8 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     pieces with foreach kernels (train/parallel/shard_norms.py) and one all-reduce per mesh dim, a fixed number
     of kernels whatever the tensor count. On several meshes (expert parallelism: dense weights over fsdp, experts
     over efsdp x ep), or with a Partial gradient, torch's DTensor reductions: each mesh's norm is reduced on its
-    own and the squares added. Every gradient is scaled by the same factor, min(1, max_norm / (norm + 1e-6)) as
-    torch's clip_grad_norm_ does."""
+    own and the squares added. Every gradient is then scaled through its local piece (one foreach op per device,
+    any placement) by the same factor, min(1, max_norm / (norm + 1e-6)), as torch's clip_grad_norm_ does."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
