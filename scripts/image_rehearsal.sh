@@ -5,7 +5,7 @@
 # found here, not in the GPU's 15 minutes (the H100 run of 2026-11-27 lost its first call to one).
 #
 #   bash scripts/image_rehearsal.sh                    # venv in /tmp/image_venv (~5 GB, ~5 min once), ~4 min
-#   bash scripts/image_rehearsal.sh VENV suite         # the whole suite instead of the unit tests (~25 min)
+#   bash scripts/image_rehearsal.sh VENV suite         # the whole suite instead of the unit tests (~26 min)
 #   PYTHON=python3.12 bash scripts/image_rehearsal.sh  # the image's Python too
 #
 # PyPI's torch 2.11.0 for Linux is the CUDA build (with its NVIDIA libraries, ~3 GB): the image's own build,

@@ -65,6 +65,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
         pieces, copies = held
         norm = sum_over_mesh(local_square_sum(pieces, copies, pieces[0].device), meshes.pop()).sqrt().float()
     else:
+        pieces = [local_tensor(g) for g in grads]
         by_mesh: dict[object, list[torch.Tensor]] = {}
         for g in grads:
             by_mesh.setdefault(getattr(g, "device_mesh", None), []).append(g)
@@ -73,8 +74,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     # Every placement scales through its local piece (a Partial one's pending sum too): one foreach op per device.
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        piece = local_tensor(g)
+    for piece in pieces:
         by_device.setdefault(piece.device, []).append(piece)
     for where, group in by_device.items():
         torch._foreach_mul_(group, coef.to(where))
