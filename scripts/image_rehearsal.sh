@@ -22,22 +22,8 @@ VENV=${1:-/tmp/image_venv}
 WHAT=${2:-unit}
 TORCH=${IMAGE_TORCH:-2.11.0}
 TRANSFORMERS=${IMAGE_TRANSFORMERS:-5.17.0}
-PY=${PYTHON:-python3}
-pipq() {  # pip, quietly, without this machine's notes about unreachable local index folders
-  "$VENV/bin/python" -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location '" || true; }
-  return "${PIPESTATUS[0]}"
-}
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-stamp="$VENV/.rehearsal-$TORCH-$TRANSFORMERS-$(cat requirements.txt requirements-oracle.txt requirements-bench.txt | sha1sum | cut -c1-12)"
-if [ ! -f "$stamp" ]; then
-  pipq "torch==$TORCH"
-  grep -v '^torch==' requirements.txt | sed "s/^transformers>=[^ ]*/transformers==$TRANSFORMERS/" > "$VENV/requirements.txt"
-  pipq -r "$VENV/requirements.txt" "torch==$TORCH"
-  pipq --no-deps -r requirements-oracle.txt
-  pipq -r requirements-bench.txt "torch==$TORCH" "transformers==$TRANSFORMERS"
-  PYTHONWARNINGS=ignore pipq --no-deps -e .
-  touch "$stamp"
-fi
+# The project's own install (scripts/install.sh) into VENV, with the image's versions pinned through it.
+VENV="$VENV" TORCH_VERSION="$TORCH" TRANSFORMERS_VERSION="$TRANSFORMERS" INSTALL_BENCH=1 bash scripts/install.sh
 cp scripts/rehearsal_sitecustomize.py \
   "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/sitecustomize.py"
 "$VENV/bin/python" -c "import sys, torch, transformers; print('rehearsal: Python', sys.version.split()[0], \
