@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_torchrun, slow
-from train.utils.checksum import checksums, tensor_checksum
+from train.utils.checksum import Checksummer, checksums, tensor_checksum
 
 MASK = (1 << 64) - 1
 
@@ -62,6 +62,37 @@ def test_checksums_of_many_tensors_equal_each_ones_alone_however_grouped():
         assert checksums(ts, chunk_bytes=chunk).tolist() == alone
     big = [torch.randn(300_000, generator=g), torch.randn(70_001, generator=g)]  # read in place on CPU (>= 256 KB)
     assert checksums(big + ts).tolist() == [reference_checksum(t) for t in big] + alone
+
+
+def test_a_checksummer_keeps_its_layouts_between_calls_and_stays_exact():
+    """What a push runs (PolicySync's and the engine's Checksummer): the same shapes call after call with new
+    values, other groups in between that leave their data in the shared staging buffer's padding, a group
+    that needs a bigger buffer, and the buffer's memory released between calls. Every checksum equals the
+    reference, and a layout seen before is not laid out again."""
+    g = torch.Generator().manual_seed(2)
+    push = [torch.nn.Parameter(torch.randn(37, 20, generator=g)), torch.randn(5, generator=g).bfloat16(),
+            torch.ones(3, dtype=torch.bool), torch.zeros(0), torch.randn(9, generator=g).half()[1:8],
+            torch.randn(64, 64, generator=g).t(), torch.randn(300_001, generator=g)]  # the last read in place on CPU
+    other = [torch.full((2000,), -1, dtype=torch.int32), torch.randn(3000, generator=g)]  # fills the padding
+    bigger = [torch.randn(40_000, generator=g)]  # more staging than `push` needs: a new buffer
+    summer = Checksummer(chunk_bytes=1 << 20)  # `push` is two groups: its last tensor does not fit the first
+    layouts = []
+    plan = summer._plan
+    summer._plan = lambda *args: layouts.append(len(args[0])) or plan(*args)
+    for round_ in range(3):
+        for t in push:
+            if t.numel() and t.dtype.is_floating_point:
+                t.data.add_(1.0)  # new values, as after an update
+        assert summer(push).tolist() == [reference_checksum(t) for t in push]
+        assert summer(other).tolist() == [reference_checksum(t) for t in other]
+        if round_ == 1:
+            assert summer(bigger).tolist() == [reference_checksum(t) for t in bigger]
+        summer.release()  # a no-op on the host: its memory is released by hand, as on a device
+        for staging in summer._staging.values():
+            staging.untyped_storage().resize_(0)
+    # Each group laid out once: push's two and other in round 0, bigger in round 1 (a new buffer, which drops
+    # the layouts that viewed the old one), push's two and other again in round 2.
+    assert layouts == [6, 1, 2, 1, 6, 1, 2]
 
 
 def test_checksum_sees_one_bit_swapped_rows_and_a_transpose_but_not_the_layout():

@@ -57,7 +57,7 @@ from train.engines.static_decode import (CompiledLayers, StaticDecoder, column_b
 from train.models.router_replay import RoutingRecorder
 from train.models.vlm import (VisionSpec, image_spans, is_vision_config, mask_unsampled, model_class, mrope_positions,
                               text_config)
-from train.utils.checksum import CHUNK_BYTES, checksums
+from train.utils.checksum import CHUNK_BYTES, Checksummer
 from train.utils.tensor_stream import grouped
 
 
@@ -207,6 +207,7 @@ class HFEngine:
         self._asleep = False
         self._offloaded = False
         self._targets: dict[str, torch.Tensor] | None = None  # _named_targets, built once
+        self._checksummer = Checksummer()  # weight_checksums' layouts, kept between pushes (under _lock)
         # Which weights the engine holds (the trainer's step that produced them; set after each push):
         # every Generation carries the version it was sampled with.
         self.weight_version = 0
@@ -352,14 +353,16 @@ class HFEngine:
             )
         return target
 
-    def weight_checksums(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    def weight_checksums(self, names: Iterable[str]) -> dict[str, int]:
         """The exact checksum (train/utils/checksum.py) of what the engine holds under each name it
-        has, on the host: the trainer compares them with what it pushed (trainer.verify_push). A group
-        of tensors at a time, read back once."""
+        has: the trainer compares them with what it pushed (trainer.verify_push). A group of tensors at
+        a time, in layouts kept from the last push, read back once."""
         with self._lock, torch.no_grad():
             targets = self._named_targets()
             held = [n for n in names if n in targets]
-            return dict(zip(held, checksums([targets[n] for n in held]).cpu().unbind()))
+            sums = self._checksummer([targets[n] for n in held]).tolist()
+            self._checksummer.release()  # no staging memory held between pushes
+            return dict(zip(held, sums))
 
     def score(self, token_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
         """log p(token i | tokens < i) at `temperature` for i >= 1, as the sampler computes them

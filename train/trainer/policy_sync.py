@@ -24,6 +24,7 @@ from train.trainer.forgetting import ForgettingGate
 from train.trainer.governor import Governor, Snapshot
 from train.trainer.health import HealthDetector
 from train.trainer.sync_check import PushRecord, verify_push
+from train.utils.checksum import Checksummer
 
 MB = 1 << 20
 
@@ -56,6 +57,7 @@ class PolicySync:
         self.verify, self.watchdog, self.push_timeout_s = verify, watchdog, push_timeout_s
         self.device, self.rank = device, rank
         self.pushed_fingerprint: float | None = None
+        self.checksummer = Checksummer()  # kept between pushes: each push sends the same layout
         self.snapshot = Snapshot(workers) if governor is not None else None
         # A LoRA actor pushes its adapters only: the engine holds the same frozen base.
         self.adapters_only = has_lora(model)
@@ -72,7 +74,7 @@ class PolicySync:
         governor, the pushed weights' fingerprint is kept (its rollback events compare against it). A
         push running past `push_timeout_s` ends the rank through the watchdog, naming the bucket."""
         start = time.perf_counter()
-        record = PushRecord(self.bucket_bytes)
+        record = PushRecord(self.bucket_bytes, self.checksummer)
         named = self.full_tensors()
         acc = [0.0]
         if self.governor is not None:
@@ -88,6 +90,7 @@ class PolicySync:
             self.engine.update_weights(named)
             if self.verify:
                 verify_push(self.engine, record, step, self.rank, self.device)
+                self.checksummer.release()  # its buffer's memory back for the update; the layouts stay
         self.engine.weight_version = step  # generations from now on are tagged with it
         if self.governor is not None:
             self.pushed_fingerprint = acc[0]

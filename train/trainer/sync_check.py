@@ -29,7 +29,7 @@ import torch
 
 from train.parallel.collectives import all_reduce_max
 from train.parallel.step_batch import dispatch, exchange_index
-from train.utils.checksum import CHUNK_BYTES, checksums
+from train.utils.checksum import CHUNK_BYTES, Checksummer
 from train.utils.tensor_stream import grouped
 
 
@@ -41,6 +41,7 @@ class WeightSyncError(RuntimeError):
 class PushRecord:
     """What one push sent: each tensor's checksum and its bucket number, in push order."""
     bucket_bytes: int
+    checksummer: Checksummer = field(default_factory=Checksummer)  # the pusher's own: its layouts last between pushes
     names: list[str] = field(default_factory=list)
     buckets: list[int] = field(default_factory=list)
     checksums: list[torch.Tensor] = field(default_factory=list)  # one int64 vector per group of tensors
@@ -58,7 +59,7 @@ class PushRecord:
                 self._filled += size
                 self.names.append(name)
                 self.buckets.append(bucket)
-            self.checksums.append(checksums([t for _, t in group]))
+            self.checksums.append(self.checksummer([t for _, t in group]))
             yield from group
 
     @property
@@ -69,16 +70,12 @@ class PushRecord:
         return f"bucket {self.buckets[-1]} (last tensor sent: {self.names[-1]})"
 
 
-def mismatches(record: PushRecord, held: dict[str, torch.Tensor]) -> list[tuple[int, str]]:
+def mismatches(record: PushRecord, held: dict[str, int]) -> list[tuple[int, str]]:
     """(bucket, name) of every pushed tensor whose checksum in the engine (`held`) differs or is missing."""
     if not record.names:
         return []
-    sent = torch.cat(record.checksums).cpu()  # one device-to-host copy, not one per tensor
-    held_cpu = {n: v.cpu() for n, v in held.items()} if any(v.device.type != "cpu" for v in held.values()) else held
-    got = torch.stack([held_cpu.get(n, sent[i]) for i, n in enumerate(record.names)])
-    missing = torch.tensor([n not in held for n in record.names])
-    bad = ((sent != got) | missing).nonzero().flatten().tolist()
-    return [(record.buckets[i], record.names[i]) for i in bad]
+    sent = torch.cat(record.checksums).tolist()  # one device-to-host copy, not one per tensor
+    return [(record.buckets[i], n) for i, (n, value) in enumerate(zip(record.names, sent)) if held.get(n) != value]
 
 
 def verify_push(engine, record: PushRecord, step: int, rank: int, device: torch.device) -> None:

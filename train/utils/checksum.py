@@ -16,11 +16,13 @@ or a tensor cut short all change the checksum.
 `chunk_bytes`, copied once into one buffer), not per tensor: a push of a model's ~300 tensors costs a
 few dozen kernel launches instead of ~2,000, and memory beyond the tensors is one chunk. On CPU,
 where a call costs little and a copy much, a tensor of 256 KB or more is read in place instead.
+A `Checksummer` does the same and keeps each group's layout in its buffer between calls, so the push
+after the first costs no Python per tensor: what the trainer and the engine use.
 """
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -58,74 +60,151 @@ def _block_terms(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return block_sum, (rows.to(torch.int64) * weights).sum(1) + COLUMN_MIX * (cols.to(torch.int64) * weights).sum(1)
 
 
-def _blocks(ws: list[torch.Tensor], in_place_words: float) -> list[torch.Tensor]:
-    """The words of `ws` laid out in whole blocks, zero-padded per tensor, in order: [*, BLOCK] int32
-    pieces. Consecutive small tensors share one buffer (one copy); a tensor of `in_place_words` or more is
-    a view of its whole blocks and a copy of its last, partial one only."""
-    pad = torch.zeros(BLOCK, dtype=torch.int32, device=ws[0].device)
-    pieces: list[torch.Tensor] = []
-    small: list[torch.Tensor] = []
-
-    def tail(w: torch.Tensor) -> None:
-        if w.numel() % BLOCK:
-            small.append(pad[: BLOCK - w.numel() % BLOCK])
-
-    for w in ws:
-        if w.numel() < in_place_words:
-            small.append(w)
-            tail(w)
-            continue
-        if small:
-            pieces.append(torch.cat(small).view(-1, BLOCK))
-            small = []
-        whole = w.numel() // BLOCK * BLOCK
-        if whole:
-            pieces.append(w[:whole].view(-1, BLOCK))
-        if whole < w.numel():
-            small.append(w[whole:])
-            tail(w)
-    if small:
-        pieces.append(torch.cat(small).view(-1, BLOCK))
-    return pieces
+@dataclass(repr=False)  # its views' memory may be released
+class _Plan:
+    """Where one group's tensors go in a staging buffer, kept for the next group of the same shapes."""
+    staging: torch.Tensor  # the uint8 buffer the views below are views of
+    staged: list[int]  # indices of the tensors copied whole into the staging buffer
+    large: list[tuple[int, int]]  # (index, whole-block words) of tensors read in place, tails staged
+    dsts: list[torch.Tensor]  # staging views: one per staged tensor (its dtype and shape), then each large tail (int32)
+    pads: list[torch.Tensor]  # the staging bytes between a region's data and its region's end: zeroed every call
+    blocks: torch.Tensor  # the staged regions as [n, BLOCK] int32
+    base: torch.Tensor  # nbytes * LENGTH_MIX per tensor, int64
+    owner: torch.Tensor  # per block (staged blocks first, then each large tensor's whole blocks): its tensor
+    index: torch.Tensor  # per block: its index in its tensor
 
 
-def _group(tensors: Sequence[torch.Tensor], chunk_bytes: int) -> torch.Tensor:
-    """Checksums of tensors on one device with a fixed number of kernels: [len(tensors)] int64."""
-    device = tensors[0].device
-    ws = [words(t) for t in tensors]
-    counts = [-(-w.numel() // BLOCK) for w in ws]
-    out = torch.tensor([t.numel() * t.element_size() * LENGTH_MIX for t in tensors], dtype=torch.int64,
-                       device=device)
-    if not any(counts):
-        return out  # empty tensors only
-    in_place = min(IN_PLACE_BYTES.get(device.type, chunk_bytes), chunk_bytes) // 4
-    terms = [_block_terms(p) for p in _blocks(ws, in_place)]
-    block_sum = torch.cat([s for s, _ in terms]) if len(terms) > 1 else terms[0][0]
-    inner = torch.cat([i for _, i in terms]) if len(terms) > 1 else terms[0][1]
-    owner = torch.repeat_interleave(torch.arange(len(ws), device=device), torch.tensor(counts, device=device))
-    starts = torch.tensor([0, *itertools.accumulate(counts)][:-1], dtype=torch.int64, device=device)
-    index = torch.arange(owner.numel(), device=device) - starts[owner]  # each block's index in its tensor
-    return out.index_add_(0, owner, (index + BLOCK_MIX) * block_sum + inner)
+class Checksummer:
+    """`checksums` that keeps each group's layout between calls: a push sends the same shapes every time,
+    so after the first one a group costs two multi-tensor calls (zero the padding, copy every small tensor
+    into a staging buffer at a fixed place) and a fixed number of kernels, with no Python per tensor beyond
+    the key of its shape. The staging buffer is one per device, at most `chunk_bytes` plus 4 KB per tensor
+    (one group), whatever the model's size; `release()` frees its memory between pushes. Tensors of
+    `IN_PLACE_BYTES` or more (on CUDA: `chunk_bytes`) are read where they are, only their last partial
+    block staged. Not thread-safe: one per caller."""
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, max_plans: int = 1024) -> None:
+        self.chunk_bytes, self.max_plans = chunk_bytes, max_plans
+        self._plans: dict[tuple, _Plan] = {}
+        self._staging: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The checksum of each tensor (module docstring): [len(tensors)] int64 on the first tensor's
+        device, no host sync. Consecutive tensors on one device are taken together, up to `chunk_bytes`
+        per group."""
+        if not tensors:
+            return torch.zeros(0, dtype=torch.int64)
+        parts: list[torch.Tensor] = []
+        group: list[torch.Tensor] = []
+        size = 0
+        with torch.no_grad():
+            for t in tensors:
+                nbytes = t.numel() * t.element_size()
+                if group and (size + nbytes > self.chunk_bytes or t.device != group[0].device):
+                    parts.append(self._group(group))
+                    group, size = [], 0
+                group.append(t)
+                size += nbytes
+            parts.append(self._group(group))
+        device = tensors[0].device
+        return torch.cat([p.to(device) for p in parts]) if len(parts) > 1 else parts[0]
+
+    def _group(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        device = tensors[0].device
+        key = (device, *((t.dtype, t.shape) for t in tensors))
+        plan = self._plans.get(key)
+        if plan is None or plan.staging is not self._staging.get(device):
+            plan = self._plan(tensors, device)
+            if len(self._plans) >= self.max_plans:
+                self._plans.clear()
+            self._plans[key] = plan
+        if not plan.owner.numel():
+            return plan.base.clone()  # empty tensors only
+        storage = plan.staging.untyped_storage()
+        if storage.nbytes() < plan.staging.numel():  # released: memory again, the views stay valid
+            storage.resize_(plan.staging.numel())
+        if plan.pads:
+            torch._foreach_zero_(plan.pads)
+        srcs = [tensors[i] for i in plan.staged]
+        wholes = [words(tensors[i]) for i, _ in plan.large]
+        srcs += [w[whole:] for w, (_, whole) in zip(wholes, plan.large) if whole < w.numel()]
+        if srcs:
+            torch._foreach_copy_(plan.dsts, srcs)
+        pieces = [plan.blocks] if plan.blocks.numel() else []
+        pieces += [w[:whole].view(-1, BLOCK) for w, (_, whole) in zip(wholes, plan.large) if whole]
+        terms = [_block_terms(p) for p in pieces]
+        block_sum = torch.cat([b for b, _ in terms]) if len(terms) > 1 else terms[0][0]
+        inner = torch.cat([i for _, i in terms]) if len(terms) > 1 else terms[0][1]
+        return plan.base.clone().index_add_(0, plan.owner, (plan.index + BLOCK_MIX) * block_sum + inner)
+
+    def release(self) -> None:
+        """Free the staging buffers' device memory until the next call, keeping the layouts: their views stay
+        valid and get memory back (the storage is resized, as FSDP2 frees an unsharded parameter). Host
+        buffers stay: on CPU only small tensors are staged, and allocating them again costs more than they hold."""
+        for device, staging in self._staging.items():
+            if device.type != "cpu":
+                staging.untyped_storage().resize_(0)
+
+    def _plan(self, tensors: list[torch.Tensor], device: torch.device) -> _Plan:
+        """Lay the group out: each small tensor in a region of whole blocks of the staging buffer, each large
+        one's tail in one block; the staged blocks come first in the block order, then the large tensors'."""
+        in_place = min(IN_PLACE_BYTES.get(device.type, self.chunk_bytes), self.chunk_bytes)
+        block_bytes = BLOCK * 4
+        regions: list[tuple[int, int, int]] = []  # (tensor index, data bytes, region bytes), staged order
+        staged: list[int] = []
+        large: list[tuple[int, int]] = []
+        for i, t in enumerate(tensors):
+            nbytes = t.numel() * t.element_size()
+            if nbytes >= in_place:
+                n_words = -(-nbytes // 4)
+                large.append((i, n_words // BLOCK * BLOCK))
+            elif nbytes:
+                staged.append(i)
+                regions.append((i, nbytes, -(-nbytes // block_bytes) * block_bytes))
+        tails = [(i, (-(-tensors[i].numel() * tensors[i].element_size() // 4) - whole) * 4)
+                 for i, whole in large if -(-tensors[i].numel() * tensors[i].element_size() // 4) > whole]
+        needed = sum(r for _, _, r in regions) + block_bytes * len(tails)
+        staging = self._staging.get(device)
+        if staging is None or staging.numel() < needed:
+            staging = self._staging[device] = torch.empty(max(needed, 1), dtype=torch.uint8, device=device)
+            self._plans = {k: p for k, p in self._plans.items() if k[0] != device}  # their views are of the old one
+        elif staging.untyped_storage().nbytes() < staging.numel():  # released: views need its memory back
+            staging.untyped_storage().resize_(staging.numel())
+        dsts: list[torch.Tensor] = []
+        pads: list[torch.Tensor] = []
+        owner: list[int] = []
+        index: list[int] = []
+        offset = 0
+        for i, nbytes, region in regions:
+            t = tensors[i]
+            raw = staging[offset:offset + nbytes]
+            dsts.append(raw.view(t.dtype).view(t.shape))  # region offsets are whole blocks: aligned for any dtype
+            pads.append(staging[offset + nbytes:offset + region])
+            owner += [i] * (region // block_bytes)
+            index += range(region // block_bytes)
+            offset += region
+        for i, tail_bytes in tails:
+            whole = dict(large)[i]
+            dsts.append(staging[offset:offset + tail_bytes].view(torch.int32))
+            pads.append(staging[offset + tail_bytes:offset + block_bytes])
+            owner.append(i)
+            index.append(whole // BLOCK)
+            offset += block_bytes
+        blocks = staging[:offset].view(torch.int32).view(-1, BLOCK)
+        for i, whole in large:
+            owner += [i] * (whole // BLOCK)
+            index += range(whole // BLOCK)
+        base = torch.tensor([t.numel() * t.element_size() * LENGTH_MIX for t in tensors], dtype=torch.int64,
+                            device=device)
+        return _Plan(staging, staged, large, dsts, [p for p in pads if p.numel()], blocks, base,
+                     torch.tensor(owner, dtype=torch.int64, device=device),
+                     torch.tensor(index, dtype=torch.int64, device=device))
 
 
 def checksums(tensors: Sequence[torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
-    """The checksum of each tensor (module docstring): [len(tensors)] int64 on the first tensor's device,
-    no host sync. Consecutive tensors on one device are taken together, up to `chunk_bytes` per group."""
-    if not tensors:
-        return torch.zeros(0, dtype=torch.int64)
-    parts: list[torch.Tensor] = []
-    group: list[torch.Tensor] = []
-    size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if group and (size + nbytes > chunk_bytes or t.device != group[0].device):
-            parts.append(_group(group, chunk_bytes))
-            group, size = [], 0
-        group.append(t)
-        size += nbytes
-    parts.append(_group(group, chunk_bytes))
-    device = tensors[0].device
-    return torch.cat([p.to(device) for p in parts]) if len(parts) > 1 else parts[0]
+    """The checksum of each tensor (module docstring), computed once (a `Checksummer` of its own): [len(tensors)]
+    int64 on the first tensor's device, no host sync."""
+    return Checksummer(chunk_bytes)(tensors)
 
 
 def tensor_checksum(tensor: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,7 @@ class RemoteEngine:
         self._buckets = i
         self.bridge.broadcast_object({"end": True}, f"the end of {push}")
 
-    def weight_checksums(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    def weight_checksums(self, names: Iterable[str]) -> dict[str, int]:
         return self.request({"kind": "checksums", "names": list(names)}, f"the checksum request of step {self.step}",
                             f"the checksums of step {self.step}'s weight push")["checksums"]
 
