@@ -153,16 +153,18 @@ class Checksummer:
         regions: list[tuple[int, int, int]] = []  # (tensor index, data bytes, region bytes), staged order
         staged: list[int] = []
         large: list[tuple[int, int]] = []
+        tails: list[tuple[int, int, int]] = []  # (tensor index, its whole-block words, its tail's bytes)
         for i, t in enumerate(tensors):
             nbytes = t.numel() * t.element_size()
             if nbytes >= in_place:
                 n_words = -(-nbytes // 4)
-                large.append((i, n_words // BLOCK * BLOCK))
+                whole = n_words // BLOCK * BLOCK
+                large.append((i, whole))
+                if whole < n_words:
+                    tails.append((i, whole, (n_words - whole) * 4))
             elif nbytes:
                 staged.append(i)
                 regions.append((i, nbytes, -(-nbytes // block_bytes) * block_bytes))
-        tails = [(i, (-(-tensors[i].numel() * tensors[i].element_size() // 4) - whole) * 4)
-                 for i, whole in large if -(-tensors[i].numel() * tensors[i].element_size() // 4) > whole]
         needed = sum(r for _, _, r in regions) + block_bytes * len(tails)
         staging = self._staging.get(device)
         if staging is None or staging.numel() < needed:
@@ -183,8 +185,7 @@ class Checksummer:
             owner += [i] * (region // block_bytes)
             index += range(region // block_bytes)
             offset += region
-        for i, tail_bytes in tails:
-            whole = dict(large)[i]
+        for i, whole, tail_bytes in tails:
             dsts.append(staging[offset:offset + tail_bytes].view(torch.int32))
             pads.append(staging[offset + tail_bytes:offset + block_bytes])
             owner.append(i)
