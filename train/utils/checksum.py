@@ -111,18 +111,18 @@ class Checksummer:
 
     def _group(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         device = tensors[0].device
+        staging = self._staging.get(device)
+        if staging is not None and staging.untyped_storage().nbytes() < staging.numel():
+            staging.untyped_storage().resize_(staging.numel())  # released: memory again, its views stay valid
         key = (device, *((t.dtype, t.shape) for t in tensors))
         plan = self._plans.get(key)
-        if plan is None or plan.staging is not self._staging.get(device):
+        if plan is None or plan.staging is not staging:
             plan = self._plan(tensors, device)
             if len(self._plans) >= self.max_plans:
                 self._plans.clear()
             self._plans[key] = plan
         if not plan.owner.numel():
             return plan.base.clone()  # empty tensors only
-        storage = plan.staging.untyped_storage()
-        if storage.nbytes() < plan.staging.numel():  # released: memory again, the views stay valid
-            storage.resize_(plan.staging.numel())
         if plan.pads:
             torch._foreach_zero_(plan.pads)
         srcs = [tensors[i] for i in plan.staged]
@@ -151,7 +151,6 @@ class Checksummer:
         in_place = min(IN_PLACE_BYTES.get(device.type, self.chunk_bytes), self.chunk_bytes)
         block_bytes = BLOCK * 4
         regions: list[tuple[int, int, int]] = []  # (tensor index, data bytes, region bytes), staged order
-        staged: list[int] = []
         large: list[tuple[int, int]] = []
         tails: list[tuple[int, int, int]] = []  # (tensor index, its whole-block words, its tail's bytes)
         for i, t in enumerate(tensors):
@@ -163,15 +162,12 @@ class Checksummer:
                 if whole < n_words:
                     tails.append((i, whole, (n_words - whole) * 4))
             elif nbytes:
-                staged.append(i)
                 regions.append((i, nbytes, -(-nbytes // block_bytes) * block_bytes))
         needed = sum(r for _, _, r in regions) + block_bytes * len(tails)
         staging = self._staging.get(device)
         if staging is None or staging.numel() < needed:
             staging = self._staging[device] = torch.empty(max(needed, 1), dtype=torch.uint8, device=device)
             self._plans = {k: p for k, p in self._plans.items() if k[0] != device}  # their views are of the old one
-        elif staging.untyped_storage().nbytes() < staging.numel():  # released: views need its memory back
-            staging.untyped_storage().resize_(staging.numel())
         dsts: list[torch.Tensor] = []
         pads: list[torch.Tensor] = []
         owner: list[int] = []
@@ -197,7 +193,7 @@ class Checksummer:
             index += range(whole // BLOCK)
         base = torch.tensor([t.numel() * t.element_size() * LENGTH_MIX for t in tensors], dtype=torch.int64,
                             device=device)
-        return _Plan(staging, staged, large, dsts, [p for p in pads if p.numel()], blocks, base,
+        return _Plan(staging, [i for i, _, _ in regions], large, dsts, [p for p in pads if p.numel()], blocks, base,
                      torch.tensor(owner, dtype=torch.int64, device=device),
                      torch.tensor(index, dtype=torch.int64, device=device))
 
