@@ -14,10 +14,14 @@ a plain module on one rank) and an `hf` rollout engine per rank, then times, aft
 * **gather only**: the same gather without the engine (what the push costs in collectives);
 * **floor**: one `all_gather_into_tensor` of the same number of bytes on the same ranks (no
   bucketing, no unpacking, no engine copy): what moving the weights cannot beat. On one rank there is
-  no collective, and the floor is one copy of the weights (the engine must receive them).
+  no collective, and the floor is one copy of the weights (the engine must receive them), from the fp32
+  masters into the engine's dtype.
 
-Reported: seconds per push and per billion parameters, and push / floor. `--bucket-mb` is
-`rollout.bucket_size_mb`. `--lora-rank N` builds the actor with `actor.lora.rank=N` (and the engine
+Reported: seconds per push and per billion parameters, push / floor, and the ops one push dispatches (a
+`TorchDispatchMode` count; on a GPU each is a kernel launch or more, and on one GPU their count, not the
+bytes, sets the push's time), apart from the views it takes (metadata only). `--bucket-mb` is `rollout.bucket_size_mb`. `--dtype bfloat16` trains in bf16
+(`actor.dtype`: FSDP2 over one rank, fp32 masters) and builds the engine in bf16: one GPU's setting, where
+every weight is cast on its way. `--lora-rank N` builds the actor with `actor.lora.rank=N` (and the engine
 with the same LoRA layers): a push then sends the adapters only (the params column counts what is sent).
 `--deep` builds (in a temporary folder) a random Qwen2 of 24 layers and hidden size 64: as many tensors
 as Qwen2.5-0.5B (291) with 0.9M parameters, so what it times is the cost per tensor (Python, dispatch,
@@ -36,6 +40,24 @@ import time
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def op_count():
+    """A dispatch mode counting the ops that run (on a GPU, each a kernel launch or more) apart from the views
+    (metadata only: no kernel, no memory)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpCount(TorchDispatchMode):
+        ops = views = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.is_view:
+                self.views += 1
+            else:
+                self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    return OpCount()
 
 
 def worker(args) -> None:
@@ -58,22 +80,24 @@ def worker(args) -> None:
     try:
         cfg = OmegaConf.load(os.path.join(ROOT, "config", "grpo.yaml")).actor
         OmegaConf.update(cfg, "lora.rank", args.lora_rank)
+        OmegaConf.update(cfg, "dtype", args.dtype)
         actor = Actor(cfg, ctx, args.model, pad_token_id=0, train=True, temperature=1.0)
-        engine = HFEngine.from_pretrained(args.model, device=ctx.device, lora=actor.lora if args.lora_rank else None)
+        engine = HFEngine.from_pretrained(args.model, device=ctx.device, lora=actor.lora if args.lora_rank else None,
+                                          dtype=args.dtype)
         sync = PolicySync(actor.model, engine, args.bucket_mb, None, {"actor": actor}, log=None)
         unverified = PolicySync(actor.model, engine, args.bucket_mb, None, {"actor": actor}, log=None, verify=False)
         pushed = (lambda: adapter_state(actor.model)) if args.lora_rank else (lambda: unique_state(actor.model))
         n_params = sum(t.numel() for _, t in pushed())
-        nbytes = n_params * 4
+        cast = engine.dtype
 
         def gather_only() -> None:
             for _ in gather_full_tensors(pushed(), sync.bucket_bytes, engine.dtype):
                 pass
 
-        flat = torch.zeros(-(-nbytes // 4 // ctx.world_size), dtype=torch.float32)
-        out = torch.empty(flat.numel() * ctx.world_size, dtype=torch.float32)
-        source = torch.zeros(n_params, dtype=torch.float32)
-        target = torch.empty(n_params, dtype=torch.float32)
+        flat = torch.zeros(-(-n_params // ctx.world_size), dtype=cast)
+        out = torch.empty(flat.numel() * ctx.world_size, dtype=cast)
+        source = torch.zeros(n_params, dtype=torch.float32)  # the actor's fp32 master weights
+        target = torch.empty(n_params, dtype=cast)
 
         def floor() -> None:
             if ctx.world_size > 1:
@@ -93,6 +117,10 @@ def worker(args) -> None:
                 fn()
                 times.append(time.perf_counter() - start)
             timings[name] = statistics.median(times)
+        for name, fn in (("push", sync.push), ("unverified", unverified.push)):
+            with op_count() as count:
+                fn()
+            timings[f"{name}_ops"], timings[f"{name}_views"] = count.ops, count.views
         if ctx.is_main:
             with open(args.out, "w") as f:
                 json.dump({"ranks": ctx.world_size, "params": n_params, **timings}, f)
@@ -107,6 +135,8 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=512)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--lora-rank", type=int, default=0, help="actor.lora.rank (0: full weights)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="actor.dtype and the engine's dtype (bfloat16: fp32 masters cast to bf16, as on a GPU)")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     p.add_argument("--deep", action="store_true", help="a 24-layer, hidden-64 Qwen2 built here (per-tensor costs)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -141,20 +171,23 @@ def run(args) -> None:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                    os.path.abspath(__file__), "--worker", "--model", args.model, "--bucket-mb", str(args.bucket_mb),
                    "--repeats", str(args.repeats), "--threads", str(threads), "--out", out.name,
-                   "--lora-rank", str(args.lora_rank)]
+                   "--lora-rank", str(args.lora_rank), "--dtype", args.dtype]
             env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise SystemExit(proc.stderr[-3000:])
             rows.append(json.load(open(out.name)))
     what = f", LoRA rank {args.lora_rank} (adapters pushed)" if args.lora_rank else ""
+    what += f", {args.dtype}" if args.dtype != "float32" else ""
     print(f"model {'deep (24 x 64)' if args.deep else os.path.relpath(args.model, ROOT)}{what}, bucket {args.bucket_mb:g} MB, median of {args.repeats}")
-    print("| ranks | params | push s | unverified s | gather only s | floor s | push s per 1B params | push / floor |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| ranks | params | push s | unverified s | gather only s | floor s | push s per 1B params | push / floor "
+          "| ops per push (unverified) | views per push |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         per_b = r["push"] / r["params"] * 1e9
         print(f"| {r['ranks']} | {r['params'] / 1e6:.1f}M | {r['push']:.4f} | {r['unverified']:.4f} | "
-              f"{r['gather_only']:.4f} | {r['floor']:.4f} | {per_b:.1f} | {r['push'] / max(r['floor'], 1e-9):.1f}x |")
+              f"{r['gather_only']:.4f} | {r['floor']:.4f} | {per_b:.1f} | {r['push'] / max(r['floor'], 1e-9):.1f}x "
+              f"| {r['push_ops']} ({r['unverified_ops']}) | {r['push_views']} ({r['unverified_views']}) |")
 
 
 if __name__ == "__main__":

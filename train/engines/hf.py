@@ -325,11 +325,11 @@ class HFEngine:
                         if self._offloaded and target.device != self.device:
                             # Asleep: new device storage filled from the pushed tensor, not from the host copy.
                             fresh = torch.empty(target.shape, dtype=target.dtype, device=self.device)
-                            fresh.copy_(tensor.detach())
+                            fresh.copy_(tensor)
                             target.data = fresh
                             continue
                         into.append(target)
-                        froms.append(tensor.detach())
+                        froms.append(tensor)  # under no_grad: no detach (a view op per tensor)
                     self._copy(into, froms)
 
     def _copy(self, into: list[torch.Tensor], froms: list[torch.Tensor]) -> None:
@@ -964,11 +964,11 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: str | torch.device) -
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when `b` is exactly `a`'s memory (same device, dtype, shape, strides and address)."""
     return (
-        a.device == b.device
+        a.data_ptr() == b.data_ptr()  # first: it differs in almost every call, and is the cheapest to ask
+        and a.device == b.device
         and a.dtype == b.dtype
         and a.shape == b.shape
         and a.stride() == b.stride()
-        and a.data_ptr() == b.data_ptr()
     )
 
 

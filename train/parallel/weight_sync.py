@@ -2,15 +2,17 @@
 
 A model under FSDP2 holds each parameter as a DTensor sharded on dim 0 over the FSDP ranks (and
 replicated over the `ddp` ranks of hybrid sharding). Gathering them one by one costs one collective
-per tensor (hundreds for a 7B model). Here the local shards of many tensors are cast to the
-engine's dtype, padded to equal chunks and laid end to end in one flat buffer per bucket (one
-dtype, at most `bucket_bytes` of full tensors); one `all_gather_into_tensor` over the shard group
-brings every rank's chunks, and the full tensors are cut out of the result. Memory per rank is the
-bucket (and its gathered copy), never the whole model.
+per tensor (hundreds for a 7B model). Here the local shards of many tensors (one dtype, at most
+`bucket_bytes` of full tensors) are cast to the engine's dtype and padded to equal chunks in one
+multi-tensor copy into one flat buffer; one `all_gather_into_tensor` over the shard group brings every
+rank's chunks, and one more copy (`split_with_sizes_copy`) puts each tensor's chunks side by side, so
+the full tensors are views of one buffer. A bucket costs a fixed number of kernels whatever its tensor
+count (on one GPU that count, not the bytes, set the push's time). Memory per rank is the bucket (its
+flat piece, then the gathered bucket twice during the last copy), never the whole model.
 
 Tensors sharded some other way (tensor parallelism, several sharded mesh dims) fall back to
-`DTensor.full_tensor()` one by one. Plain tensors (one rank, no sharding) are yielded as they are,
-cast only when the engine's dtype differs: no gather and at most one copy.
+`DTensor.full_tensor()` one by one. Whole tensors (one rank, no sharding) are yielded as they are when
+the engine's dtype is theirs (no copy); otherwise they are cast in flat buckets too (one copy, no gather).
 
 Every rank must iterate `gather_full_tensors` to the end, in the same order (it is collective).
 Tensors that need no bucket come out at once, so the output order may differ from the input's.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -28,26 +31,25 @@ import torch
 from train.parallel.collectives import all_gather_flat
 
 
-@dataclass
-class _Pending:
-    name: str
-    local: torch.Tensor  # this rank's shard, dim 0 padded to `chunk` rows, cast
-    shape: torch.Size  # the full tensor's shape
-    chunk: int  # rows per rank (ceil(dim0 / group size))
+WHOLE, FULL_TENSOR = "whole", "full_tensor"  # how a tensor that no bucket gathers is read (see _route)
 
 
-def _shard_group(tensor: torch.Tensor):
-    """(process group, size) when `tensor` is a DTensor sharded on dim 0 over exactly one mesh dim and
-    replicated over the others (FSDP2, HSDP); else None."""
+def _route(tensor: torch.Tensor):
+    """How `tensor` travels: (process group, size) when it is a DTensor sharded on dim 0 over exactly one mesh
+    dim of more than one rank and replicated over the others (FSDP2, HSDP: gathered in buckets); WHOLE when it
+    is a plain tensor or a DTensor whose shards are all on this rank (its local tensor is the whole);
+    FULL_TENSOR otherwise (tensor parallelism: `full_tensor()`, one collective)."""
     placements = getattr(tensor, "placements", None)
     if placements is None:
-        return None
+        return WHOLE
     mesh = tensor.device_mesh
     sharded = [i for i, p in enumerate(placements) if p.is_shard() and mesh.size(i) > 1]
+    if not sharded:
+        return WHOLE
     if len(sharded) != 1 or not placements[sharded[0]].is_shard(dim=0):
-        return None
+        return FULL_TENSOR
     if not all(p.is_replicate() or mesh.size(i) == 1 for i, p in enumerate(placements) if i != sharded[0]):
-        return None
+        return FULL_TENSOR
     return mesh.get_group(sharded[0]), mesh.size(sharded[0])
 
 
@@ -76,70 +78,111 @@ def _quiet_strided_gather() -> Iterator[None]:
         logger.removeFilter(_EXPECTED)
 
 
-def _flush(bucket: list[_Pending], group, size: int) -> Iterator[tuple[str, torch.Tensor]]:
-    flat = torch.cat([p.local.reshape(-1) for p in bucket])
-    out = flat.new_empty(size * flat.numel())
-    all_gather_flat(out, flat, group=group)
-    per_rank = out.view(size, flat.numel())
-    offset = 0
-    for p in bucket:
-        n = p.local.numel()
-        rows = per_rank[:, offset:offset + n].reshape(size * p.chunk, *p.shape[1:])
-        offset += n
-        yield p.name, rows[: p.shape[0]]  # a view: the consumer copies it into its own storage
+@dataclass
+class _Pending:
+    name: str
+    local: torch.Tensor  # this rank's shard (a whole tensor when unsharded), not yet cast
+    shape: torch.Size  # the full tensor's shape
+    chunk: int  # rows per rank (ceil(dim0 / group size)); unused when unsharded
+
+
+@dataclass
+class _Bucket:
+    """The tensors waiting to travel together: one dtype, one shard group (None: unsharded, to be cast only)."""
+    dtype: torch.dtype
+    group: object
+    size: int  # ranks in the group (1 when unsharded)
+    items: list[_Pending] = field(default_factory=list)
+    nbytes: int = 0  # of full tensors
+
+
+def _rows(p: _Pending, size: int) -> int:
+    """Elements of one rank's padded chunk of `p` (its whole tensor when unsharded)."""
+    return p.local.numel() if size == 1 else p.chunk * math.prod(p.shape[1:])
+
+
+def _flush(bucket: _Bucket) -> Iterator[tuple[str, torch.Tensor]]:
+    """Cast every local piece into one flat buffer in one multi-tensor copy, gather it over the shard group in
+    one collective, and put each tensor's chunks side by side in one more copy: the full tensors are views of
+    one buffer per bucket. Per tensor, only views are taken (no kernel, no allocation)."""
+    items, size = bucket.items, bucket.size
+    counts = [_rows(p, size) for p in items]
+    flat = torch.empty(sum(counts), dtype=bucket.dtype, device=items[0].local.device)
+    pieces = flat.split(counts)
+    if size == 1:  # cast only: each tensor's piece, in its shape, is what comes out
+        outs = [piece.view(p.local.shape) for p, piece in zip(items, pieces)]
+        torch._foreach_copy_(outs, [p.local for p in items])
+        for p, out in zip(items, outs):
+            yield p.name, out
+        return
+    dsts, srcs = [], []
+    for p, piece in zip(items, pieces):
+        # FSDP2 shards like torch.chunk: only the last ranks may hold fewer rows, so the padding rows (left
+        # as they are) fall after the tensor's end once gathered, and are cut off there.
+        held = p.local.numel()
+        if held:
+            dsts.append((piece if held == piece.numel() else piece[:held]).view(p.local.shape))
+            srcs.append(p.local)
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+    gathered = flat.new_empty(size * flat.numel())
+    all_gather_flat(gathered, flat, group=bucket.group)
+    # Rank-major after the gather (every rank's chunk of every tensor); one copy brings each tensor's chunks together.
+    fulls = torch.empty_like(gathered).split([size * n for n in counts])
+    torch.split_with_sizes_copy(gathered.view(size, -1), counts, dim=1,
+                                out=[full.view(size, n) for full, n in zip(fulls, counts)])
+    del gathered
+    for p, full in zip(items, fulls):  # the padded rows, then the tensor's own
+        numel = p.shape.numel()
+        yield p.name, (full if full.numel() == numel else full[:numel]).view(p.shape)
 
 
 def gather_full_tensors(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
                         dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) for every (name, tensor), floating tensors cast to `dtype` (None: as they
-    are), sharded ones gathered in flat buckets of at most `bucket_bytes`. Tensors come out bucket by
-    bucket: a bucket's tensors are views of one buffer, valid until the iteration moves on. Run it
-    under `torch.no_grad()`, where a DTensor's local tensor is read without autograd's bookkeeping
-    (~50 us per tensor otherwise, most of a small model's push)."""
+    are), sharded ones gathered in flat buckets of at most `bucket_bytes`, whole ones that need a cast cast
+    in flat buckets too. Tensors come out bucket by bucket: a bucket's tensors are views of one buffer (a
+    fresh one per bucket, so they stay valid; it lives as long as any of them). Run it under
+    `torch.no_grad()`, where a DTensor's local tensor is read without autograd's bookkeeping (~50 us per
+    tensor otherwise, most of a small model's push)."""
     open_buckets: dict[tuple, _Bucket] = {}  # one open bucket per (dtype, shard group)
-    layouts: dict[tuple, tuple | None] = {}  # _shard_group per (mesh, placements): a push has a handful
+    routes: dict[tuple, object] = {}  # _route per (mesh, placements): a push has a handful
     for name, tensor in named:
         cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
         placements = getattr(tensor, "placements", None)
         key = None if placements is None else (id(tensor.device_mesh), placements)
-        if key not in layouts:
-            layouts[key] = _shard_group(tensor)
-        info = layouts[key]
-        if info is None:
-            if placements is not None:  # a DTensor (under no_grad, to_local is an attribute read)
-                if all(not p.is_shard() or tensor.device_mesh.size(i) == 1 for i, p in enumerate(placements)):
-                    tensor = tensor.to_local()  # a mesh of one rank: the local tensor is the whole
-                else:  # TP (with FSDP: a strided shard): one collective
-                    with _quiet_strided_gather():
-                        tensor = tensor.full_tensor()
-            tensor = tensor.detach()
-            yield name, tensor if tensor.dtype == cast else tensor.to(cast)
-            continue
-        group, size = info
-        local = tensor.to_local().detach()
+        route = routes.get(key)
+        if route is None:
+            route = routes[key] = _route(tensor)
+        if route is WHOLE or route is FULL_TENSOR:
+            if route is FULL_TENSOR:  # TP (with FSDP: a strided shard)
+                with _quiet_strided_gather():
+                    tensor = tensor.full_tensor()
+            elif placements is not None:  # under no_grad, to_local is an attribute read
+                tensor = tensor.to_local()
+            if tensor.requires_grad:  # a plain parameter (a DTensor's local tensor does not)
+                tensor = tensor.detach()
+            if tensor.dtype == cast:
+                yield name, tensor  # no copy at all
+                continue
+            group, size, local = None, 1, tensor
+        else:
+            group, size = route
+            local = tensor.to_local()
+            local = local.detach() if local.requires_grad else local
         shape = tensor.shape
-        chunk = -(-shape[0] // size)
-        padded = local.new_zeros((chunk, *shape[1:]), dtype=cast)
-        padded[: local.shape[0]] = local  # FSDP2 shards like torch.chunk: the last ranks may hold fewer rows
-        key = (cast, id(group))
-        bucket = open_buckets.setdefault(key, _Bucket(group, size))
-        full = padded.numel() * size * padded.element_size()
+        chunk = -(-shape[0] // size) if size > 1 else 0
+        bucket = open_buckets.setdefault((cast, id(group)), _Bucket(cast, group, size))
+        item = _Pending(name, local, shape, chunk)
+        full = _rows(item, size) * size * cast.itemsize
         if bucket.items and bucket.nbytes + full > bucket_bytes:
-            yield from _flush(bucket.items, group, size)
+            yield from _flush(bucket)
             bucket.items, bucket.nbytes = [], 0
-        bucket.items.append(_Pending(name, padded, shape, chunk))
+        bucket.items.append(item)
         bucket.nbytes += full
     for bucket in open_buckets.values():  # the partial ones, in the order they were opened
         if bucket.items:
-            yield from _flush(bucket.items, bucket.group, bucket.size)
-
-
-@dataclass
-class _Bucket:
-    group: object
-    size: int
-    items: list[_Pending] = field(default_factory=list)
-    nbytes: int = 0
+            yield from _flush(bucket)
 
 
 def unique_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
