@@ -154,25 +154,27 @@ def gather_full_tensors(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes:
         route = routes.get(key)
         if route is None:
             route = routes[key] = _route(tensor)
-        if route is WHOLE or route is FULL_TENSOR:
-            if route is FULL_TENSOR:  # TP (with FSDP: a strided shard)
+        if isinstance(route, tuple):  # sharded on dim 0: gathered in a bucket of its shard group
+            group, size = route
+            local = tensor.to_local()
+            local = local.detach() if local.requires_grad else local
+        else:
+            if route == FULL_TENSOR:  # TP (with FSDP: a strided shard)
                 with _quiet_strided_gather():
                     tensor = tensor.full_tensor()
-            elif placements is not None:  # under no_grad, to_local is an attribute read
+            elif placements is not None:  # WHOLE: under no_grad, to_local is an attribute read
                 tensor = tensor.to_local()
             if tensor.requires_grad:  # a plain parameter (a DTensor's local tensor does not)
                 tensor = tensor.detach()
             if tensor.dtype == cast:
                 yield name, tensor  # no copy at all
                 continue
-            group, size, local = None, 1, tensor
-        else:
-            group, size = route
-            local = tensor.to_local()
-            local = local.detach() if local.requires_grad else local
+            group, size, local = None, 1, tensor  # cast in a bucket of its own kind, no gather
         shape = tensor.shape
         chunk = -(-shape[0] // size) if size > 1 else 0
-        bucket = open_buckets.setdefault((cast, id(group)), _Bucket(cast, group, size))
+        bucket = open_buckets.get((cast, id(group)))
+        if bucket is None:
+            bucket = open_buckets[(cast, id(group))] = _Bucket(cast, group, size)
         item = _Pending(name, local, shape, chunk)
         full = _rows(item, size) * size * cast.itemsize
         if bucket.items and bucket.nbytes + full > bucket_bytes:
