@@ -60,7 +60,8 @@ class RemoteEngine:
             meta = [(name, tuple(t.shape)) for name, t in bucket.named_tensors]
             what = f"{push}, bucket {i}{of} ({bucket.nbytes} bytes)"
             self.bridge.broadcast_object({"dtype": bucket.dtype, "tensors": meta}, f"the layout of {what}")
-            flat = torch.cat([t.detach().reshape(-1).to("cpu") for _, t in bucket.named_tensors])
+            # laid end to end where the tensors are (one kernel on a GPU), then one copy to the host for gloo
+            flat = torch.cat([t.detach().reshape(-1) for _, t in bucket.named_tensors]).to("cpu")
             self.bridge.broadcast(flat.view(torch.uint8), what)
         self._buckets = i
         self.bridge.broadcast_object({"end": True}, f"the end of {push}")
