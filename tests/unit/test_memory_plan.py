@@ -47,6 +47,19 @@ def test_sharing_the_base_and_fused_adamw_take_what_they_should():
     assert not full_foreach.fits(CARDS["80 GB (H100)"]) and full_fused.fits(CARDS["80 GB (H100)"])
 
 
+def test_a_push_holds_two_buckets_of_what_it_sends():
+    """The push's gather fills one flat bucket while the engine copies from the last one: two buckets of
+    `rollout.bucket_size_mb`, or the bytes sent (bf16) when they are fewer: LoRA sends its adapters only."""
+    full = plan(preset_config("qwen3-4b"), seq=16384)
+    assert full.push_buffers == 2 * 512 * 2**20
+    assert full.push_peak == full.weights + full.optimizer + full.engine_weights + 2 * 512 * 2**20
+    assert plan(preset_config("qwen3-4b"), seq=16384, bucket_mb=64).push_buffers == 2 * 64 * 2**20
+    lora = plan(preset_config("qwen2.5-0.5b"), seq=16384, lora_rank=8)
+    assert lora.push_buffers == 2 * 2 * lora.adapters < 2 * 512 * 2**20
+    tiny_kv = plan(preset_config("qwen2.5-0.5b"), seq=1024, replies=1, prompt=64, new=64)
+    assert tiny_kv.push_peak > tiny_kv.rollout_peak and tiny_kv.peak >= tiny_kv.push_peak
+
+
 def test_the_command_prints_a_plan_and_names_what_it_does_not_know(capsys):
     assert main(["--model", "qwen2.5-0.5b", "--lora-rank", "8", "--seq", "4096"]) == 0
     out = capsys.readouterr().out

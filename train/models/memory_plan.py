@@ -20,6 +20,9 @@ bf16 compute (`actor.dtype=bfloat16`), S tokens per packed micro-batch:
   engine's own bf16 weights (2P + 2L; 2L when it borrows the actor's frozen base,
   `rollout.share_actor_base`) and the KV cache of the replies in flight. The engine sleeps (its
   weights to host memory) during the update.
+- push: the actor's weights and optimizer state, the engine's weights and two buckets of what is sent
+  (`rollout.bucket_size_mb` each, at most the bytes sent: 2P in bf16, 2L with LoRA): the bucket being
+  filled and the one whose tensors the engine is still copying.
 
 A plan "fits" a card when its larger phase, plus 10% for the allocator and what the rule leaves out,
 stays under the card's memory. Checked against the H100 runs of `benchmarks/gpu_suite.py --only bigmodel`
@@ -120,6 +123,7 @@ class MemoryPlan:
     unshard: int
     engine_weights: int
     kv_cache: int
+    push_buffers: int = 0
 
     @property
     def update_peak(self) -> int:
@@ -132,8 +136,12 @@ class MemoryPlan:
         return self.weights + self.optimizer + self.engine_weights + self.kv_cache
 
     @property
+    def push_peak(self) -> int:
+        return self.weights + self.optimizer + self.engine_weights + self.push_buffers
+
+    @property
     def peak(self) -> int:
-        return max(self.update_peak, self.rollout_peak)
+        return max(self.update_peak, self.rollout_peak, self.push_peak)
 
     def fits(self, card_gib: float) -> bool:
         return self.peak * HEADROOM / GIB <= card_gib
@@ -141,10 +149,11 @@ class MemoryPlan:
 
 def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, replies: int = 8,
          prompt: int = 1024, new: int = 128, fused_head: bool = True, foreach: bool = False,
-         counts: tuple[int, int] | None = None, checkpointing: bool = True, shards: int = 1) -> MemoryPlan:
+         counts: tuple[int, int] | None = None, checkpointing: bool = True, shards: int = 1,
+         bucket_mb: float = 512) -> MemoryPlan:
     """The memory of one step (module docstring) for `config` at `seq` tokens per micro-batch;
     `counts`: `count_parameters(config, lora_rank)` when the caller has it already; `shards`: the FSDP
-    ranks the weights, gradients and moments are split over."""
+    ranks the weights, gradients and moments are split over; `bucket_mb`: `rollout.bucket_size_mb`."""
     params, adapters = counts or count_parameters(config, lora_rank)
     config = text_config(config)  # a vision-language model: its language model's shapes (the tower's activations are left out)
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
@@ -166,7 +175,8 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
     return MemoryPlan(params=params, adapters=adapters, weights=weights // shards, gradients=4 * trainable // shards,
                       optimizer=8 * trainable // shards, optimizer_temporary=(4 * trainable // shards) if foreach else 0,
                       activations=kept + head, unshard=unshard, engine_weights=engine,
-                      kv_cache=replies * (prompt + new) * kv_per_token)
+                      kv_cache=replies * (prompt + new) * kv_per_token,
+                      push_buffers=2 * min(int(bucket_mb * 2**20), 2 * (adapters if lora_rank else params)))
 
 
 def resident_bytes(config, *, trainable: bool, shards: int = 1) -> int:
@@ -261,7 +271,8 @@ def describe(name: str, p: MemoryPlan, seq: int, lora_rank: int) -> str:
              + (f", step temporary {g(p.optimizer_temporary)}" if p.optimizer_temporary else ""),
              f"  update: activations {g(p.activations)} GiB, FSDP unshard {g(p.unshard)} -> peak {g(p.update_peak)} GiB",
              f"  rollout: engine's own weights {g(p.engine_weights)} GiB, KV cache {g(p.kv_cache)} -> peak "
-             f"{g(p.rollout_peak)} GiB"]
+             f"{g(p.rollout_peak)} GiB",
+             f"  push: two buckets {g(p.push_buffers)} GiB -> peak {g(p.push_peak)} GiB"]
     lines.append("  fits (peak + 10%): " + ", ".join(f"{card} {'yes' if p.fits(gib) else 'no'}"
                                                      for card, gib in CARDS.items()))
     return "\n".join(lines)
@@ -298,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-share-base", action="store_true", help="the engine holds its own base (LoRA)")
     ap.add_argument("--plain-head", action="store_true", help="without the fused log-prob head")
     ap.add_argument("--foreach", action="store_true", help="the foreach AdamW's step temporary (before fused)")
+    ap.add_argument("--bucket-mb", type=float, default=512, help="rollout.bucket_size_mb (the push's buckets)")
     ap.add_argument("--json", action="store_true", help="print the parts as JSON")
     ap.add_argument("--table", action="store_true", help="the presets' table (docs/gpu.md)")
     args = ap.parse_args(argv)
@@ -308,9 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--model is required (or --table)")
     p = plan(load_config(args.model), seq=args.seq, lora_rank=args.lora_rank, share_base=not args.no_share_base,
              replies=args.replies, prompt=args.prompt, new=args.new, fused_head=not args.plain_head,
-             foreach=args.foreach)
+             foreach=args.foreach, bucket_mb=args.bucket_mb)
     if args.json:
-        print(json.dumps({**p.__dict__, "update_peak": p.update_peak, "rollout_peak": p.rollout_peak}))
+        print(json.dumps({**p.__dict__, "update_peak": p.update_peak, "rollout_peak": p.rollout_peak,
+                          "push_peak": p.push_peak}))
     else:
         print(describe(args.model, p, args.seq, args.lora_rank))
     return 0
