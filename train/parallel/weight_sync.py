@@ -88,12 +88,21 @@ class _Pending:
 
 @dataclass
 class _Bucket:
-    """The tensors waiting to travel together: one dtype, one shard group (None: unsharded, to be cast only)."""
+    """The tensors waiting to travel together: one dtype, one shard group (None: unsharded, to be cast only), one
+    device (the mesh's for a DTensor: FSDP2's CPU offload keeps the shards in host memory, and NCCL gathers
+    device memory; so the bucket is filled on the GPU, one host-to-device copy per bucket)."""
     dtype: torch.dtype
     group: object
     size: int  # ranks in the group (1 when unsharded)
+    device: torch.device
     items: list[_Pending] = field(default_factory=list)
     nbytes: int = 0  # of full tensors
+
+
+def _mesh_device(mesh) -> torch.device:
+    """The device a mesh's collectives run on (this process's current one of its type)."""
+    kind = mesh.device_type
+    return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
 
 
 def _rows(p: _Pending, size: int) -> int:
@@ -107,7 +116,7 @@ def _flush(bucket: _Bucket) -> Iterator[tuple[str, torch.Tensor]]:
     one buffer per bucket. Per tensor, only views are taken (no kernel, no allocation)."""
     items, size = bucket.items, bucket.size
     counts = [_rows(p, size) for p in items]
-    flat = torch.empty(sum(counts), dtype=bucket.dtype, device=items[0].local.device)
+    flat = torch.empty(sum(counts), dtype=bucket.dtype, device=bucket.device)
     pieces = flat.split(counts)
     if size == 1:  # cast only: each tensor's piece, in its shape, is what comes out
         outs = [piece.view(p.local.shape) for p, piece in zip(items, pieces)]
@@ -145,15 +154,16 @@ def gather_full_tensors(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes:
     fresh one per bucket, so they stay valid; it lives as long as any of them). Run it under
     `torch.no_grad()`, where a DTensor's local tensor is read without autograd's bookkeeping (~50 us per
     tensor otherwise, most of a small model's push)."""
-    open_buckets: dict[tuple, _Bucket] = {}  # one open bucket per (dtype, shard group)
-    routes: dict[tuple, object] = {}  # _route per (mesh, placements): a push has a handful
+    open_buckets: dict[tuple, _Bucket] = {}  # one open bucket per (dtype, shard group, device)
+    routes: dict[tuple, tuple] = {}  # (_route, its bucket's device) per (mesh, placements): a push has a handful
     for name, tensor in named:
         cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
         placements = getattr(tensor, "placements", None)
         key = None if placements is None else (id(tensor.device_mesh), placements)
-        route = routes.get(key)
-        if route is None:
-            route = routes[key] = _route(tensor)
+        known = routes.get(key)
+        if known is None:
+            known = routes[key] = (_route(tensor), None if placements is None else _mesh_device(tensor.device_mesh))
+        route, device = known
         if isinstance(route, tuple):  # sharded on dim 0: gathered in a bucket of its shard group
             group, size = route
             local = tensor.to_local()
@@ -172,9 +182,11 @@ def gather_full_tensors(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes:
             group, size, local = None, 1, tensor  # cast in a bucket of its own kind, no gather
         shape = tensor.shape
         chunk = -(-shape[0] // size) if size > 1 else 0
-        bucket = open_buckets.get((cast, id(group)))
+        if device is None:  # a plain tensor's bucket: where it is
+            device = local.device
+        bucket = open_buckets.get((cast, id(group), device))
         if bucket is None:
-            bucket = open_buckets[(cast, id(group))] = _Bucket(cast, group, size)
+            bucket = open_buckets[(cast, id(group), device)] = _Bucket(cast, group, size, device)
         item = _Pending(name, local, shape, chunk)
         full = _rows(item, size) * size * cast.itemsize
         if bucket.items and bucket.nbytes + full > bucket_bytes:
