@@ -18,8 +18,9 @@ a plain module on one rank) and an `hf` rollout engine per rank, then times, aft
   masters into the engine's dtype.
 
 Reported: seconds per push and per billion parameters, push / floor, and the ops one push dispatches (a
-`TorchDispatchMode` count; on a GPU each is a kernel launch or more, and on one GPU their count, not the
-bytes, sets the push's time), apart from the views it takes (metadata only). `--bucket-mb` is `rollout.bucket_size_mb`. `--dtype bfloat16` trains in bf16
+`TorchDispatchMode` count): those that run kernels (on a GPU each a launch or more; on one GPU their count,
+not the bytes, sets the push's time), the allocations (a call into the allocator, no kernel) and the views
+(metadata only). `--bucket-mb` is `rollout.bucket_size_mb`. `--dtype bfloat16` trains in bf16
 (`actor.dtype`: FSDP2 over one rank, fp32 masters) and builds the engine in bf16: one GPU's setting, where
 every weight is cast on its way. `--lora-rank N` builds the actor with `actor.lora.rank=N` (and the engine
 with the same LoRA layers): a push then sends the adapters only (the params column counts what is sent).
@@ -42,17 +43,22 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+
+
 def op_count():
-    """A dispatch mode counting the ops that run (on a GPU, each a kernel launch or more) apart from the views
-    (metadata only: no kernel, no memory)."""
+    """A dispatch mode sorting the ops that run into kernels (on a GPU, each a launch or more), allocations (a
+    call into the allocator, no kernel) and views (metadata only: no kernel, no memory)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class OpCount(TorchDispatchMode):
-        ops = views = 0
+        ops = allocations = views = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.is_view:
                 self.views += 1
+            elif func.overloadpacket.__name__ in ALLOCATIONS:
+                self.allocations += 1
             else:
                 self.ops += 1
             return func(*args, **(kwargs or {}))
@@ -121,6 +127,7 @@ def worker(args) -> None:
             with op_count() as count:
                 fn()
             timings[f"{name}_ops"], timings[f"{name}_views"] = count.ops, count.views
+            timings[f"{name}_allocations"] = count.allocations
         if ctx.is_main:
             with open(args.out, "w") as f:
                 json.dump({"ranks": ctx.world_size, "params": n_params, **timings}, f)
@@ -181,13 +188,14 @@ def run(args) -> None:
     what += f", {args.dtype}" if args.dtype != "float32" else ""
     print(f"model {'deep (24 x 64)' if args.deep else os.path.relpath(args.model, ROOT)}{what}, bucket {args.bucket_mb:g} MB, median of {args.repeats}")
     print("| ranks | params | push s | unverified s | gather only s | floor s | push s per 1B params | push / floor "
-          "| ops per push (unverified) | views per push |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| kernel ops per push (unverified) | allocations | views |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         per_b = r["push"] / r["params"] * 1e9
         print(f"| {r['ranks']} | {r['params'] / 1e6:.1f}M | {r['push']:.4f} | {r['unverified']:.4f} | "
               f"{r['gather_only']:.4f} | {r['floor']:.4f} | {per_b:.1f} | {r['push'] / max(r['floor'], 1e-9):.1f}x "
-              f"| {r['push_ops']} ({r['unverified_ops']}) | {r['push_views']} ({r['unverified_views']}) |")
+              f"| {r['push_ops']} ({r['unverified_ops']}) | {r['push_allocations']} ({r['unverified_allocations']}) "
+              f"| {r['push_views']} ({r['unverified_views']}) |")
 
 
 if __name__ == "__main__":

@@ -5,14 +5,14 @@ replicated over the `ddp` ranks of hybrid sharding). Gathering them one by one c
 per tensor (hundreds for a 7B model). Here the local shards of many tensors (one dtype, at most
 `bucket_bytes` of full tensors) are cast to the engine's dtype and padded to equal chunks in one
 multi-tensor copy into one flat buffer; one `all_gather_into_tensor` over the shard group brings every
-rank's chunks, and one more copy (`split_with_sizes_copy`) puts each tensor's chunks side by side, so
-the full tensors are views of one buffer. A bucket costs a fixed number of kernels whatever its tensor
-count (on one GPU that count, not the bytes, set the push's time). Memory per rank is the bucket (its
-flat piece, then the gathered bucket twice during the last copy), never the whole model.
+rank's chunks, and one more copy (`split_with_sizes_copy`) puts each tensor's chunks side by side in
+its own output. A bucket costs a fixed number of kernels whatever its tensor count (on one GPU that count,
+not the bytes, set the push's time). Memory per rank is about two buckets (the gathered bucket and the
+outputs cut from it, plus the flat piece, bucket / ranks), never the whole model.
 
 Tensors sharded some other way (tensor parallelism, several sharded mesh dims) fall back to
 `DTensor.full_tensor()` one by one. Whole tensors (one rank, no sharding) are yielded as they are when
-the engine's dtype is theirs (no copy); otherwise they are cast in flat buckets too (one copy, no gather).
+the engine's dtype is theirs (no copy); otherwise a bucket of them is cast in one multi-tensor copy (no gather).
 
 Every rank must iterate `gather_full_tensors` to the end, in the same order (it is collective).
 Tensors that need no bucket come out at once, so the output order may differ from the input's.
@@ -111,21 +111,20 @@ def _rows(p: _Pending, size: int) -> int:
 
 
 def _flush(bucket: _Bucket) -> Iterator[tuple[str, torch.Tensor]]:
-    """Cast every local piece into one flat buffer in one multi-tensor copy, gather it over the shard group in
-    one collective, and put each tensor's chunks side by side in one more copy: the full tensors are views of
-    one buffer per bucket. Per tensor, only views are taken (no kernel, no allocation)."""
-    items, size = bucket.items, bucket.size
-    counts = [_rows(p, size) for p in items]
-    flat = torch.empty(sum(counts), dtype=bucket.dtype, device=bucket.device)
-    pieces = flat.split(counts)
-    if size == 1:  # cast only: each tensor's piece, in its shape, is what comes out
-        outs = [piece.view(p.local.shape) for p, piece in zip(items, pieces)]
+    """One multi-tensor copy casts every local piece into one flat buffer, one collective gathers it over the
+    shard group, and one more copy puts each tensor's chunks side by side in its own output: a fixed number of
+    kernels per bucket. The outputs are separate tensors, not views of one buffer, so a consumer still copying
+    the last few tensors of a bucket holds those, not the whole bucket, while the next one is gathered."""
+    items, size, device = bucket.items, bucket.size, bucket.device
+    if size == 1:  # cast only: each tensor straight into its output
+        outs = [torch.empty(p.local.shape, dtype=bucket.dtype, device=device) for p in items]
         torch._foreach_copy_(outs, [p.local for p in items])
-        for p, out in zip(items, outs):
-            yield p.name, out
+        yield from zip((p.name for p in items), outs)
         return
+    counts = [_rows(p, size) for p in items]
+    flat = torch.empty(sum(counts), dtype=bucket.dtype, device=device)
     dsts, srcs = [], []
-    for p, piece in zip(items, pieces):
+    for p, piece in zip(items, flat.split(counts)):
         # FSDP2 shards like torch.chunk: only the last ranks may hold fewer rows, so the padding rows (left
         # as they are) fall after the tensor's end once gathered, and are cut off there.
         held = p.local.numel()
@@ -136,22 +135,21 @@ def _flush(bucket: _Bucket) -> Iterator[tuple[str, torch.Tensor]]:
         torch._foreach_copy_(dsts, srcs)
     gathered = flat.new_empty(size * flat.numel())
     all_gather_flat(gathered, flat, group=bucket.group)
-    # Rank-major after the gather (every rank's chunk of every tensor); one copy brings each tensor's chunks together.
-    fulls = torch.empty_like(gathered).split([size * n for n in counts])
+    del flat, dsts
+    # Rank-major after the gather (every rank's chunk of every tensor): one copy brings each tensor's chunks together.
+    fulls = [torch.empty((size * p.chunk, *p.shape[1:]), dtype=bucket.dtype, device=device) for p in items]
     torch.split_with_sizes_copy(gathered.view(size, -1), counts, dim=1,
                                 out=[full.view(size, n) for full, n in zip(fulls, counts)])
     del gathered
     for p, full in zip(items, fulls):  # the padded rows, then the tensor's own
-        numel = p.shape.numel()
-        yield p.name, (full if full.numel() == numel else full[:numel]).view(p.shape)
+        yield p.name, full if full.shape[0] == p.shape[0] else full[: p.shape[0]]
 
 
 def gather_full_tensors(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
                         dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) for every (name, tensor), floating tensors cast to `dtype` (None: as they
     are), sharded ones gathered in flat buckets of at most `bucket_bytes`, whole ones that need a cast cast
-    in flat buckets too. Tensors come out bucket by bucket: a bucket's tensors are views of one buffer (a
-    fresh one per bucket, so they stay valid; it lives as long as any of them). Run it under
+    a bucket at a time too. Tensors come out bucket by bucket, each a fresh tensor of its own. Run it under
     `torch.no_grad()`, where a DTensor's local tensor is read without autograd's bookkeeping (~50 us per
     tensor otherwise, most of a small model's push)."""
     open_buckets: dict[tuple, _Bucket] = {}  # one open bucket per (dtype, shard group, device)
