@@ -218,9 +218,10 @@ def test_one_step_issues_a_bounded_number_of_collectives(tmp_path):
 def test_weight_push_gathers_full_tensors_in_flat_buckets(tmp_path, name, nproc, flags, bucketed):
     """The push's gather equals DTensor.full_tensor() for every weight (fp32, and cast to bf16 before it
     travels), each tied storage once; FSDP/HSDP shards travel in one all-gather per bucket of at most
-    --bucket_kb of full tensors; one process gathers nothing (its bf16 casts go a bucket at a time, one multi-tensor copy each); under TP,
-    dim-0 shards are bucketed and the others fall back to full_tensor(). Over 3 ranks every dimension of the
-    stub (128, 352, 512) shards unevenly: the last rank holds fewer rows, and the padding must not show."""
+    --bucket_kb of full tensors; one process gathers nothing (its bf16 casts go a bucket at a time, one
+    multi-tensor copy each); under TP, dim-0 shards are bucketed and the others fall back to full_tensor().
+    Over 3 ranks every dimension of the stub (128, 352, 512) shards unevenly: the last rank holds fewer rows,
+    and the padding must not show."""
     out = launch(nproc, tmp_path / "push.pt", "push", "--bucket_kb", "256", *flags)
     for dtype, r in out["result"].items():
         assert sorted(r["names"]) == sorted(out["expected_names"])  # every weight, each storage once
