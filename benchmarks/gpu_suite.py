@@ -427,7 +427,7 @@ def section_trl(args, work: Path, shapes: Shapes, model_dir: Path, info: dict) -
 
 
 def build_actor(model_dir: Path, max_tokens: int, info: dict, lora: dict | None = None, fused_head: bool = False,
-                compile_layers: bool = False):
+                compile_layers: bool = False, master_weights: bool | None = None):
     import torch
     from omegaconf import OmegaConf
 
@@ -442,6 +442,7 @@ def build_actor(model_dir: Path, max_tokens: int, info: dict, lora: dict | None 
     cfg.gradient_checkpointing = True
     cfg.use_liger_kernel = fused_head
     cfg.compile = compile_layers
+    cfg.master_weights = master_weights  # null: fp32 masters where they apply and fit (the trainer's default)
     if lora:
         cfg.lora.rank, cfg.lora.alpha = lora["rank"], lora["alpha"]
     torch.manual_seed(0)
@@ -481,14 +482,23 @@ def mfu_peak(info: dict) -> tuple[float, str]:
 
 
 def section_mfu(args, work: Path, shapes: Shapes, info: dict, model_dir: Path) -> dict:
-    """The update's MFU: the eager actor with the plain and the fused head at each length. Returns the actor (the
-    push section's) under `_actor`."""
+    """The update's MFU: the eager actor with the plain and the fused head at each length, then at the longest
+    length with FSDP2's mixed precision over one rank (actor.master_weights=false) beside the default's fp32
+    masters. Returns the default actor (the push section's) under `_actor`."""
+    import torch
+
     peak, source = mfu_peak(info)
     actor, ctx = build_actor(model_dir, max(shapes.mfu_tokens), info)
     # The default LM head (logits of the action tokens, then log-softmax) and the fused one
     # (actor.use_liger_kernel: chunked, no [tokens, vocab] logits kept).
     rows = [mfu_row(actor, ctx, work, shapes, info, model_dir, peak, fused, tokens)
             for fused in (False, True) for tokens in shapes.mfu_tokens]
+    if actor.masters is not None:  # the same update as FSDP2 casts it, per parameter at every forward and backward
+        fsdp, _ = build_actor(model_dir, max(shapes.mfu_tokens), info, master_weights=False)
+        rows.append(mfu_row(fsdp, ctx, work, shapes, info, model_dir, peak, False, max(shapes.mfu_tokens)))
+        del fsdp
+        if info["cuda"]:
+            torch.cuda.empty_cache()
     return {"peak_tflops": peak, "peak_source": source, "micro_batches": rows, "_actor": actor}
 
 
@@ -531,11 +541,14 @@ def mfu_row(actor, ctx, work: Path, shapes: Shapes, info: dict, model_dir: Path,
     seconds = statistics.median(times[1:])
     kernels = None
     if tokens == max(shapes.mfu_tokens):  # the launches per update: what bounds a small model's update on a GPU
-        tag = ("_fused" if fused else "") + ("_compiled" if actor.cfg.compile else "")
+        fsdp_mixed = actor.masters is None and actor.cfg.dtype == "bfloat16"  # the row beside the masters' default
+        tag = ("_fused" if fused else "") + ("_compiled" if actor.cfg.compile else "") + ("_fsdp" if fsdp_mixed else "")
         kernels = profiled(lambda: actor.update(batch, max_new), work / f"mfu_profile_{tokens}{tag}.txt")
     gflop = update_gflop(str(model_dir), len(ids), total / len(ids), actions / len(ids))
     tflops = gflop / seconds / 1e3
-    return {"lm_head": "fused" if fused else "plain", "compiled": bool(actor.cfg.compile), "tokens": total,
+    return {"lm_head": "fused" if fused else "plain", "compiled": bool(actor.cfg.compile),
+            "precision": ("fp32 masters" if actor.masters is not None else
+                          "FSDP2 mixed" if actor.cfg.dtype == "bfloat16" else actor.cfg.dtype), "tokens": total,
             "seconds": seconds, "warmup_s": times[0], "tflops": tflops, "mfu": tflops / peak,
             ("kernels_per_update" if info["cuda"] else "ops_per_update"): kernels,
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if info["cuda"] else None}
@@ -613,7 +626,8 @@ def section_push(args, work: Path, info: dict, actor) -> dict:
                         f"s_per_billion{'' if verify else '_unverified'}": seconds / params * 1e9})
     finally:
         engine.close()
-    return {"params": params, **out, "engine_dtype": str(engine.dtype)}
+    # with fp32 masters the actor's weights are bf16 already: a push sends them without a cast
+    return {"params": params, **out, "engine_dtype": str(engine.dtype), "master_weights": actor.masters is not None}
 
 
 def section_step(args, work: Path, shapes: Shapes, model_dir: Path) -> dict:
@@ -910,9 +924,11 @@ def section_bigmodel(args, work: Path, info: dict) -> dict:
             row.update({"update_tflops": tflops, "mfu": tflops / peak_tflops,
                         "step_s": row["rollout_s"] + row["update_s"]})
             # train/models/memory_plan.py's estimate of the same step, to check it against the measurement
+            masters = actor.masters is not None  # actor.master_weights=null: taken where the plan fits
             estimate = plan(config, seq=tokens, lora_rank=case["lora_rank"], share_base=True, replies=replies,
-                            prompt=prompt_len, new=new)
-            row.update({"estimate_update_gib": gib(estimate.update_peak), "estimate_rollout_gib": gib(estimate.rollout_peak)})
+                            prompt=prompt_len, new=new, master_weights=masters)
+            row.update({"estimate_update_gib": gib(estimate.update_peak), "estimate_rollout_gib": gib(estimate.rollout_peak),
+                        "master_weights": masters})
         except Exception as exc:  # one case's failure (say, out of memory) is recorded; the next still runs
             traceback.print_exc()
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -966,7 +982,8 @@ def markdown(result: dict) -> str:
 
     def mfu(r: dict) -> str:
         return "; ".join(
-            f"{m.get('lm_head', 'plain')} head{', compiled layers' if m.get('compiled') else ''}, {m['tokens']} tokens: "
+            f"{m.get('lm_head', 'plain')} head{', compiled layers' if m.get('compiled') else ''}"
+            f"{', ' + m['precision'] if m.get('precision') else ''}, {m['tokens']} tokens: "
             f"{m['seconds']:.3f} s, {m['tflops']:.3g} TFLOP/s = MFU {100 * m['mfu']:.1f}%"
             + (f" (first update {m['warmup_s']:.1f} s)" if m.get('compiled') else "")
             + (f", {m['kernels_per_update']:,} kernels per update" if m.get("kernels_per_update") else "")

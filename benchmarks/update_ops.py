@@ -7,16 +7,18 @@ run of 2026-11-25: 8k and 16k tokens took the same 0.52 s at Qwen2.5-0.5B). Ever
 at least one kernel launch there (a foreach op is one multi-tensor kernel), and every read of a device value
 (`.item()`, `float(tensor)`) stops the host until the GPU has caught up. Both can be counted on a CPU: this builds
 a random model with Qwen2.5-0.5B's tensor layout (24 layers, 290 tensors, tied embeddings) at tiny widths, so the
-count is the real one and the arithmetic is negligible, and runs the actor's update as on one GPU (bf16 compute
-under FSDP2 over one rank, gradient checkpointing, one packed micro-batch unless `--packs`). It prints, per
+count is the real one and the arithmetic is negligible, and runs the actor's update as on one GPU (bf16 compute:
+bf16 weights with fp32 masters, the trainer's default, or with `--master-weights false` FSDP2's mixed precision
+over one rank; gradient checkpointing, one packed micro-batch unless `--packs`). It prints, per
 phase, the ops dispatched (a `TorchDispatchMode` count: what the Python dispatcher sees, so a CPU foreach op
 that loops internally still counts once), the host syncs among them, and the median seconds over `--repeats`
 updates.
 
 Phases: `forward` (the model's forward and its log-prob head, with FSDP's unshard), `backward` (FSDP's
-unshard again, the checkpointed recompute, the gradient reduction), `weight norms` (the update's weight-change
-metric, before and after), `clip` (the global gradient norm and scaling), `optimizer` (AdamW and zero_grad), and
-`other`: the loss and its metrics, packing, the metrics' reduction.
+unshard again, the checkpointed recompute, the gradient reduction, or the masters' gradient sums), `weight norms`
+(the update's weight-change metric, before and after), `clip` (the global gradient norm and scaling), `optimizer`
+(AdamW, zero_grad, the masters' cast into the bf16 weights), and `other`: the loss and its metrics, packing, the
+metrics' reduction.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from train.models import optim, trainable  # noqa: E402
 from train.models.actor import Actor  # noqa: E402
+from train.models.master_weights import MasterWeights  # noqa: E402
 from train.parallel.distributed import init_distributed  # noqa: E402
 from train.parallel.step_batch import dispatch, exchange_index  # noqa: E402
 
@@ -110,6 +113,7 @@ def build(args, folder: Path):
     cfg.gradient_checkpointing = True
     cfg.use_liger_kernel = False
     cfg.compile = args.compile
+    cfg.master_weights = {"null": None, "true": True, "false": False}[args.master_weights]
     torch.manual_seed(0)
     actor = Actor(cfg, ctx, str(folder), pad_token_id=0, train=True, temperature=1.0, total_updates=1000)
     ids, masks, adv, sampler, max_new = gpu_suite.fixed_batch(args.tokens, shapes.vocab)
@@ -127,6 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--packs", type=int, default=1, help="packed micro-batches they are split into")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16: FSDP2 mixed precision over one rank, as on a GPU")
     p.add_argument("--compile", action="store_true", help="actor.compile: each decoder layer compiled")
+    p.add_argument("--master-weights", default="null", choices=("null", "true", "false"),
+                   help="actor.master_weights: true = bf16 weights and fp32 masters (null: the trainer's default, true "
+                        "here), false = FSDP2's mixed precision over one rank")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -137,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     phases.wrap(torch.optim.Optimizer, "zero_grad", "optimizer")
     phases.wrap(torch.Tensor, "backward", "backward")
     phases.wrap(Actor, "_forward", "forward")
+    phases.wrap(MasterWeights, "collect", "backward")
+    phases.wrap(MasterWeights, "publish", "optimizer")
     with tempfile.TemporaryDirectory() as tmp:
         actor, batch, max_new = build(args, Path(tmp))
         for _ in range(3 if args.compile else 1):  # warm-up: the optimizer's state, caches, compiled graphs
@@ -159,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         phases.counter = None
     params = sum(1 for _ in actor.model.parameters())
     print(f"{args.layers} layers, {params} tensors, {args.tokens} tokens in {args.packs} pack(s), {args.dtype}, "
-          f"model {type(actor.model).__name__}{', compiled layers' if args.compile else ''}")
+          f"model {type(actor.model).__name__}{', compiled layers' if args.compile else ''}"
+          f"{', fp32 masters (actor.master_weights)' if actor.masters is not None else ''}")
     print(f"| phase | ops | host syncs | ms (median of {args.repeats}) |\n|---|---|---|---|")
     for phase in PHASES:
         print(f"| {phase} | {counter.ops[phase]:,} | {counter.syncs[phase]} | "

@@ -14,15 +14,16 @@ a plain module on one rank) and an `hf` rollout engine per rank, then times, aft
 * **gather only**: the same gather without the engine (what the push costs in collectives);
 * **floor**: one `all_gather_into_tensor` of the same number of bytes on the same ranks (no
   bucketing, no unpacking, no engine copy): what moving the weights cannot beat. On one rank there is
-  no collective, and the floor is one copy of the weights (the engine must receive them), from the fp32
-  masters into the engine's dtype.
+  no collective, and the floor is one copy of the weights (the engine must receive them), from the actor's
+  weights (fp32, or bf16 with `actor.master_weights`) into the engine's dtype.
 
 Reported: seconds per push and per billion parameters, push / floor, and the ops one push dispatches (a
 `TorchDispatchMode` count): those that run kernels (on a GPU each a launch or more; on one GPU their count,
 not the bytes, sets the push's time), the allocations (a call into the allocator, no kernel) and the views
 (metadata only). `--bucket-mb` is `rollout.bucket_size_mb`. `--dtype bfloat16` trains in bf16
-(`actor.dtype`: FSDP2 over one rank, fp32 masters) and builds the engine in bf16: one GPU's setting, where
-every weight is cast on its way. `--lora-rank N` builds the actor with `actor.lora.rank=N` (and the engine
+(`actor.dtype`) and builds the engine in bf16: one GPU's setting. On one rank the actor then holds bf16 weights
+with fp32 masters (`actor.master_weights`, the default), so nothing is cast on the way; `--master-weights false`
+is FSDP2 over one rank, whose fp32 weights are each cast on their way. `--lora-rank N` builds the actor with `actor.lora.rank=N` (and the engine
 with the same LoRA layers): a push then sends the adapters only (the params column counts what is sent).
 `--deep` builds (in a temporary folder) a random Qwen2 of 24 layers and hidden size 64: as many tensors
 as Qwen2.5-0.5B (291) with 0.9M parameters, so what it times is the cost per tensor (Python, dispatch,
@@ -87,6 +88,7 @@ def worker(args) -> None:
         cfg = OmegaConf.load(os.path.join(ROOT, "config", "grpo.yaml")).actor
         OmegaConf.update(cfg, "lora.rank", args.lora_rank)
         OmegaConf.update(cfg, "dtype", args.dtype)
+        OmegaConf.update(cfg, "master_weights", {"null": None, "true": True, "false": False}[args.master_weights])
         actor = Actor(cfg, ctx, args.model, pad_token_id=0, train=True, temperature=1.0)
         engine = HFEngine.from_pretrained(args.model, device=ctx.device, lora=actor.lora if args.lora_rank else None,
                                           dtype=args.dtype)
@@ -102,7 +104,8 @@ def worker(args) -> None:
 
         flat = torch.zeros(-(-n_params // ctx.world_size), dtype=cast)
         out = torch.empty(flat.numel() * ctx.world_size, dtype=cast)
-        source = torch.zeros(n_params, dtype=torch.float32)  # the actor's fp32 master weights
+        # the actor's weights: fp32, or the bf16 ones its fp32 masters are cast into (actor.master_weights)
+        source = torch.zeros(n_params, dtype=cast if actor.masters is not None else torch.float32)
         target = torch.empty(n_params, dtype=cast)
 
         def floor() -> None:
@@ -144,6 +147,8 @@ def main() -> None:
     p.add_argument("--lora-rank", type=int, default=0, help="actor.lora.rank (0: full weights)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="actor.dtype and the engine's dtype (bfloat16: fp32 masters cast to bf16, as on a GPU)")
+    p.add_argument("--master-weights", default="null", choices=("null", "true", "false"),
+                   help="actor.master_weights (null: the trainer's default, on with one rank in bfloat16)")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     p.add_argument("--deep", action="store_true", help="a 24-layer, hidden-64 Qwen2 built here (per-tensor costs)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -178,7 +183,8 @@ def run(args) -> None:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                    os.path.abspath(__file__), "--worker", "--model", args.model, "--bucket-mb", str(args.bucket_mb),
                    "--repeats", str(args.repeats), "--threads", str(threads), "--out", out.name,
-                   "--lora-rank", str(args.lora_rank), "--dtype", args.dtype]
+                   "--lora-rank", str(args.lora_rank), "--dtype", args.dtype,
+                   "--master-weights", args.master_weights]
             env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
@@ -186,6 +192,7 @@ def run(args) -> None:
             rows.append(json.load(open(out.name)))
     what = f", LoRA rank {args.lora_rank} (adapters pushed)" if args.lora_rank else ""
     what += f", {args.dtype}" if args.dtype != "float32" else ""
+    what += f", actor.master_weights={args.master_weights}" if args.master_weights != "null" else ""
     print(f"model {'deep (24 x 64)' if args.deep else os.path.relpath(args.model, ROOT)}{what}, bucket {args.bucket_mb:g} MB, median of {args.repeats}")
     print("| ranks | params | push s | unverified s | gather only s | floor s | push s per 1B params | push / floor "
           "| kernel ops per push (unverified) | allocations | views |")

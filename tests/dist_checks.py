@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -142,7 +143,7 @@ def set_ownership(n: int, split: str, world: int) -> None:
 def layout_overrides(args) -> dict:
     return {"ddp_size": args.ddp, "tp_size": args.tp, "sp_size": args.sp, "ep_size": args.ep, "cp_size": args.cp,
             "offload_model": args.offload, "offload_optimizer": args.offload, "gradient_checkpointing": args.ac,
-            "compile": args.compile,
+            "compile": args.compile, "master_weights": {"null": None, "true": True, "false": False}[args.masters],
             **({"use_liger_kernel": True} if args.fused_head else {})}  # (an actor's key)
 
 
@@ -155,7 +156,8 @@ def grads(args, ctx) -> None:
         Actor.defers_grad_sync = property(lambda self: False)
     actor = Actor(cfg, ctx, args.model, pad_token_id=0, train=True, temperature=1.0, total_updates=1)
     if args.lora:
-        perturb_adapters(actor.model)
+        with actor.full_precision() as model:  # (the fp32 masters, where the actor has them)
+            perturb_adapters(model)
     batch = grouped_batch() if args.grouped else fixed_batch()
     set_ownership(len(batch.ids), args.split, ctx.world_size)
     sb, source = step_batch(actor, batch, OWN[ctx.rank], ctx, args.share, 4 if args.grouped else 0)
@@ -179,14 +181,17 @@ def shared_packs(packs, args) -> None:
 def step_and_save(worker, ctx, out, **extra) -> None:
     """Full gradients of the trainable parameters, the optimizer step's (clipped) norm, the updated
     full weights (frozen ones too) and the names the optimizer keeps state for, and `extra`, to `out` on rank 0."""
-    params = worker.model.named_parameters
+    if worker.masters is not None:  # the fp32 masters' gradient sums, as the optimizer step sees them
+        worker.masters.attach()
+    params = worker.trained.named_parameters  # the model, or its fp32 masters under its names
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 - one process: plain tensors
     grads = {name: full(p.grad).clone() for name, p in params() if p.requires_grad}
     frozen_grads = [name for name, p in params() if not p.requires_grad and p.grad is not None]
     group = worker.optimizer.param_groups[0]
     adam = {"lr": float(group["lr"]), "eps": float(group["eps"]), "max_norm": float(worker.max_grad_norm)}
     norm = worker.optimizer_step()
-    weights = {name: full(p).detach().clone() for name, p in params()}
+    with worker.full_precision() as model:  # the fp32 masters in place, where the model computes from bf16 casts
+        weights = {name: full(p).detach().clone() for name, p in model.named_parameters()}
     optimized = [name for name, p in params() if p in worker.optimizer.state]
     # actor.compile: the modules running compiled, and the graphs dynamo built for them (all layers together)
     compiled = sum(getattr(m, "_compiled_call_impl", None) is not None for m in worker.model.modules())
@@ -194,6 +199,7 @@ def step_and_save(worker, ctx, out, **extra) -> None:
     if ctx.is_main:
         torch.save({"grads": grads, "norm": norm, "weights": weights, "optimized": optimized,
                     "frozen_grads": frozen_grads, "adam": adam, "compiled_modules": compiled, "graphs": graphs,
+                    "masters": worker.masters is not None,
                     "fused_head": getattr(worker, "fused_head", None) is not None, **extra}, out)
 
 
@@ -326,13 +332,13 @@ def critic_grads(args, ctx) -> None:
     """The critic follows the actor's rule: global token normaliser x world size (1 vs 2 ranks)."""
     torch.manual_seed(0)
     critic = Critic(critic_cfg(max_length_per_device=args.max_tokens, max_grad_norm=args.clip, clip=0.2,
-                               **layout_overrides(args), **lora_overrides(args)), ctx, args.model, pad_token_id=0,
-                    total_updates=1)
-    if args.lora:
-        perturb_adapters(critic.model)
-    with torch.no_grad():  # a non-zero head, so the backbone gets gradients too
-        g = torch.Generator().manual_seed(7)
-        weight = critic.model.value_head.weight
+                               dtype=args.dtype, **layout_overrides(args), **lora_overrides(args)), ctx, args.model,
+                    pad_token_id=0, total_updates=1)
+    with critic.full_precision() as model, torch.no_grad():  # (the fp32 masters, where the critic has them)
+        if args.lora:
+            perturb_adapters(model)
+        g = torch.Generator().manual_seed(7)  # a non-zero head, so the backbone gets gradients too
+        weight = model.value_head.weight
         weight.copy_(placed_like(weight, torch.randn(weight.shape, generator=g) * 0.1))
     batch = grouped_batch() if args.grouped else fixed_batch()
     g = torch.Generator().manual_seed(99)
@@ -373,6 +379,30 @@ def reference(args, ctx) -> None:
     if ctx.is_main:
         torch.save({"shared": len(shared), "ref_moved": moved, "policy_moved": policy_moved, "kls": kls,
                     "ref_requires_grad": any(p.requires_grad for p in ref.model.parameters())}, args.out)
+
+
+def bf16_passes(args, ctx) -> None:
+    """bf16 log-probs three ways on the same batch: a frozen model (a KL reference: its weights held in bf16), an
+    actor under FSDP2's mixed precision (fp32 weights cast at each forward) and, on one process, an actor with
+    fp32 masters (bf16 weights). Also how each holds its weights: module type, dtypes and bytes on this rank."""
+    torch.manual_seed(0)
+    cfg = actor_cfg(dtype="bfloat16", max_length_per_device=args.max_tokens, **{"kl.coef": 0.1})
+    kinds = {"frozen": (False, None), "fsdp": (True, False)}
+    if ctx.world_size == 1:
+        kinds["masters"] = (True, True)
+    batch = fixed_batch()
+    set_ownership(len(batch.ids), args.split, ctx.world_size)
+    out = {}
+    for kind, (train, masters) in kinds.items():
+        OmegaConf.update(cfg, "master_weights", masters)
+        model = Actor(cfg, ctx, MODEL, pad_token_id=0, train=train, temperature=1.0)
+        sb, source = step_batch(model, batch, OWN[ctx.rank], ctx)
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.model.parameters()]
+        out[kind] = {"logprobs": dict(zip(source, model.compute_logprobs(sb))),
+                     "fsdp": isinstance(model.model, FSDPModule), "masters": model.masters is not None,
+                     "dtypes": sorted({str(p.dtype) for p in local}),
+                     "bytes": sum(p.numel() * p.element_size() for p in local)}
+    torch.save(out, args.out.replace(".pt", f".rank{ctx.rank}.pt"))
 
 
 def teachers(args, ctx) -> None:
@@ -769,7 +799,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["vision", "grads", "match", "critic_grads", "reference", "teachers", "lora_reference",
                                          "shared_base", "packing", "router_replay", "ring", "drift",
-                                         "collectives", "advantages", "push", "load", "reshard", "sync", "shard_norms"])
+                                         "collectives", "advantages", "push", "load", "reshard", "sync", "shard_norms",
+                                         "bf16_passes"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--agg", default="all_token_mean")
     parser.add_argument("--split", default="uneven")
@@ -793,6 +824,8 @@ def main() -> None:
     parser.add_argument("--fused_head", action="store_true", help="actor.use_liger_kernel: the fused log-prob head")
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank of the actor / critic (0: full model)")
     parser.add_argument("--dtype", default="float32", help="the actor's compute dtype (grads, shared_base)")
+    parser.add_argument("--masters", default="false", choices=("null", "true", "false"),
+                        help="actor/critic.master_weights (false: FSDP2's mixed precision, as before the key)")
     parser.add_argument("--reduce_every_pack", action="store_true",
                         help="grads: reduce gradients after every pack, not once per mini-batch")
     parser.add_argument("--freeze", action="store_true", help="vision: actor.freeze_vision")
@@ -807,7 +840,7 @@ def main() -> None:
          "lora_reference": lora_reference, "shared_base": shared_base, "router_replay": router_replay, "ring": ring,
          "packing": packing, "collectives": collectives, "advantages": advantages,
          "push": push, "load": load, "reshard": reshard, "sync": sync, "vision": vision,
-         "drift": drift, "shard_norms": shard_norms}[args.mode](args, ctx)
+         "drift": drift, "shard_norms": shard_norms, "bf16_passes": bf16_passes}[args.mode](args, ctx)
     finally:
         cleanup()
 
@@ -952,7 +985,7 @@ def shard_norms(args, ctx) -> None:
             p = torch.nn.Parameter(distribute_tensor(w, mesh, [Replicate()] if partial else place))
             p.grad = DTensor.from_local(grad / 2, mesh, place) if partial else distribute_tensor(grad, mesh, place)
             params.append(p)
-        holder = SimpleNamespace(model=torch.nn.ParameterList(params), device=torch.device("cpu"))
+        holder = SimpleNamespace(model=torch.nn.ParameterList(params), device=torch.device("cpu"), masters=None)
         square = Trainable.local_weight_square(holder)
         weight_norm = all_reduce_sum([square], torch.device("cpu"))[0] ** 0.5
         norm = float(optim.clip_grad_norm(params, max_norm=args.clip))

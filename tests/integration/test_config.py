@@ -51,6 +51,23 @@ def test_bad_values(override, pattern):
             validate(cfg, world_size=2)
 
 
+@pytest.mark.parametrize("world,overrides,pattern", [
+    (1, ["actor.master_weights=true"], "actor.master_weights.*true cannot apply: actor.dtype=float32"),
+    (1, ["actor.master_weights=true", "actor.dtype=bfloat16"], None),
+    (2, ["actor.master_weights=true", "actor.dtype=bfloat16"], "actor.master_weights.*over 2 ranks"),
+    (2, ["actor.master_weights=true", "actor.dtype=bfloat16", "actor.ddp_size=2"], "over 2 ranks"),  # replicas
+    (1, ["critic.master_weights=true", "critic.dtype=bfloat16", "adv.estimator=gae", "critic.offload_model=true"],
+     "critic.master_weights.*critic.offload_model=true"),
+])
+def test_master_weights_true_where_they_cannot_apply_names_why_before_any_model_loads(world, overrides, pattern):
+    cfg = compose_config(overrides)
+    if pattern is None:
+        validate(cfg, world_size=world)
+    else:
+        with pytest.raises(ConfigError, match=pattern):
+            validate(cfg, world_size=world)
+
+
 def test_test_freq_needs_test_data():
     cfg = compose_config(["data.test_data_path=null", "trainer.test_freq=5"])
     with pytest.raises(ConfigError, match="data.test_data_path.*trainer.test_freq=null"):

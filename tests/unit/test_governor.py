@@ -46,7 +46,7 @@ def test_weight_norm_counts_each_shard_once():
     from train.models.trainable import Trainable
 
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
-    holder = SimpleNamespace(model=model, device=torch.device("cpu"))
+    holder = SimpleNamespace(model=model, device=torch.device("cpu"), masters=None)
     expected = math.sqrt(sum(float((p.detach().double() ** 2).sum()) for p in model.parameters()))
     assert abs(Trainable.local_weight_square(holder) ** 0.5 - expected) < 1e-6 * expected
 

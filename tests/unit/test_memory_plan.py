@@ -60,6 +60,25 @@ def test_a_push_holds_two_buckets_of_what_it_sends():
     assert tiny_kv.push_peak > tiny_kv.rollout_peak and tiny_kv.peak >= tiny_kv.push_peak
 
 
+def test_master_weights_hold_the_bf16_copies_and_gradients_whole_and_unshard_nothing():
+    """actor.master_weights on one GPU: 2 bytes more per trainable parameter for the bf16 weights, 2 for the
+    backward's bf16 gradients, no FSDP unshard; with LoRA only the adapters have masters. The null rule takes it
+    where that plan fits the free memory."""
+    from train.models.memory_plan import HEADROOM, master_weights_fit
+
+    config = preset_config("qwen3-4b")
+    for rank in (0, 32):
+        fsdp, masters = (plan(config, seq=16384, lora_rank=rank, master_weights=m) for m in (False, True))
+        trainable = masters.adapters if rank else masters.params
+        assert masters.weights == fsdp.weights + 2 * trainable and masters.gradients == fsdp.gradients + 2 * trainable
+        assert masters.unshard == 0 < fsdp.unshard and masters.optimizer == fsdp.optimizer
+    need = plan(config, seq=16384, master_weights=True).update_peak * HEADROOM
+    kw = dict(seq=16384, lora_rank=0, fused_head=True, checkpointing=True)
+    assert master_weights_fit(config, free_bytes=int(need) + 1, **kw)
+    assert not master_weights_fit(config, free_bytes=int(need) - 1, **kw)
+    assert master_weights_fit(config, free_bytes=int(need) - 1, offload_optimizer=True, **kw)  # moments on the host
+
+
 def test_the_command_prints_a_plan_and_names_what_it_does_not_know(capsys):
     assert main(["--model", "qwen2.5-0.5b", "--lora-rank", "8", "--seq", "4096"]) == 0
     out = capsys.readouterr().out
@@ -179,8 +198,9 @@ def test_what_the_other_models_keep_is_taken_off_before_choosing():
 
 def test_the_trainer_leaves_room_for_the_reference_and_the_critic(tmp_path):
     """reference_folders and resident_elsewhere, which the trainer uses both for the reserve it hands the actor and
-    for the models it builds: a KL reference keeps 4 bytes per parameter, a critic 16, a LoRA actor's own base
-    nothing (the reference is the actor with its adapters off)."""
+    for the models it builds: a KL reference keeps 4 bytes per parameter (2 in a bf16 run: a frozen model holds
+    bf16 weights), a critic 16, a LoRA actor's own base nothing (the reference is the actor with its adapters
+    off)."""
     from train.models.memory_plan import count_parameters, load_config
     from train.trainer.config import ModelPaths, has_reference_slot
     from train.trainer.grpo import reference_folders, resident_elsewhere
@@ -193,10 +213,11 @@ def test_the_trainer_leaves_room_for_the_reference_and_the_critic(tmp_path):
         cfg = run_config(overrides)
         frozen = reference_folders(paths, [], reference_slot=has_reference_slot(cfg), lora=cfg.actor.lora.rank > 0)
         critic = paths.critic if cfg.adv.estimator == "gae" else None
-        return resident_elsewhere(frozen, critic, lambda role: shards)
+        return resident_elsewhere(frozen, critic, lambda role: shards, cfg.actor.dtype)
 
     assert held({}) == 0  # GRPO without KL: nothing else
     assert held({"actor.kl.coef": 0.1}) == 4 * params
+    assert held({"actor.kl.coef": 0.1, "actor.dtype": "bfloat16"}) == 2 * params
     assert held({"actor.kl.coef": 0.1, "actor.lora.rank": 8}) == 0
     assert held({"actor.kl.coef": 0.1, "adv.estimator": "gae"}, shards=2) == (4 * params + 16 * params) // 2
     teachers = ModelPaths(**{**vars(paths), "teachers": {"math": stub, "code": stub}})

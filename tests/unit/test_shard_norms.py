@@ -56,7 +56,7 @@ def test_weight_norm_and_clipping_dispatch_the_same_ops_for_8_tensors_as_for_200
     counts = {}
     for n in (8, 200):
         model = model_of(n)
-        holder = SimpleNamespace(model=model, device=torch.device("cpu"))
+        holder = SimpleNamespace(model=model, device=torch.device("cpu"), masters=None)
         with CountOps() as ops:
             Trainable.local_weight_square(holder)
             optim.clip_grad_norm(list(model.parameters()), 0.1)

@@ -23,7 +23,8 @@ from train.algorithms.schedules import entropy_coef_schedule
 from train.models import optim
 from train.models.config import ActorConfig
 from train.models.lora import LoraSettings, adapters_disabled
-from train.models.memory_plan import CPU_MAX_LENGTH, AutoSettings, auto_settings
+from train.models.master_weights import decide_master_weights, master_weights_refusal
+from train.models.memory_plan import CPU_MAX_LENGTH, AutoSettings, auto_settings, master_weights_fit
 from train.models.model_init import build_model
 from train.models.router_replay import RouterBalance, RouterReplay
 from train.models.trainable import Norms, Trainable, UpdateStats
@@ -33,6 +34,7 @@ from train.parallel.distributed import DistContext
 from train.parallel.fused_logprobs import FusedLogprobHead
 from train.parallel.layout import Layout, layout_for
 from train.parallel.packing import PackedMicroBatch
+from train.parallel.parallelize import DTYPES
 from train.parallel.step_batch import StepBatch
 from train.parallel.tensor_parallel import vocab_parallel_logprobs
 
@@ -94,6 +96,29 @@ def with_memory_settings(cfg: ActorConfig, ctx: DistContext, layout: Layout, mod
                      gradient_checkpointing=auto.gradient_checkpointing, use_liger_kernel=auto.use_liger_kernel), auto.note
 
 
+def with_master_weights(cfg: ActorConfig, ctx: DistContext, layout: Layout, model_path: str, train: bool,
+                        reserved_bytes: int | Callable[[], int] = 0) -> ActorConfig:
+    """`cfg` with actor.master_weights decided (train/models/master_weights.py): where it applies (one process
+    holds the whole text model in bf16 on the device), null is on on a CPU, and on a GPU when the update's plan
+    with the bf16 copies (2 more bytes per trainable parameter for the weights and 2 for the backward's
+    gradients, no FSDP unshard) fits the free memory at the settings chosen, less what the other models keep.
+    A reference (train=False) holds no masters."""
+    if not train or (cfg.dtype != "bfloat16" and not cfg.master_weights):
+        return _replaced(cfg, master_weights=False)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    why = master_weights_refusal("actor", layout.fsdp_mesh.size() * layout.sizes.tp, cfg.dtype, bool(cfg.offload_model),
+                                 is_vision_config(config))
+    default = True
+    if why is None and cfg.master_weights is None and ctx.device.type == "cuda":
+        free = torch.cuda.mem_get_info(ctx.device)[0] - (reserved_bytes() if callable(reserved_bytes) else reserved_bytes)
+        default = master_weights_fit(config, seq=cfg.max_length_per_device, lora_rank=cfg.lora.rank,
+                                     fused_head=bool(cfg.use_liger_kernel), checkpointing=bool(cfg.gradient_checkpointing),
+                                     free_bytes=free, offload_optimizer=bool(cfg.offload_optimizer))
+    return _replaced(cfg, master_weights=decide_master_weights(cfg.master_weights, "actor", why, default))
+
+
 def _replaced(cfg, **values):
     """A copy of `cfg` with `values`: the typed ActorConfig, or an OmegaConf section (benchmarks, tests)."""
     if dataclasses.is_dataclass(cfg):
@@ -112,6 +137,7 @@ class Actor(Trainable):
         # null memory settings decided here, once: `self.cfg` holds the values the actor runs with
         head_asked = cfg.use_liger_kernel
         cfg, self.memory_note = with_memory_settings(cfg, ctx, layout, model_path, train, reserved_bytes)
+        cfg = with_master_weights(cfg, ctx, layout, model_path, train, reserved_bytes)
         super().__init__(layout, ctx.device, pad_token_id, cfg.max_length_per_device,
                          cfg.max_inference_length_per_device or 2 * cfg.max_length_per_device,
                          cfg.max_grad_norm, bool(cfg.offload_optimizer),
@@ -127,9 +153,12 @@ class Actor(Trainable):
                                  param_dtype=cfg.dtype,
                                  gradient_checkpointing=train and cfg.gradient_checkpointing,
                                  offload=bool(cfg.offload_model), lora=self.lora, adapter_seed=adapter_seed,
-                                 compile_layers=bool(cfg.compile))
+                                 compile_layers=bool(cfg.compile), frozen=not train,
+                                 master_weights=bool(cfg.master_weights))
         if train and cfg.freeze_vision:  # a vision-language actor that keeps its image encoder as it is
             vision_tower(self.model).requires_grad_(False)
+        if cfg.master_weights:  # bf16 weights, fp32 masters cast into them once per optimizer step
+            self.use_master_weights(DTYPES[cfg.dtype])
         # A vision-language model's placeholder tokens have probability 0, as in the engine (vlm.mask_unsampled).
         config = self.model.config
         self.unsampled = (torch.tensor(VisionSpec.from_config(config).unsampled_ids, device=ctx.device)
@@ -150,7 +179,7 @@ class Actor(Trainable):
         self.optimizer = self.scheduler = None
         self.last_entropy_coef = 0.0
         if train:
-            self.optimizer = optim.build_optimizer(self.model, cfg.lr, cfg.betas, cfg.weight_decay)
+            self.optimizer = optim.build_optimizer(self.trained, cfg.lr, cfg.betas, cfg.weight_decay)
             self.scheduler = optim.build_scheduler(self.optimizer, total_updates, cfg.warmup_ratio,
                                                   cfg.scheduler, cfg.min_lr_ratio)
         else:

@@ -62,6 +62,10 @@ class ActorConfig:
     chat_template: str | None = setting("optional Jinja template that replaces the tokenizer's")
     dtype: str = setting("float32 | bfloat16 (bf16 compute via FSDP2 mixed precision; fp32 master weights)",
                          choices=DTYPES)
+    master_weights: bool | None = setting("bf16 on one process (no FSDP, no TP): true = bf16 weights with fp32 masters "
+                                          "cast into them once per optimizer step (train/models/master_weights.py); "
+                                          "false = FSDP2's mixed precision; null: on where it applies (on a GPU, when "
+                                          "the memory plan says it fits)")
     max_length_per_device: int | None = setting("tokens per packed micro-batch per device in the update (x sp_size "
                                                 "per pack); null: the longest that fits this GPU's free memory "
                                                 "(train/models/memory_plan.py), 4096 on CPU", ge=1)
@@ -171,6 +175,7 @@ class CriticConfig:
     offload_model: bool = setting("FSDP2 CPU offload of parameters and gradients")
     offload_optimizer: bool = setting("Adam moments on the CPU between steps")
     dtype: str = setting("float32 | bfloat16 (as actor.dtype)", choices=DTYPES)
+    master_weights: bool | None = setting("as actor.master_weights (null: on where it applies on CPU, off on a GPU)")
     gradient_checkpointing: bool = setting("recompute activations in the backward pass")
     compile: bool = setting("torch.compile each decoder layer (as actor.compile)")
     lora: LoraConfig = setting("adapters on the critic's backbone (as actor.lora); the value head trains fully")

@@ -8,17 +8,21 @@ micro-batches, all dp groups, counted once), times ddp * fsdp to undo FSDP's ave
 from __future__ import annotations
 
 import torch
+from transformers import AutoConfig
 
 from train.algorithms.aggregation import aggregate_loss
 from train.algorithms.value_loss import value_loss as clipped_value_loss
 from train.models import optim
 from train.models.config import CriticConfig
 from train.models.lora import LoraSettings
+from train.models.master_weights import decide_master_weights, master_weights_refusal
 from train.models.model_init import build_model
 from train.models.trainable import Norms, Trainable, UpdateStats
+from train.models.vlm import is_vision_config
 from train.parallel.distributed import DistContext
 from train.parallel.layout import Layout, layout_for
 from train.parallel.packing import PackedMicroBatch
+from train.parallel.parallelize import DTYPES
 from train.parallel.step_batch import StepBatch
 
 
@@ -35,12 +39,20 @@ class Critic(Trainable):
         # the meta device and filled shard by shard; critic.lora: adapters on the backbone, the value
         # head fully trained.
         self.lora = LoraSettings.from_config(cfg.lora)
+        # critic.master_weights=null: on where it applies on a CPU; off on a GPU, which the actor's memory plan
+        # does not cover for the critic
+        vision = cfg.dtype == "bfloat16" and is_vision_config(AutoConfig.from_pretrained(model_path))
+        why = master_weights_refusal("critic", self.layout.fsdp_mesh.size() * self.layout.sizes.tp, cfg.dtype,
+                                     bool(cfg.offload_model), vision)
+        masters = decide_master_weights(cfg.master_weights, "critic", why, ctx.device.type == "cpu")
         self.model = build_model(model_path, self.layout, ctx.device, value_head=True,
                                  param_dtype=cfg.dtype,
                                  gradient_checkpointing=cfg.gradient_checkpointing, offload=bool(cfg.offload_model),
                                  lora=self.lora, lora_key="critic.lora", adapter_seed=adapter_seed,
-                                 compile_layers=bool(cfg.compile))
-        self.optimizer = optim.build_optimizer(self.model, cfg.lr, cfg.betas, cfg.weight_decay)
+                                 compile_layers=bool(cfg.compile), master_weights=masters)
+        if masters:  # bf16 weights, fp32 masters cast into them once per optimizer step
+            self.use_master_weights(DTYPES[cfg.dtype])
+        self.optimizer = optim.build_optimizer(self.trained, cfg.lr, cfg.betas, cfg.weight_decay)
         self.scheduler = optim.build_scheduler(self.optimizer, total_updates, cfg.warmup_ratio, "constant", 1.0)
 
     def _forward(self, mb: PackedMicroBatch) -> torch.Tensor:

@@ -8,7 +8,9 @@ The rule, per rank with the actor unsharded (one GPU), P parameters, L LoRA adap
 bf16 compute (`actor.dtype=bfloat16`), S tokens per packed micro-batch:
 
 - actor weights: full fine-tuning keeps fp32 master weights (4P); LoRA keeps the frozen base in bf16
-  (2P) and fp32 adapters (4L). Gradients 4 bytes and AdamW moments 8 bytes per trainable parameter.
+  (2P) and fp32 adapters (4L). Gradients 4 bytes and AdamW moments 8 bytes per trainable parameter. With
+  `actor.master_weights` (`master_weights=True`) the trainable weights' bf16 copies (2 bytes) and the
+  backward's bf16 gradients (2 bytes) are held whole and nothing is unsharded.
   Fused AdamW (train/models/optim.py) adds no temporary; the `foreach` one added 4 bytes per trainable
   parameter during the step (`--foreach`, to compare with runs before that change).
 - update activations with gradient checkpointing: every layer's bf16 input (layers x S x hidden x 2),
@@ -41,6 +43,10 @@ before building the model; on CPU they are 4096, off and off, as before):
   less what the reference, teachers or critic will keep (`resident_bytes`; the engine sleeps during the
   update); 1024 at least.
 - `actor.gradient_checkpointing`: off when the update at that length fits without it, else on.
+
+`master_weights_fit` then decides a null `actor.master_weights` (train/models/actor.py): on where the plan
+with it, at the settings chosen, plus 10% fits the same free memory. A frozen model of the run (the KL
+reference) holds its weights in the run's dtype: `resident_bytes(..., weight_bytes=2)` in bf16.
 """
 from __future__ import annotations
 
@@ -150,10 +156,12 @@ class MemoryPlan:
 def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, replies: int = 8,
          prompt: int = 1024, new: int = 128, fused_head: bool = True, foreach: bool = False,
          counts: tuple[int, int] | None = None, checkpointing: bool = True, shards: int = 1,
-         bucket_mb: float = 512) -> MemoryPlan:
+         bucket_mb: float = 512, master_weights: bool = False) -> MemoryPlan:
     """The memory of one step (module docstring) for `config` at `seq` tokens per micro-batch;
     `counts`: `count_parameters(config, lora_rank)` when the caller has it already; `shards`: the FSDP
-    ranks the weights, gradients and moments are split over; `bucket_mb`: `rollout.bucket_size_mb`."""
+    ranks the weights, gradients and moments are split over; `bucket_mb`: `rollout.bucket_size_mb`;
+    `master_weights` (one rank, `actor.master_weights`): the trainable weights' bf16 copies and the
+    backward's bf16 gradients are held whole (2 + 2 bytes per trainable parameter), and nothing is unsharded."""
     params, adapters = counts or count_parameters(config, lora_rank)
     config = text_config(config)  # a vision-language model: its language model's shapes (the tower's activations are left out)
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
@@ -168,23 +176,26 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
     kept = checkpoints + layer_set if checkpointing else layers * layer_set
     head = 0 if fused_head else 12 * seq * vocab
     largest_group = max(vocab * h, params // max(layers, 1))
-    unshard = largest_group * 2 + (0 if lora_rank else largest_group * 4)
+    unshard = 0 if master_weights else largest_group * 2 + (0 if lora_rank else largest_group * 4)
+    if master_weights:
+        weights += 2 * trainable
+    gradients = (6 if master_weights else 4) * trainable
     kv_per_token = 2 * layers * kv_heads * head_dim * 2
     engine = 2 * adapters if (lora_rank and share_base) else 2 * (params + adapters)
     shards = max(1, shards)
-    return MemoryPlan(params=params, adapters=adapters, weights=weights // shards, gradients=4 * trainable // shards,
+    return MemoryPlan(params=params, adapters=adapters, weights=weights // shards, gradients=gradients // shards,
                       optimizer=8 * trainable // shards, optimizer_temporary=(4 * trainable // shards) if foreach else 0,
                       activations=kept + head, unshard=unshard, engine_weights=engine,
                       kv_cache=replies * (prompt + new) * kv_per_token,
                       push_buffers=2 * min(int(bucket_mb * 2**20), 2 * (adapters if lora_rank else params)))
 
 
-def resident_bytes(config, *, trainable: bool, shards: int = 1) -> int:
+def resident_bytes(config, *, trainable: bool, shards: int = 1, weight_bytes: int = 4) -> int:
     """Device bytes per rank that another model of the run keeps through the actor's update: a frozen one
-    (the KL reference, a teacher) its fp32 weights, a trained one (the critic) also gradients and AdamW
-    moments (16 bytes per parameter), over `shards` FSDP ranks."""
+    (the KL reference, a teacher) its weights in the run's dtype (`weight_bytes`: 2 in bf16), a trained one
+    (the critic) fp32 weights, gradients and AdamW moments (16 bytes per parameter), over `shards` FSDP ranks."""
     params, _ = count_parameters(config)
-    return params * (16 if trainable else 4) // max(1, shards)
+    return params * (16 if trainable else weight_bytes) // max(1, shards)
 
 
 CPU_MAX_LENGTH = 4096  # actor.max_length_per_device=null on CPU (the default before it could be null)
@@ -261,6 +272,17 @@ def auto_settings(max_length: int | None, checkpointing: bool | None, fused_head
         note += ("; it does not fit even so: LoRA (actor.lora.rank), actor.offload_optimizer=true or more GPUs "
                  "(FSDP shards the weights and the optimizer) would")
     return AutoSettings(length, ckpt, head, note)
+
+
+def master_weights_fit(config, *, seq: int, lora_rank: int, fused_head: bool, checkpointing: bool,
+                       free_bytes: int, offload_optimizer: bool = False) -> bool:
+    """Whether one GPU's update with `actor.master_weights` (bf16 copies held whole, `plan`) plus 10% fits
+    `free_bytes` at the settings already chosen: the rule for actor.master_weights=null on a GPU."""
+    p = plan(config, seq=seq, lora_rank=lora_rank, fused_head=fused_head, checkpointing=checkpointing,
+             master_weights=True)
+    if offload_optimizer:
+        p = dataclasses.replace(p, optimizer=0, optimizer_temporary=0)
+    return p.update_peak * HEADROOM <= free_bytes
 
 
 def describe(name: str, p: MemoryPlan, seq: int, lora_rank: int) -> str:

@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModel
 
 from train.models.checkpoint_names import ConvertedReader, conversions_of, pretrained_model
 from train.models.lora import FreshAdapters, LoraSettings, apply_lora, base_name, is_adapter
-from train.models.vlm import model_class
+from train.models.vlm import is_vision_config, model_class
 from train.parallel.layout import Layout
 from train.parallel.parallelize import DTYPES, parallelize
 
@@ -167,13 +167,17 @@ def reset_non_persistent_buffers(model: torch.nn.Module) -> None:
 def build_model(path: str, layout: Layout, device: torch.device, *, value_head: bool = False,
                 param_dtype: str = "float32", gradient_checkpointing: bool = False,
                 offload: bool = False, lora: LoraSettings | None = None, lora_key: str = "actor.lora",
-                adapter_seed: int = 0, compile_layers: bool = False) -> torch.nn.Module:
+                adapter_seed: int = 0, compile_layers: bool = False, frozen: bool = False,
+                master_weights: bool = False) -> torch.nn.Module:
     """The causal LM of `path` (or with `value_head`, its backbone with a zero value head: the
     critic), wrapped for `layout`, with only this rank's shards ever allocated. With `lora` enabled,
     LoRA adapters are injected before the parallel plan (train/models/lora.py): the base is frozen
     and filled from `path`, the adapters start as B = 0 (the base model's outputs) and A drawn from
     `adapter_seed`; the critic's value head stays trainable. `compile_layers`: torch.compile each decoder
-    layer (parallelize.apply_compile)."""
+    layer (parallelize.apply_compile). `frozen` (a model that never trains: a KL reference, a teacher): every
+    weight held in `param_dtype` (bf16: 2 bytes a parameter, cast once, not at every forward), one process's
+    text model a plain module. `master_weights`: one process's model left plain and in fp32 for the caller's
+    MasterWeights (train/models/master_weights.py) to turn into bf16 weights with fp32 masters."""
     from train.models.value_model import ValueModel
 
     config = AutoConfig.from_pretrained(path)
@@ -192,10 +196,16 @@ def build_model(path: str, layout: Layout, device: torch.device, *, value_head: 
             for p in model.parameters():
                 if not p.requires_grad:
                     p.data = p.data.to(DTYPES[param_dtype])
+    if frozen and param_dtype != "float32":  # no fp32 copy of weights that never change (as a LoRA base above)
+        for p in model.parameters():
+            p.data = p.data.to(DTYPES[param_dtype])
     tied = bool(getattr(config, "tie_word_embeddings", False)) and not value_head
     conversions = conversions_of(model)  # before FSDP renames the classes they are found by
+    # FSDP2 also casts each wrapped block's float inputs (a vision tower's rotary tables): a plain bf16
+    # vision-language model would compute those in fp32, so it keeps FSDP
+    plain = master_weights or (frozen and not is_vision_config(config))
     parallelize(model, layout, param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing,
-                offload=offload, compile_layers=compile_layers)
+                offload=offload, compile_layers=compile_layers, plain=plain)
     model.to_empty(device=device)
     if tied and model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
         model.tie_weights()  # to_empty gives each module its own tensor: tie them again

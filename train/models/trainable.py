@@ -10,13 +10,15 @@ over (`layout.grad_scale`). Metric sums from one rank per dp group are reduced o
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
 from train.models import optim
+from train.models.master_weights import MasterWeights
 from train.models.vlm import VisionSpec, image_spans, is_vision_config, mrope_positions
 from train.parallel.collectives import all_reduce_max_many, all_reduce_sum
 from train.parallel.layout import Layout
@@ -81,6 +83,8 @@ class Trainable:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer | None
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    # bf16 weights with fp32 masters, cast once per optimizer step (one process, train/models/master_weights.py)
+    masters: MasterWeights | None = None
 
     def __init__(self, layout: Layout, device: torch.device, pad_id: int, max_tokens: int, infer_tokens: int,
                  max_grad_norm: float = 1.0, offload_optimizer: bool = False, offload_model: bool = False) -> None:
@@ -88,11 +92,32 @@ class Trainable:
         self.max_tokens, self.infer_tokens = max_tokens, infer_tokens
         self.max_grad_norm, self.offload_optimizer, self.offload_model = max_grad_norm, offload_optimizer, offload_model
 
+    def use_master_weights(self, dtype: torch.dtype) -> None:
+        """The model's weights in `dtype` with fp32 masters for the optimizer (train/models/master_weights.py);
+        called before the optimizer is built."""
+        self.masters = MasterWeights(self.model, dtype)
+
+    @property
+    def trained(self) -> torch.nn.Module:
+        """What the optimizer steps and checkpoints hold: the model, or its masters under its names."""
+        return self.model if self.masters is None else self.masters.state_module
+
+    @contextmanager
+    def full_precision(self) -> Iterator[torch.nn.Module]:
+        """The model with its trainable weights at full precision (the fp32 masters in place of their bf16 casts,
+        where it has masters): for an export, or to write weights in place (cast into the model after)."""
+        if self.masters is None:
+            yield self.model
+        else:
+            with self.masters.in_model() as model:
+                yield model
+
     # -- state: what checkpoints and the governor's snapshots hold ---------------------------------
     def state_parts(self) -> dict[str, object]:
-        """Named parts with state_dict()/load_state_dict(): the model, and when training, the optimizer
-        and scheduler (torchtitan's Stateful idea)."""
-        parts: dict[str, object] = {"model": self.model}
+        """Named parts with state_dict()/load_state_dict(): the model (its fp32 masters under its own names where
+        it computes in bf16 from them), and when training, the optimizer and scheduler (torchtitan's Stateful
+        idea)."""
+        parts: dict[str, object] = {"model": self.trained}
         if self.optimizer is not None:
             parts["optimizer"] = self.optimizer
             parts["scheduler"] = self.scheduler
@@ -193,6 +218,8 @@ class Trainable:
                 sums = {key: value * lead for key, value in local.sums.items()}
                 if after_backward is not None and after_backward(epoch, sums, len(stats.grad_norms)):
                     self.optimizer.zero_grad(set_to_none=True)  # this step is not taken
+                    if self.masters is not None:
+                        self.masters.discard()
                     return stats
                 for key, value in sums.items():
                     stats.add(key, value)
@@ -218,6 +245,8 @@ class Trainable:
                 if defer:
                     self.model.set_requires_gradient_sync(i == len(packs) - 1)
                 (loss(mb, norms, stats) * self.layout.grad_scale).backward()
+                if self.masters is not None:  # the bf16 gradients into the fp32 sums
+                    self.masters.collect()
             stats.settle()  # the packs' metrics, read in one copy
         finally:
             if defer:
@@ -248,7 +277,8 @@ class Trainable:
         """This rank's share of the squared L2 norm of the model's trainable weights (no collective;
         with LoRA, the adapters: the frozen base never moves): each rank reads only its own shards; a
         shard replicated over a mesh dim counts 1/copies. Foreach kernels over the local shards."""
-        pieces, copies = local_pieces([p for p in self.model.parameters() if p.requires_grad])
+        params = self.masters.masters if self.masters is not None else self.model.parameters()
+        pieces, copies = local_pieces([p for p in params if p.requires_grad])
         return float(local_square_sum(pieces, copies, self.device))
 
     def parameter_counts(self) -> tuple[int, int]:
@@ -261,9 +291,17 @@ class Trainable:
         return all_reduce_sum([self.local_weight_square()], self.device)[0] ** 0.5
 
     def optimizer_step(self) -> float:
-        """Global gradient clipping and the optimizer step; the pre-clip norm."""
-        return optim.clip_and_step(self.model, self.optimizer, self.scheduler, self.max_grad_norm,
-                                  self.offload_optimizer)
+        """Global gradient clipping and the optimizer step; the pre-clip norm. With masters: on their fp32
+        gradient sums, then one cast of the masters into the model."""
+        if self.masters is None:
+            return optim.clip_and_step(self.model, self.optimizer, self.scheduler, self.max_grad_norm,
+                                      self.offload_optimizer)
+        self.masters.attach()
+        norm = optim.clip_and_step(self.trained, self.optimizer, self.scheduler, self.max_grad_norm,
+                                   self.offload_optimizer)
+        self.masters.publish()
+        self.masters.discard()
+        return norm
 
     def reduce(self, stats: UpdateStats, prefix: str, sum_keys: tuple[str, ...],
                max_keys: tuple[str, ...] = ()) -> dict[str, float]:

@@ -92,11 +92,14 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: str = "flo
 
 
 def parallelize(model: torch.nn.Module, layout: Layout, *, param_dtype: str = "float32",
-                gradient_checkpointing: bool = False, offload: bool = False, compile_layers: bool = False) -> torch.nn.Module:
+                gradient_checkpointing: bool = False, offload: bool = False, compile_layers: bool = False,
+                plain: bool = False) -> torch.nn.Module:
     """The composition, in the order the pieces require: TP plans on plain modules, packed
     (and, with sp > 1, Ulysses) attention, activation checkpointing, compiled layers (`compile_layers`), then FSDP
-    over the (ddp, fsdp) mesh. A single replica in fp32 without offload (one process) stays a plain module: FSDP would
-    shard over one rank and only add its hooks and DTensor dispatch to every call."""
+    over the (ddp, fsdp) mesh. A single replica without offload (one process) stays a plain module in fp32, or with
+    `plain` when the caller holds the precision itself (bf16 weights with fp32 masters,
+    train/models/master_weights.py, or a frozen model in bf16): FSDP would shard over one rank and only add its
+    hooks, its per-parameter casts and DTensor dispatch to every call."""
     if layout.sizes.tp > 1:
         apply_tp(model, layout.tp_mesh)
     if layout.sizes.ep > 1:
@@ -109,7 +112,7 @@ def parallelize(model: torch.nn.Module, layout: Layout, *, param_dtype: str = "f
         if why is not None:
             raise ValueError(why)
         apply_compile(model)
-    if layout.fsdp_mesh.size() == 1 and layout.sizes.tp == 1 and param_dtype == "float32" and not offload:
+    if layout.fsdp_mesh.size() == 1 and layout.sizes.tp == 1 and (param_dtype == "float32" or plain) and not offload:
         return model
     return apply_fsdp(model, layout.fsdp_mesh, param_dtype=param_dtype, offload=offload,
                       expert_mesh=layout.expert_fsdp_mesh if layout.sizes.ep > 1 else None)

@@ -471,6 +471,8 @@ def _validate_parallel(run: RunConfig, world_size: int, paths: ModelPaths) -> No
     (docs/parallelism.md); reads the model's config.json, not its weights."""
     from transformers import AutoConfig
 
+    from train.models.master_weights import master_weights_refusal
+    from train.models.vlm import is_vision_config
     from train.parallel.layout import LayoutError, check_model_fits, layout_sizes
     from train.parallel.parallelize import compile_refusal
 
@@ -506,6 +508,11 @@ def _validate_parallel(run: RunConfig, world_size: int, paths: ModelPaths) -> No
                 check_model_fits(sizes, config, prefix=role)
             except LayoutError as e:
                 raise ConfigError(f"config: {e} (model {path})") from None
+            if role != "ref_actor" and section.master_weights:  # true: it must apply (null takes it where it does)
+                why = master_weights_refusal(role, sizes.ddp * sizes.fsdp * sizes.tp, section.dtype,
+                                             bool(section.offload_model), is_vision_config(config))
+                if why is not None:
+                    _fail(f"{role}.master_weights", f"true cannot apply: {why}", f"{role}.master_weights=null")
 
 
 def _validate_experts(run: RunConfig, paths: ModelPaths) -> None:

@@ -118,6 +118,8 @@ class Snapshot:
         for (model, optimizer, scheduler), saved in zip(self.parts, self.saved):
             for p, value in zip([p for p in model.parameters() if p.requires_grad], saved["params"]):
                 _local(p).copy_(value)
+            if hasattr(model, "refresh"):  # fp32 masters (train/models/master_weights.py): cast into the model
+                model.refresh()
             flat = [p for g in optimizer.param_groups for p in g["params"]]
             for p, s in zip(flat, saved["state"]):
                 if s is None:

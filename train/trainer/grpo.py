@@ -14,6 +14,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import NoReturn
 
@@ -108,14 +109,17 @@ def reference_folders(paths: ModelPaths, teacher_folders: list[str], *, referenc
     return [paths.reference] if reference_slot and not (lora and same_base) else []
 
 
-def resident_elsewhere(frozen_folders: list[str], critic_folder: str | None, shards: Callable[[str], int]) -> int:
+def resident_elsewhere(frozen_folders: list[str], critic_folder: str | None, shards: Callable[[str], int],
+                       dtype: str = "float32") -> int:
     """Device bytes per rank that the run's other models keep while the actor updates (its null memory settings
-    leave room for them, train/models/memory_plan.py): the frozen ones (`reference_folders`) and the critic
-    (trained; PPO). `shards(role)`: the FSDP ranks that role's model is split over."""
+    leave room for them, train/models/memory_plan.py): the frozen ones (`reference_folders`, their weights held
+    in the run's `dtype`, actor.dtype) and the critic (trained; PPO). `shards(role)`: the FSDP ranks that role's
+    model is split over."""
     from transformers import AutoConfig
 
-    held = sum(resident_bytes(AutoConfig.from_pretrained(f), trainable=False, shards=shards("ref_actor"))
-               for f in frozen_folders)
+    weight_bytes = 2 if dtype == "bfloat16" else 4
+    held = sum(resident_bytes(AutoConfig.from_pretrained(f), trainable=False, shards=shards("ref_actor"),
+                              weight_bytes=weight_bytes) for f in frozen_folders)
     if critic_folder is not None:
         held += resident_bytes(AutoConfig.from_pretrained(critic_folder), trainable=True, shards=shards("critic"))
     return held
@@ -281,7 +285,7 @@ class Trainer:
                                            reference_slot=has_reference_slot(cfg), lora=cfg.actor.lora.rank > 0)
         critic_folder = paths.critic if cfg.adv.estimator == "gae" else None
         others = lambda: resident_elsewhere(frozen_folders, critic_folder,  # noqa: E731
-                                            lambda role: layout(role).sizes.fsdp)
+                                            lambda role: layout(role).sizes.fsdp, cfg.actor.dtype)
         actor = Actor(cfg.actor, ctx, paths.actor, pad_token_id=pad_id, train=True, temperature=temperature,
                       total_updates=updates, layout=layout("actor"), adapter_seed=cfg.trainer.seed, reserved_bytes=others)
         if actor.cfg is not cfg.actor:  # null memory settings decided by the actor: the reference runs with them too
@@ -349,6 +353,10 @@ class Trainer:
         self.log.write(f"{self.ctx.world_size} ranks on {nodes} node(s); " + "; ".join(parts))
         if m.actor.memory_note:
             self.log.write(f"actor memory settings: {m.actor.memory_note}")
+        held = [role for role, worker in m.trained.items() if worker.masters is not None]
+        if held:  # one process in bf16: which models keep fp32 masters instead of FSDP2's mixed precision
+            self.log.write(f"{' and '.join(held)}: bf16 weights with fp32 masters, cast once per optimizer step "
+                           "(actor.master_weights / critic.master_weights)")
         for role, worker in m.trained.items():
             if worker.lora.enabled:
                 trainable, total = worker.parameter_counts()
@@ -577,11 +585,13 @@ class Trainer:
                 return
         self.checkpointer.wait()
         critic = self.models.critic
-        export_hf(self.models.actor.model, self.tokenizer, os.path.join(cfg.trainer.save_dir, "latest"), self.ctx,
-                  shard_bytes=int(cfg.trainer.export_shard_gb * GB), bucket_bytes=self.sync.bucket_bytes,
-                  critic=critic.model if critic is not None else None,
-                  base_model=hub.export_name(cfg.actor.model_name, self.paths.actor),
-                  image_processor=self.vision_of().image_processor if self.vision_of() is not None else None)
+        with ExitStack() as held:  # fp32 masters, where the models compute from bf16 casts of them
+            actor_model = held.enter_context(self.models.actor.full_precision())
+            critic_model = held.enter_context(critic.full_precision()) if critic is not None else None
+            export_hf(actor_model, self.tokenizer, os.path.join(cfg.trainer.save_dir, "latest"), self.ctx,
+                      shard_bytes=int(cfg.trainer.export_shard_gb * GB), bucket_bytes=self.sync.bucket_bytes,
+                      critic=critic_model, base_model=hub.export_name(cfg.actor.model_name, self.paths.actor),
+                      image_processor=self.vision_of().image_processor if self.vision_of() is not None else None)
         self.report.closing(self.total_steps - self.start_step)
         history = self.evaluate.history
         if len(history) >= 2:
