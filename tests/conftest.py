@@ -109,6 +109,15 @@ def launch_check(nproc: int, out: Path, *args: str, timeout: int = 300) -> dict:
     return torch.load(out) if Path(out).exists() else {}
 
 
+def flat(state, prefix: str = "") -> dict:
+    """A nested state (a consolidated checkpoint: dicts and lists) as {"a/b/0/": leaf}."""
+    if isinstance(state, dict):
+        return {k2: v2 for k, v in state.items() for k2, v2 in flat(v, f"{prefix}{k}/").items()}
+    if isinstance(state, (list, tuple)):
+        return {k2: v2 for i, v in enumerate(state) for k2, v2 in flat(v, f"{prefix}{i}/").items()}
+    return {prefix: state}
+
+
 def assert_same_update(one: dict, other: dict, weight_atol: float = 1e-5, all_learn: bool = True,
                        grad_rtol: float = 1e-5) -> None:
     """Two `dist_checks.py grads`-style results agree: each gradient to `grad_rtol` of its tensor's scale (float32

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, STUB_MODEL, kill_when, ranks_cmd, read_jsonl, run_torchrun, run_trainer, slow, tiny_model, trainer_env
+from conftest import ROOT, STUB_MODEL, flat, kill_when, ranks_cmd, read_jsonl, run_torchrun, run_trainer, slow, tiny_model, trainer_env
 from train.runtime.checkpoint import consolidate
 
 SMALL = ["data.prompts_per_rollout=4", "data.responses_per_prompt=4", "rollout.dynamic_filtering=false",
@@ -61,14 +61,6 @@ def fsdp2_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("fsdp2_run")
     run_trainer([f"trainer.save_dir={run}", "trainer.total_steps=4", "trainer.save_freq=2", *SMALL], nproc=2)
     return run
-
-
-def flat(state, prefix=""):
-    if isinstance(state, dict):
-        return {k2: v2 for k, v in state.items() for k2, v2 in flat(v, f"{prefix}{k}/").items()}
-    if isinstance(state, (list, tuple)):
-        return {k2: v2 for i, v in enumerate(state) for k2, v2 in flat(v, f"{prefix}{i}/").items()}
-    return {prefix: state}
 
 
 @pytest.mark.parametrize("nproc,flags", [slow(1, []), slow(4, []), (2, ["--tp", "2"])])

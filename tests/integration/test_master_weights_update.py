@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import launch_check as launch, run_trainer, slow
+from conftest import flat, launch_check as launch, run_trainer, slow
 from train.runtime.checkpoint import consolidate
 
 FLAGS = ("--dtype", "bfloat16", "--max_tokens", "64", "--clip", "0.05")
@@ -52,14 +52,6 @@ def test_bf16_log_probs_agree_and_a_frozen_model_holds_bf16_weights(tmp_path, np
             assert out[kind]["logprobs"].keys() == fsdp["logprobs"].keys()
             for i, value in fsdp["logprobs"].items():
                 assert torch.equal(out[kind]["logprobs"][i], value), (kind, i)
-
-
-def flat(state, prefix=""):
-    if isinstance(state, dict):
-        return {k2: v2 for k, v in state.items() for k2, v2 in flat(v, f"{prefix}{k}/").items()}
-    if isinstance(state, (list, tuple)):
-        return {k2: v2 for i, v in enumerate(state) for k2, v2 in flat(v, f"{prefix}{i}/").items()}
-    return {prefix: state}
 
 
 def test_a_master_weights_checkpoint_resumes_exactly_with_or_without_masters(tmp_path):
