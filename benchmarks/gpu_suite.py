@@ -867,7 +867,8 @@ def section_bigmodel(args, work: Path, info: dict) -> dict:
             lora = {"rank": case["lora_rank"], "alpha": 2 * case["lora_rank"]} if case["lora_rank"] else None
             actor, ctx = build_actor(folder, tokens, info, lora=lora, fused_head=True)
             row["build_s"] = time.perf_counter() - start
-            row["actor_gib"] = gib(sum(p.numel() * p.element_size() for p in actor.model.parameters()))
+            held = list(actor.model.parameters()) + (actor.masters.masters if actor.masters is not None else [])
+            row["actor_gib"] = gib(sum(p.numel() * p.element_size() for p in held))  # with the fp32 masters, if any
             row["params"] = sum(p.numel() for p in actor.model.parameters())
             row["trainable_params"] = sum(p.numel() for p in actor.model.parameters() if p.requires_grad)
             ids, masks, _, sampler, max_new = fixed_batch(tokens, config.vocab_size, groups=1, per_group=1)
