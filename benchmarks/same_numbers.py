@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/same_numbers.py --base 865f534            # base vs the work tree
     .venv/bin/python benchmarks/same_numbers.py --base 865f534 --steps 20 --runs demo ppo
+    .venv/bin/python benchmarks/same_numbers.py --base 865f534 --nproc 1 --runs demo bf16_kl bf16_ppo
     .venv/bin/python benchmarks/same_numbers.py --base 865f534 --new-keys actor/sampler_kl_lag actor/tokens_share_lag
 
 The base commit is checked out with `git worktree` into a temporary folder and run with this
@@ -23,12 +24,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 # The runs the layering refactor (issue 34) must leave unchanged: the demo, PPO with a critic, one-step-off
-# prefetch, and a dedicated rollout rank. All on 2 CPU processes from the stub config.
+# prefetch, and a dedicated rollout rank; and bf16 with a KL reference, and bf16 PPO (the precision paths:
+# fp32 masters on one process, `--nproc 1`, and a frozen reference held in bf16). On CPU processes (`--nproc`,
+# 2 by default) from the stub config.
+BF16 = ["actor.dtype=bfloat16", "rollout.dtype=bfloat16", "actor.kl.coef=0.1"]
 RUNS: dict[str, list[str]] = {
     "demo": [],
     "ppo": ["algorithm=ppo"],
     "stale1": ["rollout.max_staleness=1"],
     "rollout_rank": ["rollout.ranks=1"],
+    "bf16_kl": BF16,
+    "bf16_ppo": ["algorithm=ppo", "critic.dtype=bfloat16", *BF16],
 }
 
 # Keys that measure time, speed or memory: they differ between any two runs of the same code. Matched on
@@ -41,8 +47,8 @@ def is_timing(key: str) -> bool:
     return key.startswith("time/") or name.endswith("_s") or any(m in name for m in TIMING_PARTS)
 
 
-def run(checkout: Path, save: Path, overrides: list[str], steps: int, python: str) -> list[dict]:
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "train.trainer.grpo",
+def run(checkout: Path, save: Path, overrides: list[str], steps: int, python: str, nproc: int = 2) -> list[dict]:
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "train.trainer.grpo",
            "--config-name", "stub", f"trainer.save_dir={save}", "trainer.progress_bar=false",
            f"trainer.total_steps={steps}", f"trainer.test_freq={max(1, steps // 2)}", *overrides]
     proc = subprocess.run(cmd, cwd=checkout, env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True,
@@ -75,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="the commit to compare against (e.g. main before a refactor)")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--nproc", type=int, default=2, help="processes per run (rollout_rank needs 2)")
     p.add_argument("--runs", nargs="+", choices=sorted(RUNS), default=list(RUNS))
     p.add_argument("--keep", help="keep the runs in this folder (default: a temporary one, removed)")
     p.add_argument("--new-keys", nargs="+", default=[], help="metric prefixes the change adds (only in the new run)")
@@ -88,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             failed = 0
             for name in args.runs:
-                a = run(base_tree, work / f"base_{name}", RUNS[name], args.steps, python)
-                b = run(REPO, work / f"new_{name}", RUNS[name], args.steps, python)
+                a = run(base_tree, work / f"base_{name}", RUNS[name], args.steps, python, args.nproc)
+                b = run(REPO, work / f"new_{name}", RUNS[name], args.steps, python, args.nproc)
                 diff = differences(a, b, new_keys=tuple(args.new_keys))
                 compared = sum(1 for r in a for k in r if not is_timing(k))
                 print(f"{name:13s} {'identical' if not diff else 'DIFFERENT'}: {len(a)} rows, {compared} values compared"
