@@ -1,5 +1,7 @@
 """train/models/memory_plan.py: parameter counts are the model's own, and the estimate reproduces the
 peaks measured on one GPU (benchmarks/gpu_suite.py --only bigmodel)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -178,6 +180,37 @@ def test_the_actor_decides_null_settings_before_it_builds_the_model():
         out, note = with_memory_settings(cfg, ctx, layout, str(ROOT / "stub" / "model"), train=True)
         assert (out.max_length_per_device, out.gradient_checkpointing, out.use_liger_kernel) == (4096, False, False)
         assert cfg.max_length_per_device is None and "on cpu" in note  # a copy: the caller's config is unchanged
+
+
+def test_the_actor_takes_master_weights_on_a_gpu_where_the_plan_with_them_fits(tmp_path, monkeypatch):
+    """with_master_weights, the function Actor.__init__ calls after the memory settings: on a GPU (its free memory
+    faked here) null is on when the plan with masters at the chosen settings, plus 10%, fits the free memory less
+    what the other models keep; off otherwise; a set value stays; a reference and fp32 never hold masters."""
+    from types import SimpleNamespace
+
+    from train.models.actor import with_master_weights
+    from train.models.memory_plan import HEADROOM
+
+    config = preset_config("qwen3-4b")
+    config.save_pretrained(tmp_path)  # config.json only: the rule reads shapes, no weights
+    need = int(plan(config, seq=16384, fused_head=True, checkpointing=True, master_weights=True).update_peak * HEADROOM)
+    cfg = run_config({"actor.dtype": "bfloat16", "actor.max_length_per_device": 16384,
+                      "actor.gradient_checkpointing": True, "actor.use_liger_kernel": True}).actor
+    ctx = SimpleNamespace(device=torch.device("cuda"))
+    layout = SimpleNamespace(fsdp_mesh=SimpleNamespace(size=lambda: 1), sizes=SimpleNamespace(tp=1))
+
+    def decided(free: int, reserved=0, **changes) -> bool:
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+        section = dataclasses.replace(cfg, **changes)
+        return with_master_weights(section, ctx, layout, str(tmp_path), True, reserved).master_weights
+
+    assert decided(need + 1) and not decided(need - 1)
+    assert not decided(need + 1, reserved=lambda: 2)  # the reference's or the critic's bytes come off first
+    assert decided(need - 1, master_weights=True) and not decided(need + 1, master_weights=False)
+    assert not decided(need + 1, dtype="float32")
+    assert not with_master_weights(cfg, ctx, layout, str(tmp_path), False).master_weights  # a reference: frozen
+    wide = SimpleNamespace(fsdp_mesh=SimpleNamespace(size=lambda: 2), sizes=SimpleNamespace(tp=1))
+    assert not with_master_weights(cfg, ctx, wide, str(tmp_path), True).master_weights  # FSDP over 2 ranks
 
 
 def test_what_the_other_models_keep_is_taken_off_before_choosing():
