@@ -89,6 +89,8 @@ class MasterWeights:
         self._started = [False] * len(self.masters)
 
     def _views(self) -> list[torch.Tensor]:
+        if not self.masters:  # nothing trains (every weight frozen): nothing to sum
+            return []
         if self._sums is None:
             flat = torch.empty(sum(m.numel() for m in self.masters), dtype=torch.float32,
                                device=self.masters[0].device)
