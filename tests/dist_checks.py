@@ -509,7 +509,7 @@ def shared_base(args, ctx) -> None:
     against an engine that loads its own copy: the tensors it borrows are the actor's (data pointers),
     building it costs no model's worth of memory, a push moves the adapters alone, both engines generate
     the same tokens and log-probs, sleep leaves the borrowed tensors in place, an update leaves the base
-    alone, and a push of a borrowed tensor is refused."""
+    alone, and a push of other values into a borrowed tensor is refused (of the tensor itself, skipped)."""
     from train.models.lora import LoraSettings, adapter_state, is_adapter
     from train.models.shared_base import engine_model_over
     from train.trainer.policy_sync import PolicySync
@@ -520,9 +520,11 @@ def shared_base(args, ctx) -> None:
 
     torch.manual_seed(0)
     settings = LoraSettings(4, 8.0)
-    cfg = actor_cfg(model_name=args.model, dtype=args.dtype, **{"lora.rank": 4, "lora.alpha": 8.0})
+    cfg = actor_cfg(model_name=args.model, dtype=args.dtype, master_weights=layout_overrides(args)["master_weights"],
+                    **{"lora.rank": 4, "lora.alpha": 8.0})
     actor = Actor(cfg, ctx, args.model, pad_token_id=0, train=True, temperature=1.0, total_updates=2)
-    perturb_adapters(actor.model)
+    with actor.full_precision() as m:  # (the fp32 masters, where the actor has them)
+        perturb_adapters(m)
     local = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in actor.model.state_dict().items()}
     prompts = [[1, 50 + i, 60, 70 + 3 * i] for i in range(6)]
 
@@ -565,8 +567,9 @@ def shared_base(args, ctx) -> None:
     sb.fields["advantages"] = per_token(batch.advantages, sb, source)
     actor.update(sb, 32)
     base_unchanged = all(torch.equal(base_before[n], local[n]) for n in borrowed)
+    record({borrowed[0]: local[borrowed[0]]})  # the tensor itself: nothing to write (a full fine-tune's push)
     try:
-        record({borrowed[0]: local[borrowed[0]]})  # the engine's own method (not the recording wrapper)
+        record({borrowed[0]: local[borrowed[0]].clone()})  # other values: the engine's own method refuses them
         refused = ""
     except ValueError as e:
         refused = str(e)

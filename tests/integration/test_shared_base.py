@@ -1,8 +1,9 @@
 """rollout.share_actor_base (issue 36): with LoRA, the engine's base weights are the actor's own tensors
-(train/models/shared_base.py). Checked on one rank with the actor in float32 (a plain module) and in
-bfloat16 (FSDP2's one-rank DTensors): the borrowed tensors' data pointers are the actor's, building the
-engine does not grow the process by a model's size, a push moves adapter bytes only, the engine samples
-what an engine with its own copy samples, and a trainer run is the same with and without sharing."""
+(train/models/shared_base.py). Checked on one rank with the actor in float32 (a plain module), in bfloat16 with
+fp32 masters (a plain bf16 module) and under FSDP2 (one-rank DTensors): the borrowed tensors' data pointers are the
+actor's, building the engine does not grow the process by a model's size, a push moves adapter bytes only, the
+engine samples what an engine with its own copy samples, and a trainer run is the same with and without sharing.
+A full fine-tune with masters lends the engine all its bf16 weights."""
 import shutil
 
 import pytest
@@ -32,9 +33,12 @@ def qwen3_folder(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", slow("float32")])
-def test_the_engine_borrows_the_actors_base_and_samples_like_its_own_copy(tmp_path, qwen3_folder, dtype):
-    out = launch(1, tmp_path / "shared.pt", "shared_base", "--model", str(qwen3_folder), "--dtype", dtype)
+@pytest.mark.parametrize("dtype,masters", [("bfloat16", "true"), slow("bfloat16", "false"), slow("float32", "false")])
+def test_the_engine_borrows_the_actors_base_and_samples_like_its_own_copy(tmp_path, qwen3_folder, dtype, masters):
+    """bf16 with fp32 masters (a plain module, the default on one process), bf16 under FSDP2 over one rank
+    (DTensors), float32."""
+    out = launch(1, tmp_path / "shared.pt", "shared_base", "--model", str(qwen3_folder), "--dtype", dtype,
+                 "--masters", masters)
     assert out["engine_dtype"] == f"torch.{dtype}"
     assert sorted(out["borrowed"]) == sorted(out["base_names"]) and out["same_storage"]
     # the process grew by the engine's own copy (~64 MiB in float32) for one, not for the other
@@ -50,6 +54,17 @@ def test_the_engine_borrows_the_actors_base_and_samples_like_its_own_copy(tmp_pa
     assert "borrows" in out["refused"] and "rollout.share_actor_base" in out["refused"]
 
 
+def runs_by_share(tmp_path, common: list[str], shares: tuple[str, ...]) -> tuple[dict, dict]:
+    """A stub run per rollout.share_actor_base value: its metrics rows without the clocks, and its output."""
+    rows, out = {}, {}
+    for share in shares:
+        proc = run_trainer([f"trainer.save_dir={tmp_path / share}", f"rollout.share_actor_base={share}", *common])
+        out[share] = proc.stdout + proc.stderr
+        rows[share] = [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/")) and "per_s" not in k}
+                       for r in read_jsonl(tmp_path / share / "metrics.jsonl")]
+    return rows, out
+
+
 @pytest.mark.slow  # the engine-level equality above (default) samples the same tokens from the borrowed base
 def test_a_lora_run_is_the_same_with_and_without_a_shared_base(tmp_path):
     """Two stub runs with LoRA, the engine over the actor's base and an engine with its own copy: the
@@ -57,18 +72,28 @@ def test_a_lora_run_is_the_same_with_and_without_a_shared_base(tmp_path):
     timings)."""
     common = ["trainer.total_steps=2", "trainer.test_freq=null", "trainer.save_freq=null", "actor.lora.rank=4",
               "actor.lora.alpha=8", "actor.lr=1e-3"]
-    rows, out = {}, {}
-    for share in ("true", "false"):
-        proc = run_trainer([f"trainer.save_dir={tmp_path / share}", f"rollout.share_actor_base={share}", *common])
-        out[share] = proc.stdout + proc.stderr
-        rows[share] = [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/")) and "per_s" not in k}
-                       for r in read_jsonl(tmp_path / share / "metrics.jsonl")]  # all but the clocks
+    rows, out = runs_by_share(tmp_path, common, ("true", "false"))
     assert len(rows["true"]) == 2 and rows["true"] == rows["false"]
     assert "uses the actor's frozen base" in out["true"] and "uses the actor's frozen base" not in out["false"]
 
 
+def test_a_full_fine_tune_with_masters_lends_the_engine_its_bf16_weights(tmp_path):
+    """One process in bf16 without LoRA: the actor holds bf16 weights cast from its fp32 masters after each step,
+    and the engine borrows them all (a push moves nothing). Four steps with an evaluation at 2 and 4, against an
+    engine with its own copy: every metric but the clocks the same."""
+    common = ["trainer.total_steps=4", "trainer.test_freq=2", "trainer.save_freq=null", "actor.dtype=bfloat16",
+              "rollout.dtype=bfloat16", "data.prompts_per_rollout=4", "data.responses_per_prompt=4"]
+    rows, out = runs_by_share(tmp_path, common, ("null", "false"))
+    assert len(rows["null"]) == 5 and rows["null"] == rows["false"]
+    assert any("actor/sampler_kl" in r for r in rows["null"]) and any("test" in k for r in rows["null"] for k in r)
+    assert "reads the actor's bf16 weights" in out["null"] and "reads the actor's bf16" not in out["false"]
+
+
 @pytest.mark.parametrize("overrides,why", [
-    (["actor.lora.rank=0"], "fully fine-tuned"),
+    (["actor.lora.rank=0"], "fully fine-tuned in fp32"),
+    (["actor.dtype=bfloat16", "actor.master_weights=false"], "fully fine-tuned in fp32"),
+    (["actor.dtype=bfloat16", "rollout.max_staleness=1"], "generates while the actor updates"),
+    (["actor.dtype=bfloat16", "trainer.governor.enable=true"], "trainer.governor.enable=true"),
     (["actor.lora.rank=4", "rollout.engine=sglang"], "rollout.engine=sglang"),
     (["actor.lora.rank=4", "actor.offload_model=true"], "offload_model"),
 ])

@@ -74,6 +74,9 @@ def test_master_weights_hold_the_bf16_copies_and_gradients_whole_and_unshard_not
         trainable = masters.adapters if rank else masters.params
         assert masters.weights == fsdp.weights + 2 * trainable and masters.gradients == fsdp.gradients + 2 * trainable
         assert masters.unshard == 0 < fsdp.unshard and masters.optimizer == fsdp.optimizer
+        # the engine borrows the actor's bf16 weights: a LoRA base as before, now a full fine-tune's too
+        assert masters.engine_weights == 2 * masters.adapters
+        assert fsdp.engine_weights == (2 * fsdp.adapters if rank else 2 * fsdp.params)  # fp32 weights: its own copy
     need = plan(config, seq=16384, master_weights=True).update_peak * HEADROOM
     kw = dict(seq=16384, lora_rank=0, fused_head=True, checkpointing=True)
     assert master_weights_fit(config, free_bytes=int(need) + 1, **kw)

@@ -339,12 +339,13 @@ class HFEngine:
             torch._foreach_copy_(into, froms)
 
     def _target(self, targets: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The engine's tensor that a push of `name` writes, or an error naming what is wrong."""
-        if name in self.borrowed:
+        """The engine's tensor that a push of `name` writes, or an error naming what is wrong. A borrowed tensor
+        may only be pushed as itself (a full fine-tune's weights, which the push then skips)."""
+        target = targets.get(name)
+        if name in self.borrowed and not (target is not None and same_storage(target, tensor)):
             raise ValueError(f"update_weights: {name!r} is the actor's own tensor, which this engine "
                              "borrows (rollout.share_actor_base): a push must not write it (with LoRA "
                              "only the adapters are pushed)")
-        target = targets.get(name)
         if target is None:
             known = ", ".join(list(targets)[:5])
             raise KeyError(

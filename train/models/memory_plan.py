@@ -20,7 +20,8 @@ bf16 compute (`actor.dtype=bfloat16`), S tokens per packed micro-batch:
   embeddings, or one layer) in bf16, and for a full fine-tune its fp32 gradient before the reduce.
 - rollout: the actor's weights and optimizer state stay (gradients are freed after the step), the
   engine's own bf16 weights (2P + 2L; 2L when it borrows the actor's frozen base,
-  `rollout.share_actor_base`) and the KV cache of the replies in flight. The engine sleeps (its
+  `rollout.share_actor_base`; none when it borrows a full fine-tune's bf16 weights, with masters) and the KV
+  cache of the replies in flight. The engine sleeps (its
   weights to host memory) during the update.
 - push: the actor's weights and optimizer state, the engine's weights and two buckets of what is sent
   (`rollout.bucket_size_mb` each, at most the bytes sent: 2P in bf16, 2L with LoRA): the bucket being
@@ -161,7 +162,8 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
     `counts`: `count_parameters(config, lora_rank)` when the caller has it already; `shards`: the FSDP
     ranks the weights, gradients and moments are split over; `bucket_mb`: `rollout.bucket_size_mb`;
     `master_weights` (one rank, `actor.master_weights`): the trainable weights' bf16 copies and the
-    backward's bf16 gradients are held whole (2 + 2 bytes per trainable parameter), and nothing is unsharded."""
+    backward's bf16 gradients are held whole (2 + 2 bytes per trainable parameter), and nothing is unsharded;
+    with `share_base` the engine then borrows a full fine-tune's bf16 weights too (no engine weights)."""
     params, adapters = counts or count_parameters(config, lora_rank)
     config = text_config(config)  # a vision-language model: its language model's shapes (the tower's activations are left out)
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
@@ -181,7 +183,8 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
         weights += 2 * trainable
     gradients = (6 if master_weights else 4) * trainable
     kv_per_token = 2 * layers * kv_heads * head_dim * 2
-    engine = 2 * adapters if (lora_rank and share_base) else 2 * (params + adapters)
+    # the engine borrows a LoRA actor's base, or with masters a full fine-tune's bf16 weights (share_base)
+    engine = 2 * adapters if (share_base and (lora_rank or master_weights)) else 2 * (params + adapters)
     shards = max(1, shards)
     return MemoryPlan(params=params, adapters=adapters, weights=weights // shards, gradients=gradients // shards,
                       optimizer=8 * trainable // shards, optimizer_temporary=(4 * trainable // shards) if foreach else 0,

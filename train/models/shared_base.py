@@ -1,4 +1,5 @@
-"""The rollout engine's model over the actor's own frozen base weights (LoRA, one model copy per rank).
+"""The rollout engine's model over the actor's own tensors: a LoRA actor's frozen base, or a full fine-tune's bf16
+weights (one model copy per rank).
 
 Why: with LoRA the base model never changes, yet the engine used to load a second copy of it (16 GB
 for an 8B model in bf16). When each rank's actor holds the whole base (no FSDP sharding, no tensor
@@ -8,14 +9,21 @@ storage, no copy), and only its LoRA adapters are its own (B = 0 until the first
 adapters alone, as without sharing). The engine must never write a borrowed tensor (HFEngine refuses
 a push of one and does not move them when it sleeps).
 
-When it applies (`share_base_refusal` says why not otherwise): `actor.lora.rank > 0`, the `hf` engine
-in this process (`rollout.ranks=0`), the actor unsharded on each rank (`actor.ddp_size` equal to the
-world size, `tp_size=1`), its base on the device (`actor.offload_model=false`), and the engine's dtype
-equal to the dtype the actor keeps its frozen base in (`actor.dtype`). `rollout.share_actor_base`:
+A fully fine-tuned actor on one process in bf16 (`actor.master_weights`, train/models/master_weights.py)
+holds bf16 weights that its fp32 masters are cast into after each optimizer step, in place: the engine can
+borrow all of them. A push then moves nothing (each pushed tensor is the engine's own storage), and the
+engine samples from the new weights as soon as the step has cast them. That needs generation never to overlap
+the update (no `rollout.max_staleness`, no `rollout.inflight`) and no governor (which keeps a suspect update
+out of the engine: a borrowing engine would already hold it).
+
+When it applies (`share_base_refusal` says why not otherwise): `actor.lora.rank > 0` or a full fine-tune as
+above, the `hf` engine in this process (`rollout.ranks=0`), the actor unsharded on each rank (`actor.ddp_size`
+equal to the world size, `tp_size=1`), its weights on the device (`actor.offload_model=false`), and the
+engine's dtype equal to the dtype the actor keeps what it lends in (`actor.dtype`). `rollout.share_actor_base`:
 null = share where it applies, true = require it (a config error names why not), false = never.
 
 Memory per rank, P base parameters and L adapter parameters in the engine's dtype of b bytes:
-without sharing the engine holds b·(P + L) beside the actor's b·P; with it, b·L.
+without sharing the engine holds b·(P + L) beside the actor's b·P; with it, b·L (a full fine-tune: nothing).
 """
 from __future__ import annotations
 
@@ -26,12 +34,23 @@ import torch
 from train.models.lora import LoraSettings, apply_lora, is_adapter
 from train.parallel.layout import layout_sizes
 
-def share_base_refusal(run, world_size: int, device_type: str | None, rollout_ranks: int = 0) -> str | None:
-    """Why the engine cannot use the actor's base tensors under this run config (`RunConfig`), or None when it
-    can. `device_type` None (not known yet) skips the dtype rule."""
+def share_base_refusal(run, world_size: int, device_type: str | None, rollout_ranks: int = 0,
+                       actor_masters: bool | None = None) -> str | None:
+    """Why the engine cannot use the actor's tensors under this run config (`RunConfig`), or None when it
+    can. `device_type` None (not known yet) skips the dtype rule; `actor_masters`: whether the built actor holds
+    fp32 masters (None: not built yet, its config decides)."""
     actor, rollout = run.actor, run.rollout
     if actor.lora.rank <= 0:
-        return "the actor is fully fine-tuned (actor.lora.rank=0): its weights change at every step"
+        if actor.dtype != "bfloat16" or actor.master_weights is False or actor_masters is False:
+            return ("the actor is fully fine-tuned in fp32 weights (actor.lora.rank=0): an engine borrows a full "
+                    "fine-tune's weights only from bf16 weights with fp32 masters (actor.dtype=bfloat16 on one "
+                    "process, actor.master_weights)")
+        if rollout.max_staleness or rollout.inflight:
+            return ("rollout generates while the actor updates (rollout.max_staleness / rollout.inflight): a "
+                    "fully fine-tuned actor's weights would change under the engine")
+        if run.trainer.governor.enable:
+            return ("trainer.governor.enable=true keeps a suspect update out of the engine, which would already "
+                    "hold a fully fine-tuned actor's weights it borrows")
     if rollout.engine != "hf":
         return f"rollout.engine={rollout.engine} runs its own weights (only the hf engine runs in this process)"
     if rollout.ranks or rollout_ranks:
@@ -66,8 +85,9 @@ def _set(model: torch.nn.Module, name: str, value: torch.Tensor, parameter: bool
 
 def engine_model_over(actor_model: torch.nn.Module, lora: LoraSettings) -> tuple[torch.nn.Module, list[str]]:
     """A causal LM of the actor's class whose base parameters and persistent buffers are the actor's
-    tensors (same storage), with LoRA layers of its own: zeros until the first push. Returns the
-    model and the names of the tensors it borrows. The actor must hold its whole base on this rank."""
+    tensors (same storage), with LoRA layers of its own: zeros until the first push (without LoRA every
+    tensor is the actor's). Returns the model and the names of the tensors it borrows. The actor must hold its
+    whole model on this rank."""
     from transformers import AutoModelForCausalLM
 
     from train.models.checkpoint_names import pretrained_model
@@ -83,7 +103,8 @@ def engine_model_over(actor_model: torch.nn.Module, lora: LoraSettings) -> tuple
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(pretrained.config), dtype=base.dtype,
                                                  attn_implementation="sdpa")
-    apply_lora(model, lora)
+    if lora.enabled:
+        apply_lora(model, lora)
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     borrowed = []
     for name, value in model.state_dict(keep_vars=True).items():

@@ -322,8 +322,10 @@ class Trainer:
         actor = self.models.actor
         lora = actor.lora if actor.lora.enabled else None
         shared, borrowed = None, ()
-        why = share_base_refusal(cfg, ctx.world_size, ctx.device.type)
-        if why is None and cfg.rollout.share_actor_base is not False:  # no second copy of a frozen base
+        why = share_base_refusal(cfg, ctx.world_size, ctx.device.type, actor_masters=actor.masters is not None)
+        if why is None and not actor.lora.enabled and os.path.realpath(paths.rollout) != os.path.realpath(paths.actor):
+            why = f"the engine runs {paths.rollout} (rollout.model_name), not the actor's {paths.actor}"
+        if why is None and cfg.rollout.share_actor_base is not False:  # no second copy of the actor's weights
             shared, borrowed = engine_model_over(actor.model, actor.lora)
         elif why is not None and cfg.rollout.share_actor_base:
             raise ConfigError(f"rollout.share_actor_base=true cannot apply: {why} (e.g. rollout.share_actor_base=null)")
@@ -357,12 +359,15 @@ class Trainer:
         if held:  # one process in bf16: which models keep fp32 masters instead of FSDP2's mixed precision
             self.log.write(f"{' and '.join(held)}: bf16 weights with fp32 masters, cast once per optimizer step "
                            "(actor.master_weights / critic.master_weights)")
+        borrowed = len(getattr(self.engine, "borrowed", ()))
+        if borrowed and not m.actor.lora.enabled:
+            self.log.write(f"the rollout engine reads the actor's bf16 weights (rollout.share_actor_base: {borrowed} "
+                           "tensors not copied; a push moves nothing)")
         for role, worker in m.trained.items():
             if worker.lora.enabled:
                 trainable, total = worker.parameter_counts()
                 base_ref = worker is m.actor and ref is not m.ref
                 reference = "; KL reference: the base (adapters off)" if base_ref else ""
-                borrowed = len(getattr(self.engine, "borrowed", ()))
                 shared = ("; the rollout engine uses the actor's frozen base (rollout.share_actor_base: "
                           f"{borrowed} tensors not copied)") if worker is m.actor and borrowed else ""
                 self.log.write(f"{role}: LoRA rank {worker.lora.rank} (alpha {worker.lora.alpha:g}) on "

@@ -57,8 +57,10 @@ class RolloutConfig:
     compile_decode_scope: str = setting("hf: what compile_decode compiles: modules (the norm and MLP instances, "
                                         "prefill included) | layers (each whole decoder layer, for the static "
                                         "path's decode steps)", choices=("modules", "layers"))
-    share_actor_base: bool | None = setting("hf + LoRA: the engine's base weights are the actor's own tensors (no "
-                                            "second copy; null: where it applies, true: required)")
+    share_actor_base: bool | None = setting("hf: the engine's weights are the actor's own tensors, no second copy: "
+                                            "LoRA's frozen base, or a full fine-tune's bf16 weights with "
+                                            "actor.master_weights when generation never overlaps the update (null: "
+                                            "where it applies, true: required)")
     tp_size: int = setting("sglang: GPUs per engine; the first rank of each group of tp_size owns it", ge=1)
     gpu_memory_utilization: float | None = setting("sglang mem_fraction_static: weights + KV cache share of each "
                                                    "GPU", gt=0, le=1, example="0.5")
