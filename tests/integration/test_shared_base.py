@@ -94,6 +94,7 @@ def test_a_full_fine_tune_with_masters_lends_the_engine_its_bf16_weights(tmp_pat
     (["actor.dtype=bfloat16", "actor.master_weights=false"], "fully fine-tuned in fp32"),
     (["actor.dtype=bfloat16", "rollout.max_staleness=1"], "generates while the actor updates"),
     (["actor.dtype=bfloat16", "trainer.governor.enable=true"], "trainer.governor.enable=true"),
+    (["actor.dtype=bfloat16", "rollout.model_name=stub/tool_model"], "rollout.model_name"),
     (["actor.lora.rank=4", "rollout.engine=sglang"], "rollout.engine=sglang"),
     (["actor.lora.rank=4", "actor.offload_model=true"], "offload_model"),
 ])

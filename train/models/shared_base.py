@@ -28,6 +28,7 @@ without sharing the engine holds b·(P + L) beside the actor's b·P; with it, b�
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
@@ -35,12 +36,15 @@ from train.models.lora import LoraSettings, apply_lora, is_adapter
 from train.parallel.layout import layout_sizes
 
 def share_base_refusal(run, world_size: int, device_type: str | None, rollout_ranks: int = 0,
-                       actor_masters: bool | None = None) -> str | None:
+                       actor_masters: bool | None = None, paths=None) -> str | None:
     """Why the engine cannot use the actor's tensors under this run config (`RunConfig`), or None when it
     can. `device_type` None (not known yet) skips the dtype rule; `actor_masters`: whether the built actor holds
-    fp32 masters (None: not built yet, its config decides)."""
+    fp32 masters (None: not built yet, its config decides); `paths` (the run's ModelPaths, None: not resolved
+    yet): a full fine-tune lends its weights only to an engine of the actor's own model."""
     actor, rollout = run.actor, run.rollout
     if actor.lora.rank <= 0:
+        if paths is not None and os.path.realpath(paths.rollout) != os.path.realpath(paths.actor):
+            return f"the engine runs {paths.rollout} (rollout.model_name), not the actor's {paths.actor}"
         if actor.dtype != "bfloat16" or actor.master_weights is False or actor_masters is False:
             return ("the actor is fully fine-tuned in fp32 weights (actor.lora.rank=0): an engine borrows a full "
                     "fine-tune's weights only from bf16 weights with fp32 masters (actor.dtype=bfloat16 on one "

@@ -262,7 +262,7 @@ def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = No
     if rollout.share_actor_base:
         from train.models.shared_base import share_base_refusal
 
-        why = share_base_refusal(run, world_size, device_type=None)
+        why = share_base_refusal(run, world_size, device_type=None, paths=paths)
         if why is not None:
             _fail("rollout.share_actor_base", f"cannot apply: {why}", "rollout.share_actor_base=null")
     if trainer.forgetting.max_kl is not None:

@@ -55,6 +55,7 @@ from train.models.shared_base import engine_model_over, share_base_refusal
 from train.parallel.collectives import broadcast_from_main
 from train.parallel.distributed import DistContext, cleanup, init_distributed, set_cpu_threads
 from train.parallel.layout import Layout, layout_for
+from train.parallel.parallelize import DTYPES
 from train.parallel.rollout_bridge import BridgeError
 from train.parallel.step_batch import BatchIndex, StepBatch, dispatch, exchange_index, transfer
 from train.runtime import checkpoint as ckpt
@@ -117,9 +118,8 @@ def resident_elsewhere(frozen_folders: list[str], critic_folder: str | None, sha
     model is split over."""
     from transformers import AutoConfig
 
-    weight_bytes = 2 if dtype == "bfloat16" else 4
     held = sum(resident_bytes(AutoConfig.from_pretrained(f), trainable=False, shards=shards("ref_actor"),
-                              weight_bytes=weight_bytes) for f in frozen_folders)
+                              weight_bytes=DTYPES[dtype].itemsize) for f in frozen_folders)
     if critic_folder is not None:
         held += resident_bytes(AutoConfig.from_pretrained(critic_folder), trainable=True, shards=shards("critic"))
     return held
@@ -322,9 +322,8 @@ class Trainer:
         actor = self.models.actor
         lora = actor.lora if actor.lora.enabled else None
         shared, borrowed = None, ()
-        why = share_base_refusal(cfg, ctx.world_size, ctx.device.type, actor_masters=actor.masters is not None)
-        if why is None and not actor.lora.enabled and os.path.realpath(paths.rollout) != os.path.realpath(paths.actor):
-            why = f"the engine runs {paths.rollout} (rollout.model_name), not the actor's {paths.actor}"
+        why = share_base_refusal(cfg, ctx.world_size, ctx.device.type, actor_masters=actor.masters is not None,
+                                 paths=paths)
         if why is None and cfg.rollout.share_actor_base is not False:  # no second copy of the actor's weights
             shared, borrowed = engine_model_over(actor.model, actor.lora)
         elif why is not None and cfg.rollout.share_actor_base:
