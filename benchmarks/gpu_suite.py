@@ -28,7 +28,8 @@ Sections (each one's failure is recorded and the others still run; the exit stat
 * `push`: weight push seconds per billion parameters (flat-bucket gather + the engine's copy), the
   trainer's `PolicySync.push` path.
 * `step`: 3 trainer steps on the same 0.5B-shaped model (stub tokenizer and data, `eq.py`),
-  the step's time breakdown from `metrics.jsonl`.
+  the step's time breakdown from `metrics.jsonl`; by default (`rollout.sleep=null`: the engine stays awake where
+  the update fits beside it), then with the engine sleeping through every update (`rollout.sleep=true`).
 * `trl`: TRL's GRPOTrainer against this trainer on the same GPU, 0.5B-shaped model, data, group and
   lengths as `step` (`benchmarks/vs_trl.py --device cuda`, 4 steps each, the first left out): step
   seconds and the ratio; needs the `trl` wheels (`bash scripts/offline_wheels.sh DIR 3.12 --bench`).
@@ -631,14 +632,24 @@ def section_push(args, work: Path, info: dict, actor) -> dict:
 
 
 def section_step(args, work: Path, shapes: Shapes, model_dir: Path) -> dict:
-    run = work / "step"
-    shutil.rmtree(run, ignore_errors=True)
-    overrides = [f"actor.model_name={model_dir}", "trainer.total_steps=3", "trainer.test_freq=null",
-                 f"data.prompts_per_rollout={shapes.step_prompts}", f"data.responses_per_prompt={shapes.step_responses}",
-                 f"rollout.train_sampling_params.max_new_tokens={shapes.step_new_tokens}",
-                 "rollout.dynamic_filtering=false", "trainer.save_freq=null"]
-    run_logged(trainer_cmd(run, overrides), work / "step.log", args.timeout)
-    return step_means(run)
+    """The default run (rollout.sleep=null: the engine stays awake where the update fits beside it), then the
+    same with the engine sleeping through every update (rollout.sleep=true, as every run did before)."""
+    out = {}
+    for sleep in ("null", "true"):
+        run = work / f"step_sleep_{sleep}"
+        shutil.rmtree(run, ignore_errors=True)
+        overrides = [f"actor.model_name={model_dir}", "trainer.total_steps=3", "trainer.test_freq=null",
+                     f"data.prompts_per_rollout={shapes.step_prompts}",
+                     f"data.responses_per_prompt={shapes.step_responses}",
+                     f"rollout.train_sampling_params.max_new_tokens={shapes.step_new_tokens}",
+                     "rollout.dynamic_filtering=false", "trainer.save_freq=null", f"rollout.sleep={sleep}"]
+        run_logged(trainer_cmd(run, overrides), work / f"step_sleep_{sleep}.log", args.timeout)
+        means = step_means(run, ("engine/slept", "engine/cuda_graphs"))
+        if sleep == "null":
+            out.update(means)
+        else:
+            out["sleep_true"] = means
+    return out
 
 
 def step_means(run: Path, keys: tuple[str, ...] = ()) -> dict:
@@ -1010,8 +1021,14 @@ def markdown(result: dict) -> str:
                           f"TRL {r['trl_version']} {r['trl']['step_s_mean']:.3f} s/step (generate + reward "
                           f"{r['trl'].get('generate_s_mean', 0):.3f}); ours / TRL samples/s "
                           f"**{r['ours_over_trl_samples_per_s']:.2f}x**")
-    cell("step", lambda r: ", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in r.items() if k.startswith("time/"))
-         + "".join(f"; {k.removeprefix('memory/')} {v:.1f} GiB" for k, v in r.items() if k.startswith("memory/")))
+    def step_cell(r: dict) -> str:
+        return (", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in r.items() if k.startswith("time/"))
+                + "".join(f"; {k.removeprefix('memory/')} {v:.1f} GiB" for k, v in r.items() if k.startswith("memory/"))
+                + (f"; engine slept {r['engine/slept']:.0f}, {r['engine/cuda_graphs']:.0f} CUDA graphs"
+                   if "engine/slept" in r else ""))
+
+    cell("step", lambda r: step_cell(r) + (f" || rollout.sleep=true: {step_cell(r['sleep_true'])}"
+                                           if "sleep_true" in r else ""))
     cell("ring", lambda r: "; ".join(
         f"{x['tokens']} tokens: {x['kernel']} {x['ring_s']:.3f} s vs SDPA {x['sdpa_s']:.3f} s "
         f"(x{x['ring_s'] / x['sdpa_s']:.2f})" + (f", peak {x['ring_peak_gib']:.2f} vs {x['sdpa_peak_gib']:.2f} GiB"

@@ -21,9 +21,10 @@ loss forward/backward, clipping and the optimizer step), plus the time spent in
 Nothing is downloaded: both trainers run with the Hugging Face libraries in offline mode.
 
 `--device cuda` (one GPU, one process each; `benchmarks/gpu_suite.py --only trl` runs it on its 0.5B
-shape): both keep float32 master weights and compute in bfloat16 (ours: `actor.dtype=bfloat16`, FSDP2
-mixed precision, and its engine in bf16; TRL: `bf16=True`, its own `transformers` generation), and both
-step timers synchronize the GPU. The default (cpu) hides any GPU from both.
+shape): both keep float32 master weights and compute in bfloat16 (ours: `actor.dtype=bfloat16`, bf16 weights
+cast from fp32 masters once per optimizer step, `actor.master_weights`, which its bf16 engine reads as they are,
+`rollout.share_actor_base`; TRL: `bf16=True`, its own `transformers` generation), and both step timers
+synchronize the GPU. The default (cpu) hides any GPU from both.
 """
 from __future__ import annotations
 

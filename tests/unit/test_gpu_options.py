@@ -57,6 +57,7 @@ def test_defaults_are_valid_and_give_engine_arguments():
     (["actor.use_liger_kernel=yes"], "actor.use_liger_kernel.*true, false or null"),
     (["rollout.offload_weights=1"], "rollout.offload_weights.*true or false"),
     (["rollout.static_cache=auto"], "rollout.static_cache.*true, false or null"),
+    (["rollout.sleep=sometimes"], "rollout.sleep.*true, false or null"),
 ])
 def test_bad_gpu_keys_fail_with_the_key_name(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):

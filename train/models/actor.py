@@ -24,7 +24,7 @@ from train.models import optim
 from train.models.config import ActorConfig
 from train.models.lora import LoraSettings, adapters_disabled
 from train.models.master_weights import decide_master_weights, master_weights_refusal
-from train.models.memory_plan import CPU_MAX_LENGTH, AutoSettings, auto_settings, master_weights_fit
+from train.models.memory_plan import CPU_MAX_LENGTH, AutoSettings, auto_settings, master_weights_fit, working_bytes
 from train.models.model_init import build_model
 from train.models.router_replay import RouterBalance, RouterReplay
 from train.models.trainable import Norms, Trainable, UpdateStats
@@ -36,7 +36,7 @@ from train.parallel.layout import Layout, layout_for
 from train.parallel.packing import PackedMicroBatch
 from train.parallel.parallelize import DTYPES
 from train.parallel.step_batch import StepBatch
-from train.parallel.tensor_parallel import vocab_parallel_logprobs
+from train.parallel.tensor_parallel import expert_count, vocab_parallel_logprobs
 
 
 def loss_settings(cfg: ActorConfig) -> LossSettings:
@@ -185,6 +185,19 @@ class Actor(Trainable):
         else:
             self.model.eval()
             self.model.requires_grad_(False)
+
+    def update_working_bytes(self) -> int | None:
+        """Device bytes per rank this actor's update takes beyond what stays allocated between steps
+        (memory_plan.working_bytes at the longer of its update and no-grad micro-batches); None where the plan
+        does not cover it: a vision-language model (the tower's activations) or a mixture of experts, tensor,
+        sequence or context parallelism, offloaded weights or moments, a CPU."""
+        sizes, config, cfg = self.layout.sizes, self.model.config, self.cfg
+        if (self.device.type != "cuda" or not self.train or is_vision_config(config) or expert_count(config)
+                or sizes.tp > 1 or sizes.seq > 1 or cfg.offload_model or cfg.offload_optimizer):
+            return None
+        return working_bytes(config, seq=max(self.max_tokens, self.infer_tokens), lora_rank=self.lora.rank,
+                             fused_head=self.fused_head is not None, checkpointing=bool(cfg.gradient_checkpointing),
+                             master_weights=self.masters is not None, shards=sizes.fsdp)
 
     # -- forward ---------------------------------------------------------------------------
     def _forward(self, mb: PackedMicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -22,7 +22,7 @@ bf16 compute (`actor.dtype=bfloat16`), S tokens per packed micro-batch:
   engine's own bf16 weights (2P + 2L; 2L when it borrows the actor's frozen base,
   `rollout.share_actor_base`; none when it borrows a full fine-tune's bf16 weights, with masters) and the KV
   cache of the replies in flight. The engine sleeps (its
-  weights to host memory) during the update.
+  weights to host memory) during the update where the update needs that memory (`rollout.sleep`, below).
 - push: the actor's weights and optimizer state, the engine's weights and two buckets of what is sent
   (`rollout.bucket_size_mb` each, at most the bytes sent: 2P in bf16, 2L with LoRA): the bucket being
   filled and the one whose tensors the engine is still copying.
@@ -44,6 +44,11 @@ before building the model; on CPU they are 4096, off and off, as before):
   less what the reference, teachers or critic will keep (`resident_bytes`; the engine sleeps during the
   update); 1024 at least.
 - `actor.gradient_checkpointing`: off when the update at that length fits without it, else on.
+
+`working_bytes` is what an update needs beyond the weights and AdamW moments that stay allocated between steps:
+its gradients, activations and unshard (or the optimizer step's temporary, or the push's two buckets, whichever
+is most), at the longer of the update's and the no-grad passes' micro-batch. `rollout.sleep=null`
+(train/trainer/engine_sleep.py) keeps the engine awake through the update where the free memory covers it.
 
 `master_weights_fit` then decides a null `actor.master_weights` (train/models/actor.py): on where the plan
 with it, at the settings chosen, plus 10% fits the same free memory. A frozen model of the run (the KL
@@ -286,6 +291,17 @@ def master_weights_fit(config, *, seq: int, lora_rank: int, fused_head: bool, ch
     if offload_optimizer:
         p = dataclasses.replace(p, optimizer=0, optimizer_temporary=0)
     return p.update_peak * HEADROOM <= free_bytes
+
+
+def working_bytes(config, *, seq: int, lora_rank: int, fused_head: bool, checkpointing: bool, master_weights: bool,
+                  shards: int = 1) -> int:
+    """Device bytes per rank an update at `seq` tokens per micro-batch takes beyond the weights and AdamW moments
+    that stay allocated between steps: its gradients with the activations and FSDP's unshard of the backward, or
+    with the optimizer step's temporary, or the push's two buckets, whichever is most (`plan`'s phases, less what
+    they share)."""
+    p = plan(config, seq=seq, lora_rank=lora_rank, fused_head=fused_head, checkpointing=checkpointing,
+             shards=shards, master_weights=master_weights)
+    return max(p.update_peak - p.weights - p.optimizer, p.push_buffers)
 
 
 def describe(name: str, p: MemoryPlan, seq: int, lora_rank: int) -> str:

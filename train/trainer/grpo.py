@@ -71,6 +71,7 @@ from train.trainer.config import (ConfigError, ModelPaths, collective_timeout_s,
                                   sampling_params, useless_settings, validate)
 from train.trainer.data_check import PromptOverflowLog, check_data, context_length
 from train.trainer.drift import StartDrift
+from train.trainer.engine_sleep import EngineSleep
 from train.trainer.evaluation import Evaluator, SampledEval
 from train.trainer.forgetting import ForgettingGate
 from train.trainer.governor import Governor
@@ -221,7 +222,10 @@ class Trainer:
         self.rollouts = rollout_source(cfg.rollout, cfg.data, ctx, total_steps=self.total_steps, watchdog=self.watchdog, loader=loader,
                                        rollout=rollout, engine=self.engine, sampling=train_sampling,
                                        seed=seed_of(train_sampling), curriculum=curriculum, report=self.report,
-                                       sources=source_names(train_rows))
+                                       sources=source_names(train_rows),
+                                       engine_sleep=EngineSleep.of(cfg.rollout.sleep, ctx, "remote" if ctx.bridge is not None
+                                                                   else cfg.rollout.engine, self.models.actor,
+                                                                   self.models.critic))
         # What a checkpoint holds besides the models, by name (each has state_dict / load_state_dict).
         health = HealthDetector.from_config(cfg.trainer.health)
         forgetting = ForgettingGate.from_config(cfg.trainer.forgetting)

@@ -46,6 +46,11 @@ class RunReport:
         self.log.event("warning", step, {"warning": warning})
 
     # -- the rollout -------------------------------------------------------------------------
+    def note(self, step: int, kind: str, line: str) -> None:
+        """A line on rank 0's output and a `kind` event in trajectories.jsonl."""
+        self.log.write(line)
+        self.log.event(kind, step, {"line": line})
+
     def stuck_calls(self, step: int, stuck: float) -> None:
         """Warn once per run when env calls are stuck past their timeout (`stuck`: all ranks' count)."""
         if stuck and not self._warned_stuck:

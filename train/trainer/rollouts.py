@@ -28,6 +28,7 @@ from train.parallel.collectives import all_gather_flat, all_reduce_max_many, all
 from train.parallel.distributed import DistContext
 from train.runtime.checkpoint import CheckpointError
 from train.runtime.watchdog import Watchdog
+from train.trainer.engine_sleep import EngineSleep
 from train.trainer.prefetch import RolloutPrefetcher, StepRollout, staleness
 from train.trainer.replay import ReplayBuffer
 from train.trainer.report import RunReport
@@ -50,9 +51,10 @@ class RolloutSource:
 
     def __init__(self, settings: RolloutConfig, data: DataConfig, ctx: DistContext, *, loader: RLDataLoader,
                  rollout, engine, sampling: SamplingParams, seed: int, curriculum: Curriculum, report: RunReport,
-                 sources: list[str]) -> None:
+                 sources: list[str], engine_sleep: EngineSleep | None = None) -> None:
         self.settings, self.data, self.ctx = settings, data, ctx
         self.loader, self.rollout, self.engine = loader, rollout, engine
+        self.engine_sleep = engine_sleep  # rollout.sleep (train/trainer/engine_sleep.py); None: always
         self.sampling, self.seed = sampling, seed
         self.curriculum, self.report, self.sources = curriculum, report, sources
         self.criteria: set[str] = set()  # rubric criteria every rank knows (step.rubric_metrics)
@@ -65,12 +67,24 @@ class RolloutSource:
     def next(self, step: int, trainer_version: int) -> StepSamples:
         """This step's samples and the rollout's metrics (`trainer_version`: the step whose update made
         the actor's weights, for the staleness metrics)."""
-        self.engine.wake()  # a no-op on CPU; SGLang takes its GPU memory back for the rollout
-        return self.collect(step, self.make(step), trainer_version)
+        start = time.perf_counter()
+        self.engine.wake()  # a no-op on CPU and where it stayed awake; SGLang takes its GPU memory back
+        woke = time.perf_counter() - start
+        got = self.collect(step, self.make(step), trainer_version)
+        got.metrics["time/engine_wake_s"] = woke
+        return got
 
     def hand_over(self, step: int, metrics: dict[str, float]) -> None:
-        """The rollout is over: free the engine's accelerator memory for the update (a no-op on CPU)."""
-        self.engine.sleep()
+        """The rollout is over: free the engine's accelerator memory for the update where the update needs it
+        (rollout.sleep; a no-op on CPU)."""
+        sleep, line = self.engine_sleep.decide() if self.engine_sleep is not None else (True, None)
+        if line is not None:
+            self.report.note(step, "engine_sleep", line)
+        if sleep:
+            start = time.perf_counter()
+            self.engine.sleep()
+            metrics["time/engine_sleep_s"] = time.perf_counter() - start
+        metrics["engine/slept"] = float(sleep)
 
     def before_push(self, metrics: dict[str, float]) -> float:
         """Before a weight push: the seconds waited for a rollout still generating (none here)."""
@@ -221,11 +235,14 @@ class RolloutSource:
 
     def _engine_metrics(self, step: int, counters: list[float]) -> dict[str, float]:
         """Decode throughput of this step's rollout (`counters`: its engine tokens and seconds), summed
-        over ranks (engines that count it), and the env calls stuck past their timeout."""
-        tokens, seconds, stuck = all_reduce_sum([*counters, float(self.rollout.stuck_calls)], self.ctx.device)
+        over ranks (engines that count it), the env calls stuck past their timeout, and the CUDA graphs the
+        engines captured so far (the hf engine's static path: they grow at every step where it slept)."""
+        graphs = float(getattr(self.engine, "stats", {}).get("cuda_graphs", 0))
+        tokens, seconds, stuck, graphs = all_reduce_sum([*counters, float(self.rollout.stuck_calls), graphs],
+                                                        self.ctx.device)
         self.report.stuck_calls(step, stuck)
         return {"rollout/tokens": tokens, "rollout/tokens_per_s": tokens / max(seconds / self.ctx.world_size, 1e-9),
-                "env/stuck_calls": stuck}
+                "env/stuck_calls": stuck, "engine/cuda_graphs": graphs}
 
     def _staleness_metrics(self, samples: list[Sample], trainer_version: int) -> dict[str, float]:
         """How many weight versions behind the trainer's each sample's oldest turn was (all ranks);

@@ -69,6 +69,9 @@ class RolloutConfig:
     push_timeout_s: float | None = setting("a weight push running longer ends the rank (null: no limit)", gt=0,
                                            example="600")
     offload_weights: bool = setting("sleep() also releases the engine weights, not only the KV cache")
+    sleep: bool | None = setting("the engine frees its device memory while the models update (KV buffers, CUDA "
+                                 "graphs, weights it does not borrow): true | false | null = on a GPU where the "
+                                 "update's planned memory does not fit beside it (train/trainer/engine_sleep.py)")
     base_port: int = setting("sglang port = base_port + rank", ge=1024, le=65535, expect="a port in [1024, 65535]",
                              example="30000")
     sglang_kwargs: dict[str, Any] = setting("extra sglang ServerArgs fields, e.g. {context_length: 8192}")

@@ -1,0 +1,110 @@
+"""rollout.sleep (train/trainer/engine_sleep.py): the engine sleeps through an update only where the update's
+planned memory does not fit beside it, every rank decides alike, and each change of mind is said once."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from train.models.actor import Actor
+from train.models.memory_plan import GIB, count_parameters, preset_config, working_bytes
+from train.parallel.layout import Sizes
+from train.trainer.engine_sleep import EngineSleep
+
+CPU = SimpleNamespace(device=torch.device("cpu"))
+CUDA = SimpleNamespace(device=torch.device("cuda"))  # only its type is read: nothing touches a GPU
+
+
+def policy(asked, working, free):
+    return EngineSleep(asked, working, CPU, lambda: free)
+
+
+def test_null_keeps_the_engine_awake_while_the_free_memory_covers_the_update_with_headroom():
+    free = {"now": 20 * GIB}
+    sleep = EngineSleep(None, 10 * GIB, CPU, lambda: free["now"])
+    assert sleep.decide()[0] is False
+    free["now"] = 10.5 * GIB  # under 10 GiB + 10%
+    went, line = sleep.decide()
+    assert went is True and "GiB short" not in line and "0.5 GiB more than the tightest rank has free" in line
+    free["now"] = 11.5 * GIB
+    assert sleep.decide()[0] is False
+
+
+def test_a_decision_is_said_once_and_again_only_when_it_changes():
+    free = {"now": 20 * GIB}
+    sleep = EngineSleep(None, 10 * GIB, CPU, lambda: free["now"])
+    first = sleep.decide()
+    assert first[0] is False and first[1].startswith("the engine stays awake through the update")
+    assert sleep.decide() == (False, None)
+    free["now"] = GIB
+    went, line = sleep.decide()
+    assert went and line.startswith("the engine sleeps during the update")
+    assert sleep.decide() == (True, None)
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_true_and_false_hold_whatever_the_memory(asked):
+    for free in (0, 10**15):
+        sleep = policy(asked, 10 * GIB, free)
+        assert sleep.decide()[0] is asked
+    assert f"rollout.sleep={str(asked).lower()}" in policy(asked, None, 0).decide()[1]
+
+
+def test_null_on_a_cpu_sleeps_as_before_and_says_nothing():
+    actor = SimpleNamespace(update_working_bytes=lambda: pytest.fail("no estimate is asked for on a CPU"))
+    sleep = EngineSleep.of(None, CPU, "hf", actor, None)
+    assert sleep.working is None and sleep.decide() == (True, None)
+
+
+@pytest.mark.parametrize("kind,critic,working,why", [
+    ("hf", None, 3 * GIB, None),
+    ("hf", None, None, "no memory estimate"),
+    ("hf", object(), 3 * GIB, "does not cover the critic"),
+    ("sglang", None, 3 * GIB, "sglang engine keeps its KV pool"),
+    ("remote", None, 3 * GIB, None),  # a rollout rank's engine: its sleep is a no-op, nothing to decide
+])
+def test_null_on_a_gpu_estimates_only_an_hf_engine_beside_an_actor_alone(kind, critic, working, why):
+    actor = SimpleNamespace(update_working_bytes=lambda: working)
+    sleep = EngineSleep.of(None, CUDA, kind, actor, critic)
+    estimated = kind == "hf" and critic is None
+    assert sleep.working == (working if estimated else None)
+    assert (sleep.unestimated is None) == (why is None)
+    if why is not None:
+        assert why in sleep.unestimated
+
+
+def fake_actor(**changes):
+    """What Actor.update_working_bytes reads, for a Qwen2.5-0.5B-shaped actor on one GPU."""
+    base = dict(device=torch.device("cuda"), train=True, model=SimpleNamespace(config=preset_config("qwen2.5-0.5b")),
+                layout=SimpleNamespace(sizes=Sizes(ddp=1, fsdp=1, tp=1, sp=1, dp=1)),
+                cfg=SimpleNamespace(gradient_checkpointing=True, offload_model=False, offload_optimizer=False),
+                max_tokens=16384, infer_tokens=32768, lora=SimpleNamespace(rank=0), fused_head=object(),
+                masters=object())
+    base.update(changes)
+    return SimpleNamespace(**base)
+
+
+def test_the_actors_working_bytes_are_its_gradients_and_activations_at_its_longest_micro_batch():
+    config = preset_config("qwen2.5-0.5b")
+    params, _ = count_parameters(config)
+    seq, h, layers, inter, heads, kv, hd = 32768, 896, 24, 4864, 14, 2, 64
+    # fp32 gradient sums and the backward's bf16 gradients; every layer's bf16 input; one layer's working set
+    want = 6 * params + layers * seq * h * 2 + int(1.5 * (4 * h + 2 * heads * hd + 2 * kv * hd + 5 * inter) * seq * 2)
+    assert Actor.update_working_bytes(fake_actor()) == want
+    assert working_bytes(config, seq=seq, lora_rank=0, fused_head=True, checkpointing=True,
+                         master_weights=True) == want
+    # FSDP2 over one rank instead: 4-byte gradients, and the largest group (the embeddings) unsharded, bf16 + fp32
+    fsdp = Actor.update_working_bytes(fake_actor(masters=None))
+    assert fsdp == want - 2 * params + 151936 * h * 6
+
+
+@pytest.mark.parametrize("change", [
+    dict(device=torch.device("cpu")), dict(train=False), dict(layout=SimpleNamespace(sizes=Sizes(1, 1, 2, 1, 1))),
+    dict(layout=SimpleNamespace(sizes=Sizes(1, 2, 1, 2, 1))),
+    dict(cfg=SimpleNamespace(gradient_checkpointing=True, offload_model=False, offload_optimizer=True)),
+    dict(model=SimpleNamespace(config=SimpleNamespace(num_experts=8, model_type="qwen3_moe"))),
+    dict(model=SimpleNamespace(config=SimpleNamespace(vision_config={"depth": 32}, model_type="qwen2_5_vl"))),
+], ids=["cpu", "reference", "tp", "sp", "offload", "moe", "vision"])
+def test_no_estimate_where_the_plan_does_not_cover_the_update(change):
+    assert Actor.update_working_bytes(fake_actor(**change)) is None

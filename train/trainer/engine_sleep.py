@@ -1,0 +1,88 @@
+"""Whether the rollout engine frees its device memory while the models update (`rollout.sleep`).
+
+On a GPU the `hf` engine's `sleep()` moves the weights it owns to pinned host memory, drops its KV buffers and
+CUDA graphs and empties the allocator's cache; `wake()` copies the weights back, and the next rollout captures
+its graphs again (every one of them, since the weights moved). That costs time at every step: worth it where the
+update needs the memory (a big model, a long micro-batch), not where the update fits beside the engine (a 0.5B
+model on an 80 GB card).
+
+- `rollout.sleep=true`: the engine sleeps after every rollout (what it always did before this setting).
+- `false`: it never does; the update runs beside it.
+- `null` (the default): on a GPU, after each rollout, the engine stays awake when the free device memory of
+  every rank (what the driver reports free plus what the allocator holds unused) covers the actor's update
+  working bytes with 10% headroom (train/models/memory_plan.py `working_bytes`: gradients, activations, the
+  push's buckets, at the longer of its update and no-grad micro-batches); every rank decides alike (one
+  all-reduce of a flag). It sleeps where the plan has no estimate (`Actor.update_working_bytes` is None: a
+  vision-language model, a mixture of experts, tp / sp / cp, offload), with a critic (the plan does not cover
+  its update) and with SGLang (its KV pool takes its share of the card whatever the batch). On a CPU `sleep()`
+  frees nothing and costs nothing, and null keeps calling it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from train.models.memory_plan import GIB, HEADROOM
+from train.parallel.collectives import all_reduce_max
+from train.parallel.distributed import DistContext
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """This rank's device bytes a new allocation can take now: free on the device, plus the allocator's
+    reserved blocks that hold no tensor."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+@dataclass
+class EngineSleep:
+    """`rollout.sleep` (`asked`) and, for null, the update's working bytes (`working`; None: the engine sleeps,
+    for the reason `unestimated` gives, or on a CPU where that is free)."""
+    asked: bool | None
+    working: int | None
+    ctx: DistContext
+    free_bytes: Callable[[], int]  # this rank's free device bytes, now
+    unestimated: str | None = None
+    last: bool | None = None  # the decision of the step before (a line is logged when it changes)
+
+    @classmethod
+    def of(cls, asked: bool | None, ctx: DistContext, engine_kind: str, actor, critic) -> EngineSleep:
+        """The policy of a run: `engine_kind` (rollout.engine, or "remote" for a dedicated rollout rank's, whose
+        sleep is a no-op), `actor` (its `update_working_bytes`) and `critic` (None without one)."""
+        working, why = None, None
+        if asked is None and ctx.device.type == "cuda" and engine_kind != "remote":  # (a rollout rank's never sleeps)
+            if engine_kind != "hf":
+                why = f"the {engine_kind} engine keeps its KV pool otherwise"
+            elif critic is not None:
+                why = "the memory plan does not cover the critic's update"
+            else:
+                working = actor.update_working_bytes()
+                why = "no memory estimate for this actor's update (actor.update_working_bytes)" if working is None else None
+        return cls(asked, working, ctx, lambda: free_device_bytes(ctx.device), why)
+
+    def decide(self) -> tuple[bool, str | None]:
+        """Whether the engine sleeps through this update, and a line for the log when that changes (None
+        otherwise; never on a CPU under null). Collective where null decides on a GPU (every rank calls it, in
+        step order)."""
+        if self.asked is not None:
+            sleep, why = self.asked, f"rollout.sleep={str(self.asked).lower()}"
+        elif self.working is None:
+            sleep, why = True, self.unestimated and f"rollout.sleep=null: {self.unestimated}"
+        else:
+            need = self.working * HEADROOM
+            free = self.free_bytes()
+            # the rank with the least room decides for all (a max over ranks of its shortfall)
+            short = all_reduce_max(max(need - free, 0.0), self.ctx.device)
+            sleep = short > 0
+            why = (f"rollout.sleep=null: the update needs {need / GIB:.1f} GiB with 10% headroom "
+                   f"(train/models/memory_plan.py), "
+                   + (f"{short / GIB:.1f} GiB more than the tightest rank has free beside the engine" if sleep
+                      else f"free beside the engine on every rank ({free / GIB:.1f} GiB on this one)"))
+        changed, self.last = sleep != self.last, sleep
+        if not changed or why is None:
+            return sleep, None
+        what = ("the engine sleeps during the update (its KV buffers, CUDA graphs and own weights freed)" if sleep
+                else "the engine stays awake through the update (KV buffers, CUDA graphs and weights kept)")
+        return sleep, f"{what}: {why}"
