@@ -126,13 +126,18 @@ class MasterWeights:
         for i, m in enumerate(self.masters):
             m.grad = sums[i] if self._started[i] else None
 
+    def restart(self) -> None:
+        """After the optimizer step (which set the masters' gradients to None): the next backward starts new
+        sums."""
+        self._started = [False] * len(self.masters)
+
     def discard(self) -> None:
-        """The gradients forgotten: after the optimizer step, or for a mini-batch whose step is not taken."""
+        """The gradients forgotten: for a mini-batch whose optimizer step is not taken."""
         for p in self.compute:
             p.grad = None
         for m in self.masters:
             m.grad = None
-        self._started = [False] * len(self.masters)
+        self.restart()
 
     @torch.no_grad()
     def publish(self) -> None:

@@ -298,9 +298,9 @@ class Trainable:
                                       self.offload_optimizer)
         self.masters.attach()
         norm = optim.clip_and_step(self.trained, self.optimizer, self.scheduler, self.max_grad_norm,
-                                   self.offload_optimizer)
+                                   self.offload_optimizer)  # (it sets the masters' gradients to None)
         self.masters.publish()
-        self.masters.discard()
+        self.masters.restart()
         return norm
 
     def reduce(self, stats: UpdateStats, prefix: str, sum_keys: tuple[str, ...],
