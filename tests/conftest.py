@@ -245,13 +245,14 @@ def run_config(overrides: dict | None = None, name: str = "grpo"):
     ({dotted key: value}, any value OmegaConf holds) set on the composed config, as a run loads it."""
     from omegaconf import OmegaConf
 
-    from train.trainer.config import resolve_aliases
+    from train.trainer.config import resolve_aliases, resolve_device_defaults
     from train.trainer.schema import load
 
     cfg = compose_config(name=name, save_dir=None)
     for key, value in (overrides or {}).items():
         OmegaConf.update(cfg, key, value, force_add=True)
     resolve_aliases(cfg)
+    resolve_device_defaults(cfg)  # (validate does it in a run, with the run's device)
     return load(cfg)
 
 

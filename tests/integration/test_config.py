@@ -68,6 +68,23 @@ def test_master_weights_true_where_they_cannot_apply_names_why_before_any_model_
             validate(cfg, world_size=world)
 
 
+@pytest.mark.parametrize("device,overrides,want", [
+    ("cpu", [], ("float32", "float32")),
+    ("cuda", [], ("bfloat16", "bfloat16")),
+    ("cuda", ["actor.dtype=float32"], ("float32", "bfloat16")),
+    ("cpu", ["critic.dtype=bfloat16"], ("float32", "bfloat16")),
+])
+def test_a_null_dtype_is_bf16_on_a_gpu_and_fp32_on_a_cpu(device, overrides, want):
+    """actor.dtype / critic.dtype null take the device's (validate sets them, as the trainer's run loads them);
+    on a GPU master weights then apply to one process without being asked for the dtype."""
+    cfg = compose_config(["actor.master_weights=true", *overrides] if device == "cuda" and not overrides else overrides)
+    validate(cfg, world_size=1, device_type=device)
+    assert (cfg.actor.dtype, cfg.critic.dtype) == want
+    if device == "cpu" and not overrides:
+        with pytest.raises(ConfigError, match="actor.dtype=float32"):
+            validate(compose_config(["actor.master_weights=true"]), world_size=1, device_type="cpu")
+
+
 def test_test_freq_needs_test_data():
     cfg = compose_config(["data.test_data_path=null", "trainer.test_freq=5"])
     with pytest.raises(ConfigError, match="data.test_data_path.*trainer.test_freq=null"):

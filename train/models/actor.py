@@ -8,8 +8,6 @@ averaging (train/models/trainable.py). Ranks of one dp group (sp, tp) compute th
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -21,7 +19,7 @@ from train.algorithms.mismatch import mis_keep, sampler_mismatch_sums, tis_weigh
 from train.algorithms.policy_loss import POLICY_LOSSES, LossSettings
 from train.algorithms.schedules import entropy_coef_schedule
 from train.models import optim
-from train.models.config import ActorConfig
+from train.models.config import ActorConfig, compute_dtype, replaced
 from train.models.lora import LoraSettings, adapters_disabled
 from train.models.master_weights import decide_master_weights, master_weights_refusal
 from train.models.memory_plan import CPU_MAX_LENGTH, AutoSettings, auto_settings, master_weights_fit, working_bytes
@@ -92,7 +90,7 @@ def with_memory_settings(cfg: ActorConfig, ctx: DistContext, layout: Layout, mod
                             f"no memory estimate for {model_path} ({type(e).__name__}: {str(e)[:120]}): "
                             f"max_length_per_device {length}, gradient_checkpointing {'on' if ckpt else 'off'}, "
                             f"fused head {'on' if head else 'off'}")
-    return _replaced(cfg, max_length_per_device=auto.max_length_per_device,
+    return replaced(cfg, max_length_per_device=auto.max_length_per_device,
                      gradient_checkpointing=auto.gradient_checkpointing, use_liger_kernel=auto.use_liger_kernel), auto.note
 
 
@@ -104,7 +102,7 @@ def with_master_weights(cfg: ActorConfig, ctx: DistContext, layout: Layout, mode
     gradients, no FSDP unshard) fits the free memory at the settings chosen, less what the other models keep.
     A reference (train=False) holds no masters."""
     if not train or (cfg.dtype != "bfloat16" and not cfg.master_weights):
-        return _replaced(cfg, master_weights=False)
+        return replaced(cfg, master_weights=False)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
@@ -116,17 +114,7 @@ def with_master_weights(cfg: ActorConfig, ctx: DistContext, layout: Layout, mode
         default = master_weights_fit(config, seq=cfg.max_length_per_device, lora_rank=cfg.lora.rank,
                                      fused_head=bool(cfg.use_liger_kernel), checkpointing=bool(cfg.gradient_checkpointing),
                                      free_bytes=free, offload_optimizer=bool(cfg.offload_optimizer))
-    return _replaced(cfg, master_weights=decide_master_weights(cfg.master_weights, "actor", why, default))
-
-
-def _replaced(cfg, **values):
-    """A copy of `cfg` with `values`: the typed ActorConfig, or an OmegaConf section (benchmarks, tests)."""
-    if dataclasses.is_dataclass(cfg):
-        return dataclasses.replace(cfg, **values)
-    out = copy.deepcopy(cfg)
-    for key, value in values.items():
-        setattr(out, key, value)
-    return out
+    return replaced(cfg, master_weights=decide_master_weights(cfg.master_weights, "actor", why, default))
 
 
 class Actor(Trainable):
@@ -134,7 +122,8 @@ class Actor(Trainable):
                  temperature: float, total_updates: int = 1, layout: Layout | None = None, adapter_seed: int = 0,
                  reserved_bytes: int | Callable[[], int] = 0):
         layout = layout or layout_for(cfg, ctx.world_size, ctx.device.type, "actor")
-        # null memory settings decided here, once: `self.cfg` holds the values the actor runs with
+        # null settings decided here, once: `self.cfg` holds the values the actor runs with
+        cfg = replaced(cfg, dtype=compute_dtype(cfg.dtype, ctx.device.type))
         head_asked = cfg.use_liger_kernel
         cfg, self.memory_note = with_memory_settings(cfg, ctx, layout, model_path, train, reserved_bytes)
         cfg = with_master_weights(cfg, ctx, layout, model_path, train, reserved_bytes)
@@ -171,7 +160,7 @@ class Actor(Trainable):
             except ValueError:
                 if head_asked:  # asked for (true), not chosen (null): say why it cannot be
                     raise
-                self.cfg = cfg = _replaced(cfg, use_liger_kernel=False)
+                self.cfg = cfg = replaced(cfg, use_liger_kernel=False)
         # Mixtures of experts (train/models/router_replay.py): the sampler's expert choices replayed in every
         # forward of the trained policy (actor.router_replay), the routers' load-balancing loss.
         self.replay = RouterReplay(self.model) if train and cfg.router_replay else None

@@ -3,6 +3,7 @@ entropy, KL, LoRA, layout), `ref_actor:` and `critic:`. Choice lists are the reg
 train/algorithms/, read at each check."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 from train.algorithms.aggregation import AGG_MODES
@@ -14,6 +15,25 @@ from train.models.router_replay import REPLAY_MODES
 from train.utils.typed_config import SectionError, setting
 
 DTYPES = ("float32", "bfloat16")  # actor.dtype, critic.dtype
+
+
+def compute_dtype(asked: str | None, device_type: str) -> str:
+    """actor.dtype / critic.dtype: null is bfloat16 on a GPU (tensor cores, half the activation memory; the
+    weights AdamW steps stay fp32 either way) and float32 on a CPU, the rule of rollout.dtype."""
+    if asked is not None:
+        return asked
+    return "bfloat16" if device_type == "cuda" else "float32"
+
+
+def replaced(cfg, **values):
+    """A copy of `cfg` with `values`: the typed section (a frozen dataclass), or an OmegaConf section
+    (benchmarks, tests)."""
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.replace(cfg, **values)
+    out = copy.deepcopy(cfg)
+    for key, value in values.items():
+        setattr(out, key, value)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +80,8 @@ class ActorConfig:
     model_name: str | None = setting("must choose: a local HF model folder or a Hub id")
     tokenizer_name: str | None = setting("a folder or a Hub id (null: model_name)")
     chat_template: str | None = setting("optional Jinja template that replaces the tokenizer's")
-    dtype: str = setting("float32 | bfloat16 (bf16 compute via FSDP2 mixed precision; fp32 master weights)",
-                         choices=DTYPES)
+    dtype: str | None = setting("float32 | bfloat16: the update's compute (bf16: fp32 masters, actor.master_weights, or "
+                                "FSDP2's mixed precision); null: bfloat16 on GPU, float32 on CPU", choices=DTYPES)
     master_weights: bool | None = setting("bf16 on one process (no FSDP, no TP): true = bf16 weights with fp32 masters "
                                           "cast into them once per optimizer step (train/models/master_weights.py); "
                                           "false = FSDP2's mixed precision; null: on where it applies (on a GPU, when "
@@ -174,7 +194,8 @@ class CriticConfig:
     cp_size: int = setting("the critic's context parallel size (ring attention)", ge=1)
     offload_model: bool = setting("FSDP2 CPU offload of parameters and gradients")
     offload_optimizer: bool = setting("Adam moments on the CPU between steps")
-    dtype: str = setting("float32 | bfloat16 (as actor.dtype)", choices=DTYPES)
+    dtype: str | None = setting("float32 | bfloat16 (as actor.dtype; null: bfloat16 on GPU, float32 on CPU)",
+                                choices=DTYPES)
     master_weights: bool | None = setting("as actor.master_weights (null: on where it applies on CPU, off on a GPU)")
     gradient_checkpointing: bool = setting("recompute activations in the backward pass")
     compile: bool = setting("torch.compile each decoder layer (as actor.compile)")

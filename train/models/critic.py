@@ -13,7 +13,7 @@ from transformers import AutoConfig
 from train.algorithms.aggregation import aggregate_loss
 from train.algorithms.value_loss import value_loss as clipped_value_loss
 from train.models import optim
-from train.models.config import CriticConfig
+from train.models.config import CriticConfig, compute_dtype, replaced
 from train.models.lora import LoraSettings
 from train.models.master_weights import decide_master_weights, master_weights_refusal
 from train.models.model_init import build_model
@@ -30,6 +30,7 @@ class Critic(Trainable):
     def __init__(self, cfg: CriticConfig, ctx: DistContext, model_path: str, *, pad_token_id: int, total_updates: int = 1,
                  layout: Layout | None = None, adapter_seed: int = 0):
         layout = layout or layout_for(cfg, ctx.world_size, ctx.device.type, "critic")
+        cfg = replaced(cfg, dtype=compute_dtype(cfg.dtype, ctx.device.type))  # null: bf16 on a GPU
         super().__init__(layout, ctx.device, pad_token_id, cfg.max_length_per_device,
                          cfg.max_inference_length_per_device or 2 * cfg.max_length_per_device,
                          cfg.max_grad_norm, bool(cfg.offload_optimizer),

@@ -22,7 +22,7 @@ from train.datasets.errors import DataError
 from train.datasets.mixture import MixtureError, Source, load_sources, parse_sources
 from train.engines import engine_sampling_keys
 from train.engines.base import SamplingError, SamplingParams, sampling_from_mapping
-from train.models.config import ActorConfig, CriticConfig
+from train.models.config import ActorConfig, CriticConfig, compute_dtype
 from train.runtime.config import TrainerConfig
 from train.workers.config import RolloutConfig, longest_sample
 from train.trainer.data_check import check_data, context_length
@@ -182,14 +182,30 @@ def rollout_ranks(cfg: DictConfig, world_size: int) -> int:
     return k
 
 
-def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = None) -> ModelPaths:
+def resolve_device_defaults(cfg: DictConfig, device_type: str | None = None) -> None:
+    """The null settings whose value is the device's, set in `cfg`: actor.dtype and critic.dtype (bfloat16 on a
+    GPU, float32 on a CPU; train/models/config.py compute_dtype). `device_type`: the run's (None: the one
+    init_distributed will pick on this machine)."""
+    if device_type is None:
+        import torch
+
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    for section in ("actor", "critic"):
+        if section in cfg and _get(cfg, f"{section}.dtype") is None:
+            cfg[section].dtype = compute_dtype(None, device_type)
+
+
+def validate(cfg: DictConfig, world_size: int = 1, resolve: Resolver | None = None,
+             device_type: str | None = None) -> ModelPaths:
     """Raise ConfigError for the first missing or inconsistent key; return the local folders of
     every model. `resolve` turns model names into folders (default: `hub.resolve_all` in this
-    process; the trainer passes one that fetches once per node).
+    process; the trainer passes one that fetches once per node). Null device defaults are set first
+    (`resolve_device_defaults`, for `device_type`).
 
     Each key's type, bounds and choices, unknown keys, and the relations within one section are
     checked by the sections' classes (`load`, train/trainer/schema.py); what is checked here relates
     sections to each other, to the world size, to the files and models on disk."""
+    resolve_device_defaults(cfg, device_type)
     for key, example in REQUIRED.items():
         if _get(cfg, key) is None:
             extra = " and so is rollout.model_name" if key == "actor.model_name" else ""

@@ -147,7 +147,7 @@ class Trainer:
         resolve_aliases(given)
         timeout = given.trainer.model_fetch_timeout_s
         # Before anything heavy loads; Hub models are fetched once per node here.
-        self.paths = paths = validate(given, ctx.world_size,
+        self.paths = paths = validate(given, ctx.world_size, device_type=ctx.device.type,
                                       resolve=lambda names: hub.resolve_on_node(names, ctx.local_rank, timeout))
         # From here on the typed sections (train/trainer/schema.py); each part receives its own.
         self.cfg, self.ctx = cfg, ctx = load(given), ctx
