@@ -32,12 +32,12 @@ def test_on_a_gpu_null_keeps_a_small_runs_engine_and_its_graphs_awake(tmp_path):
     are captured once; told to sleep, it captures them again at every step."""
     runs = {}
     for sleep in ("null", "true"):
-        proc = run_trainer([f"trainer.save_dir={tmp_path / sleep}", "trainer.total_steps=3", f"rollout.sleep={sleep}",
+        proc = run_trainer([f"trainer.save_dir={tmp_path / sleep}", "trainer.total_steps=2", f"rollout.sleep={sleep}",
                             "rollout.compile_decode=false", *COMMON])
         runs[sleep] = ([r for r in read_jsonl(tmp_path / sleep / "metrics.jsonl") if "engine/slept" in r],
                        proc.stdout + proc.stderr)
     awake, asleep = runs["null"][0], runs["true"][0]
-    assert [r["engine/slept"] for r in awake] == [0.0] * 3 and [r["engine/slept"] for r in asleep] == [1.0] * 3
+    assert [r["engine/slept"] for r in awake] == [0.0] * 2 and [r["engine/slept"] for r in asleep] == [1.0] * 2
     assert "the engine stays awake through the update" in runs["null"][1]
     graphs_awake, graphs_asleep = [r["engine/cuda_graphs"] for r in awake], [r["engine/cuda_graphs"] for r in asleep]
     assert graphs_asleep[0] > 0 and all(b > a for a, b in zip(graphs_asleep, graphs_asleep[1:])), graphs_asleep
