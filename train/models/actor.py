@@ -166,6 +166,7 @@ class Actor(Trainable):
         self.replay = RouterReplay(self.model) if train and cfg.router_replay else None
         self.balance = RouterBalance(self.model) if train and cfg.router_aux_loss_coef > 0 else None
         self.optimizer = self.scheduler = None
+        self._working: tuple[int, ...] | None = None  # update_working_bytes' plan: (steady, before the first step)
         self.last_entropy_coef = 0.0
         if train:
             self.optimizer = optim.build_optimizer(self.trained, cfg.lr, cfg.betas, cfg.weight_decay)
@@ -176,17 +177,24 @@ class Actor(Trainable):
             self.model.requires_grad_(False)
 
     def update_working_bytes(self) -> int | None:
-        """Device bytes per rank this actor's update takes beyond what stays allocated between steps
-        (memory_plan.working_bytes at the longer of its update and no-grad micro-batches); None where the plan
-        does not cover it: a vision-language model (the tower's activations) or a mixture of experts, tensor,
-        sequence or context parallelism, offloaded weights or moments, a CPU."""
-        sizes, config, cfg = self.layout.sizes, self.model.config, self.cfg
-        if (self.device.type != "cuda" or not self.train or is_vision_config(config) or expert_count(config)
-                or sizes.tp > 1 or sizes.seq > 1 or cfg.offload_model or cfg.offload_optimizer):
+        """Device bytes per rank this actor's next update will take beyond what it holds now
+        (memory_plan.working_bytes at the longer of its update and no-grad micro-batches, and the AdamW moments
+        until the first optimizer step has allocated them); None where the plan does not cover it: a
+        vision-language model (the tower's activations) or a mixture of experts, tensor, sequence or context
+        parallelism, offloaded weights or moments, a CPU. The plan is computed once."""
+        if self._working is None:
+            sizes, config, cfg = self.layout.sizes, self.model.config, self.cfg
+            covered = not (self.device.type != "cuda" or not self.train or is_vision_config(config)
+                           or expert_count(config) or sizes.tp > 1 or sizes.seq > 1 or cfg.offload_model
+                           or cfg.offload_optimizer)
+            self._working = tuple(
+                working_bytes(config, seq=max(self.max_tokens, self.infer_tokens), lora_rank=self.lora.rank,
+                              fused_head=self.fused_head is not None, checkpointing=bool(cfg.gradient_checkpointing),
+                              master_weights=self.masters is not None, shards=sizes.fsdp, moments=moments)
+                for moments in (False, True)) if covered else ()
+        if not self._working:
             return None
-        return working_bytes(config, seq=max(self.max_tokens, self.infer_tokens), lora_rank=self.lora.rank,
-                             fused_head=self.fused_head is not None, checkpointing=bool(cfg.gradient_checkpointing),
-                             master_weights=self.masters is not None, shards=sizes.fsdp)
+        return self._working[0] if self.optimizer.state else self._working[1]
 
     # -- forward ---------------------------------------------------------------------------
     def _forward(self, mb: PackedMicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

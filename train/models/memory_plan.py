@@ -47,7 +47,8 @@ before building the model; on CPU they are 4096, off and off, as before):
 
 `working_bytes` is what an update needs beyond the weights and AdamW moments that stay allocated between steps:
 its gradients, activations and unshard (or the optimizer step's temporary, or the push's two buckets, whichever
-is most), at the longer of the update's and the no-grad passes' micro-batch. `rollout.sleep=null`
+is most), at the longer of the update's and the no-grad passes' micro-batch; before the first optimizer step the
+moments too (fused AdamW allocates them there). `rollout.sleep=null`
 (train/trainer/engine_sleep.py) keeps the engine awake through the update where the free memory covers it.
 
 `master_weights_fit` then decides a null `actor.master_weights` (train/models/actor.py): on where the plan
@@ -294,14 +295,14 @@ def master_weights_fit(config, *, seq: int, lora_rank: int, fused_head: bool, ch
 
 
 def working_bytes(config, *, seq: int, lora_rank: int, fused_head: bool, checkpointing: bool, master_weights: bool,
-                  shards: int = 1) -> int:
+                  shards: int = 1, moments: bool = False) -> int:
     """Device bytes per rank an update at `seq` tokens per micro-batch takes beyond the weights and AdamW moments
     that stay allocated between steps: its gradients with the activations and FSDP's unshard of the backward, or
     with the optimizer step's temporary, or the push's two buckets, whichever is most (`plan`'s phases, less what
-    they share)."""
+    they share). `moments`: the AdamW moments too (before the first optimizer step, which allocates them)."""
     p = plan(config, seq=seq, lora_rank=lora_rank, fused_head=fused_head, checkpointing=checkpointing,
              shards=shards, master_weights=master_weights)
-    return max(p.update_peak - p.weights - p.optimizer, p.push_buffers)
+    return max(p.update_peak - p.weights - p.optimizer, p.push_buffers) + (p.optimizer if moments else 0)
 
 
 def describe(name: str, p: MemoryPlan, seq: int, lora_rank: int) -> str:

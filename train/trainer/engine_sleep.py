@@ -11,11 +11,12 @@ model on an 80 GB card).
 - `null` (the default): on a GPU, after each rollout, the engine stays awake when the free device memory of
   every rank (what the driver reports free plus what the allocator holds unused) covers the actor's update
   working bytes with 10% headroom (train/models/memory_plan.py `working_bytes`: gradients, activations, the
-  push's buckets, at the longer of its update and no-grad micro-batches); every rank decides alike (one
-  all-reduce of a flag). It sleeps where the plan has no estimate (`Actor.update_working_bytes` is None: a
-  vision-language model, a mixture of experts, tp / sp / cp, offload), with a critic (the plan does not cover
-  its update) and with SGLang (its KV pool takes its share of the card whatever the batch). On a CPU `sleep()`
-  frees nothing and costs nothing, and null keeps calling it.
+  push's buckets, at the longer of its update and no-grad micro-batches, and before the first optimizer step the
+  AdamW moments it will allocate); every rank decides alike (one all-reduce of a flag). It sleeps where the plan
+  has no estimate (`Actor.update_working_bytes` is None: a vision-language model, a mixture of experts,
+  tp / sp / cp, offload), with a critic (the plan does not cover its update) and with SGLang (its KV pool takes
+  its share of the card whatever the batch). On a CPU `sleep()` frees nothing and costs nothing, and null keeps
+  calling it.
 """
 from __future__ import annotations
 
@@ -38,10 +39,10 @@ def free_device_bytes(device: torch.device) -> int:
 
 @dataclass
 class EngineSleep:
-    """`rollout.sleep` (`asked`) and, for null, the update's working bytes (`working`; None: the engine sleeps,
-    for the reason `unestimated` gives, or on a CPU where that is free)."""
+    """`rollout.sleep` (`asked`) and, for null, what says the next update's working bytes (`working`; None: the
+    engine sleeps, for the reason `unestimated` gives, or on a CPU where that is free)."""
     asked: bool | None
-    working: int | None
+    working: Callable[[], int] | None
     ctx: DistContext
     free_bytes: Callable[[], int]  # this rank's free device bytes, now
     unestimated: str | None = None
@@ -57,9 +58,10 @@ class EngineSleep:
                 why = f"the {engine_kind} engine keeps its KV pool otherwise"
             elif critic is not None:
                 why = "the memory plan does not cover the critic's update"
+            elif actor.update_working_bytes() is None:
+                why = "no memory estimate for this actor's update (Actor.update_working_bytes)"
             else:
-                working = actor.update_working_bytes()
-                why = "no memory estimate for this actor's update (actor.update_working_bytes)" if working is None else None
+                working = actor.update_working_bytes
         return cls(asked, working, ctx, lambda: free_device_bytes(ctx.device), why)
 
     def decide(self) -> tuple[bool, str | None]:
@@ -71,7 +73,7 @@ class EngineSleep:
         elif self.working is None:
             sleep, why = True, self.unestimated and f"rollout.sleep=null: {self.unestimated}"
         else:
-            need = self.working * HEADROOM
+            need = self.working() * HEADROOM
             free = self.free_bytes()
             # the rank with the least room decides for all (a max over ranks of its shortfall)
             short = all_reduce_max(max(need - free, 0.0), self.ctx.device)
