@@ -401,7 +401,9 @@ class HFEngine:
                             continue
                         if tensor.device.type != "cpu":  # pinned host memory: faster copies back
                             host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-                            host.copy_(tensor)
+                            # into pinned memory the copies queue on the stream, one wait below for all of them
+                            # (the device blocks dropped here are reused only by work queued after the copies)
+                            host.copy_(tensor, non_blocking=pin)
                             tensor.data = host
                 self._offloaded = True
                 if pin:
