@@ -631,6 +631,15 @@ def section_push(args, work: Path, info: dict, actor) -> dict:
     return {"params": params, **out, "engine_dtype": str(engine.dtype), "master_weights": actor.masters is not None}
 
 
+def step_overrides(model: Path, shapes: Shapes, *flags: str) -> list[str]:
+    """The trainer settings of a section's short runs: 3 steps of the `step` shapes' batch, no evaluation, no
+    checkpoint, every group kept, and `flags`."""
+    return [f"actor.model_name={model}", "trainer.total_steps=3", "trainer.test_freq=null",
+            f"data.prompts_per_rollout={shapes.step_prompts}", f"data.responses_per_prompt={shapes.step_responses}",
+            f"rollout.train_sampling_params.max_new_tokens={shapes.step_new_tokens}",
+            "rollout.dynamic_filtering=false", "trainer.save_freq=null", *flags]
+
+
 def section_step(args, work: Path, shapes: Shapes, model_dir: Path) -> dict:
     """The default run (rollout.sleep=null: the engine stays awake where the update fits beside it), then the
     same with the engine sleeping through every update (rollout.sleep=true, as every run did before)."""
@@ -638,12 +647,8 @@ def section_step(args, work: Path, shapes: Shapes, model_dir: Path) -> dict:
     for sleep in ("null", "true"):
         run = work / f"step_sleep_{sleep}"
         shutil.rmtree(run, ignore_errors=True)
-        overrides = [f"actor.model_name={model_dir}", "trainer.total_steps=3", "trainer.test_freq=null",
-                     f"data.prompts_per_rollout={shapes.step_prompts}",
-                     f"data.responses_per_prompt={shapes.step_responses}",
-                     f"rollout.train_sampling_params.max_new_tokens={shapes.step_new_tokens}",
-                     "rollout.dynamic_filtering=false", "trainer.save_freq=null", f"rollout.sleep={sleep}"]
-        run_logged(trainer_cmd(run, overrides), work / f"step_sleep_{sleep}.log", args.timeout)
+        run_logged(trainer_cmd(run, step_overrides(model_dir, shapes, f"rollout.sleep={sleep}")),
+                   work / f"step_sleep_{sleep}.log", args.timeout)
         means = step_means(run, ("engine/slept", "engine/cuda_graphs"))
         if sleep == "null":
             out.update(means)
@@ -692,12 +697,7 @@ def section_moe(args, work: Path, shapes: Shapes) -> dict:
                         ("no_replay", [])):
         run = work / f"moe_{name}"
         shutil.rmtree(run, ignore_errors=True)
-        overrides = [f"actor.model_name={folder}", "trainer.total_steps=3", "trainer.test_freq=null",
-                     f"data.prompts_per_rollout={shapes.step_prompts}",
-                     f"data.responses_per_prompt={shapes.step_responses}",
-                     f"rollout.train_sampling_params.max_new_tokens={shapes.step_new_tokens}",
-                     "rollout.dynamic_filtering=false", "trainer.save_freq=null", *flags]
-        run_logged(trainer_cmd(run, overrides), work / f"moe_{name}.log", args.timeout)
+        run_logged(trainer_cmd(run, step_overrides(folder, shapes, *flags)), work / f"moe_{name}.log", args.timeout)
         out[name] = step_means(run, ("actor/sampler_kl", "actor/sampler_abs_diff", "actor/router_aux_loss"))
     shutil.rmtree(folder, ignore_errors=True)
     return out
