@@ -259,3 +259,55 @@ def test_sliding_window_attention_is_the_stock_one_when_packed(tmp_path, monkeyp
         longest = max(range(len(ids)), key=lambda i: len(ids[i]))
         row = mb.index.index(longest)
         assert not torch.allclose(got[row], unwindowed[row], atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_query_segments_read_each_key_value_head_as_it_is(dtype):
+    """Past the CPU's matmul length, packed attention in fp32 hands SDPA the key/value heads as they are
+    (enable_gqa, as on a GPU in bf16): the output equals the one with a copy of each key/value head per query
+    head, bit for bit, and against a float64 attention computed segment by segment the gradients of q, k and v
+    are as close as with the copies (the kernel sums a key/value head's gradient over its query heads in its own
+    order). In bf16 the CPU's grouped backward rounds those gradients about twice as much (measured: 1.5% of the
+    largest entry against 0.7%), so there the copies stay: the same gradients bit for bit."""
+    from train.parallel.packing import segment_slots
+    from train.parallel.seq_parallel import MATH_ATTENTION_MAX_LEN, _segment_attention
+
+    lengths = [MATH_ATTENTION_MAX_LEN + 40, 70, MATH_ATTENTION_MAX_LEN + 5]  # the longest takes SDPA's path
+    g = torch.Generator().manual_seed(0)
+    total, heads, kv, dim = sum(lengths), 14, 2, 16
+    rep = heads // kv
+    q, k, v = (torch.randn(1, n, total, dim, generator=g).to(dtype) for n in (heads, kv, kv))
+    segments = segment_slots(lengths, torch.device("cpu"))
+    up = torch.randn(1, heads, total, dim, generator=g)
+
+    def run(grouped: bool):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        a, b, c = leaves
+        if not grouped:  # copies made here: the path taken then has nothing to group
+            b, c = b.repeat_interleave(rep, 1), c.repeat_interleave(rep, 1)
+        out = _segment_attention(a, b, c, segments, None, 0.0)
+        (out.float() * up).sum().backward()
+        return out.detach(), [t.grad for t in leaves]
+
+    def reference():  # each segment alone, causal, float64
+        leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        outs, start = [], 0
+        for n in lengths:
+            qs, ks, vs = (t[0, :, start:start + n] for t in leaves)
+            ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+            scores = ((qs @ ks.transpose(-1, -2)) / dim ** 0.5).masked_fill(
+                torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            outs.append(torch.softmax(scores, -1) @ vs)
+            start += n
+        out = torch.cat(outs, dim=1)[None]
+        (out * up.double()).sum().backward()
+        return out.detach(), [t.grad for t in leaves]
+
+    (out, grads), (copied, copied_grads), (exact, exact_grads) = run(True), run(False), reference()
+    assert torch.equal(out, copied)
+    if dtype == torch.bfloat16:
+        assert all(torch.equal(a, b) for a, b in zip(grads, copied_grads))
+    for got, before, ref in zip([out, *grads], [copied, *copied_grads], [exact, *exact_grads]):
+        err, err_before = ((t.double() - ref).abs().max().item() for t in (got, before))
+        assert err <= 2 * err_before + 1e-12 and err <= 0.02 * ref.abs().max().item(), (err, err_before)
+    assert not torch.equal(grads[1], copied_grads[1]) or dtype == torch.bfloat16  # fp32: the grouped kernel ran

@@ -168,18 +168,27 @@ def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segmen
     if sinks is not None and dropout:
         raise ValueError("packed attention with attention sinks runs without dropout")
     slots, real = segments[0], segments[1]
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:  # grouped-query attention: query head h reads key/value head h // rep
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     h, d = q.shape[1], q.shape[3]
+    n, longest = slots.shape
+    windowed = window is not None and window < longest
+    by_matmul = sinks is not None or (q.device.type == "cpu" and longest <= MATH_ATTENTION_MAX_LEN and dropout == 0.0)
+    rep = h // k.shape[1]
+    # Grouped-query attention (query head i reads key/value head i // rep). SDPA's causal flash kernels read
+    # each key/value head for its query heads themselves (enable_gqa): a GPU's in bf16 / fp16 (in fp32 it would
+    # fall back to the math kernel), and the CPU's in fp32 (in bf16 its grouped backward rounds the key/value
+    # gradients twice as much as summing copies does: tests/integration/test_packing.py). The other paths get a
+    # copy of each key/value head per query head.
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    grouped = (rep > 1 and not by_matmul and not windowed and len(segments) == 2
+               and (half if q.device.type == "cuda" else q.device.type == "cpu" and q.dtype == torch.float32))
+    if rep > 1 and not grouped:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
 
     def batch(t: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
         n, length = where.shape
-        return t[0].index_select(1, where.reshape(-1)).view(h, n, length, d).transpose(0, 1)
+        return t[0].index_select(1, where.reshape(-1)).view(t.shape[1], n, length, d).transpose(0, 1)
 
-    n, longest = slots.shape
-    windowed = window is not None and window < longest
-    if sinks is not None or (q.device.type == "cpu" and longest <= MATH_ATTENTION_MAX_LEN and dropout == 0.0):
+    if by_matmul:
         out = _causal_math_attention(batch(q, slots), batch(k, slots), batch(v, slots), scaling,
                                      window if windowed else None, sinks)
     elif windowed:  # slots are left-aligned positions within the segment: the window is a band below the diagonal
@@ -188,7 +197,7 @@ def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segmen
                                              scale=scaling)
     else:
         out = F.scaled_dot_product_attention(batch(q, slots), batch(k, slots), batch(v, slots), dropout_p=dropout,
-                                             is_causal=True, scale=scaling)
+                                             is_causal=True, scale=scaling, enable_gqa=grouped)
     flat = out.transpose(0, 1).reshape(h, n * longest, d)
     if len(segments) == 5:
         queries, keys, prefix = segments[2], segments[3], segments[4]
