@@ -12,7 +12,7 @@ model on an 80 GB card).
   every rank (what the driver reports free plus what the allocator holds unused) covers the actor's update
   working bytes with 10% headroom (train/models/memory_plan.py `working_bytes`: gradients, activations, the
   push's buckets, at the longer of its update and no-grad micro-batches, and before the first optimizer step the
-  AdamW moments it will allocate); every rank decides alike (one all-reduce of a flag). It sleeps where the plan
+  AdamW moments it will allocate); every rank decides alike (one all-reduce of one number). It sleeps where the plan
   has no estimate (`Actor.update_working_bytes` is None: a vision-language model, a mixture of experts,
   tp / sp / cp, offload), with a critic (the plan does not cover its update) and with SGLang (its KV pool takes
   its share of the card whatever the batch). On a CPU `sleep()` frees nothing and costs nothing, and null keeps
