@@ -266,9 +266,10 @@ def test_grouped_query_segments_read_each_key_value_head_as_it_is(dtype):
     """Past the CPU's matmul length, packed attention in fp32 hands SDPA the key/value heads as they are
     (enable_gqa, as on a GPU in bf16): the output equals the one with a copy of each key/value head per query
     head, bit for bit, and against a float64 attention computed segment by segment the gradients of q, k and v
-    are as close as with the copies (the kernel sums a key/value head's gradient over its query heads in its own
-    order). In bf16 the CPU's grouped backward rounds those gradients about twice as much (measured: 1.5% of the
-    largest entry against 0.7%), so there the copies stay: the same gradients bit for bit."""
+    are at the same rounding as with the copies (within twice their error: the kernel sums a key/value head's
+    gradient over its query heads in its own order). In bf16 the CPU's grouped backward rounds those gradients
+    about twice as much (measured: 1.5% of the largest entry against 0.7%), so there the copies stay: the same
+    gradients bit for bit."""
     from train.parallel.packing import segment_slots
     from train.parallel.seq_parallel import MATH_ATTENTION_MAX_LEN, _segment_attention
 
