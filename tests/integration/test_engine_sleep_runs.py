@@ -43,3 +43,53 @@ def test_on_a_gpu_null_keeps_a_small_runs_engine_and_its_graphs_awake(tmp_path):
     assert graphs_asleep[0] > 0 and all(b > a for a, b in zip(graphs_asleep, graphs_asleep[1:])), graphs_asleep
     assert graphs_awake[-1] < graphs_asleep[-1], (graphs_awake, graphs_asleep)
     assert all(r["time/engine_sleep_s"] > 0 for r in asleep)
+
+
+PLANNED = r"""
+import json, sys, torch
+from omegaconf import OmegaConf
+from train.models.actor import Actor
+from train.models.critic import Critic
+from train.parallel.distributed import init_distributed
+
+ctx = init_distributed()
+cfg = OmegaConf.load("config/grpo.yaml")
+for section in (cfg.actor, cfg.critic):
+    section.model_name, section.max_length_per_device, section.gradient_checkpointing = "stub/model", 512, True
+cfg.actor.use_liger_kernel = False
+actor = Actor(cfg.actor, ctx, "stub/model", pad_token_id=0, train=True, temperature=1.0)
+critic = Critic(cfg.critic, ctx, "stub/model", pad_token_id=0)
+reference = Actor(cfg.actor, ctx, "stub/model", pad_token_id=0, train=False, temperature=1.0)
+out = {"cpu": [m.update_working_bytes() for m in (actor, critic)]}
+for m in (actor, critic, reference):
+    m.device = torch.device("cuda")  # only read as the device's type: the plan is arithmetic on shapes
+    m._working = None  # (the plan is computed once per model: again for this device)
+out["before"] = [m.update_working_bytes() for m in (actor, critic, reference)]
+for m in (actor, critic):
+    m.optimizer.state[next(iter(m.optimizer.param_groups[0]["params"]))] = {"step": 1}  # as after a first step
+out["after"] = [m.update_working_bytes() for m in (actor, critic)]
+print(json.dumps(out))
+"""
+
+
+def test_the_actor_and_the_critic_say_what_their_update_will_take(in_repo_root):
+    """Trainable.update_working_bytes on the built models (the attributes the GPU reads are there): none on a CPU
+    or for a model that does not train; on a GPU the plan at the longer of the update's and the no-grad micro-batch
+    (512 and 1,024 tokens here), with the AdamW moments until the first step, and the actor's plain head's
+    logits, which the critic's value head does not have."""
+    import json
+
+    from conftest import ranks_cmd, run_torchrun
+    from train.models.memory_plan import count_parameters, load_config, working_bytes
+
+    proc = run_torchrun(ranks_cmd(1, "-c", PLANNED))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    config = load_config("stub/model")
+    params, _ = count_parameters(config)
+    plan = dict(seq=1024, lora_rank=0, checkpointing=True, master_weights=False)  # fp32 on CPU: no masters
+    actor = working_bytes(config, fused_head=False, **plan)
+    critic = working_bytes(config, fused_head=True, **plan)
+    assert out["cpu"] == [None, None] and out["before"][2] is None
+    assert out["after"] == [actor, critic] and actor - critic == 12 * 1024 * config.vocab_size
+    assert [b - a for b, a in zip(out["before"], out["after"])] == [8 * params, 8 * params]

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from train.models.actor import Actor
+from train.models.trainable import Trainable
 from train.models.memory_plan import GIB, count_parameters, preset_config, working_bytes
 from train.parallel.layout import Sizes
 from train.trainer.engine_sleep import EngineSleep
@@ -57,30 +57,34 @@ def test_null_on_a_cpu_sleeps_as_before_and_says_nothing():
     assert sleep.working is None and sleep.decide() == (True, None)
 
 
-@pytest.mark.parametrize("kind,critic,working,why", [
-    ("hf", None, 3 * GIB, None),
-    ("hf", None, None, "no memory estimate"),
-    ("hf", object(), 3 * GIB, "does not cover the critic"),
-    ("sglang", None, 3 * GIB, "sglang engine keeps its KV pool"),
-    ("remote", None, 3 * GIB, None),  # a rollout rank's engine: its sleep is a no-op, nothing to decide
+def model(working):
+    return SimpleNamespace(update_working_bytes=lambda: working)
+
+
+@pytest.mark.parametrize("kind,critic,working,want,why", [
+    ("hf", None, 3 * GIB, 3 * GIB, None),
+    ("hf", model(2 * GIB), 3 * GIB, 5 * GIB, None),  # a critic's update as well: the two added
+    ("hf", None, None, None, "no memory estimate"),
+    ("hf", model(None), 3 * GIB, None, "no memory estimate"),
+    ("sglang", None, 3 * GIB, None, "sglang engine keeps its KV pool"),
+    ("remote", None, 3 * GIB, None, None),  # a rollout rank's engine: its sleep is a no-op, nothing to decide
 ])
-def test_null_on_a_gpu_estimates_only_an_hf_engine_beside_an_actor_alone(kind, critic, working, why):
-    actor = SimpleNamespace(update_working_bytes=lambda: working)
-    sleep = EngineSleep.of(None, CUDA, kind, actor, critic)
-    estimated = kind == "hf" and critic is None and working is not None
-    assert (sleep.working() if estimated else sleep.working) == (working if estimated else None)
+def test_null_on_a_gpu_estimates_an_hf_engine_beside_the_models_that_update(kind, critic, working, want, why):
+    sleep = EngineSleep.of(None, CUDA, kind, model(working), critic)
+    assert (sleep.working() if want is not None else sleep.working) == want
     assert (sleep.unestimated is None) == (why is None)
     if why is not None:
         assert why in sleep.unestimated
 
 
 def fake_actor(**changes):
-    """What Actor.update_working_bytes reads, for a Qwen2.5-0.5B-shaped actor on one GPU after its first step."""
-    base = dict(device=torch.device("cuda"), train=True, model=SimpleNamespace(config=preset_config("qwen2.5-0.5b")),
+    """What Trainable.update_working_bytes reads, for a Qwen2.5-0.5B-shaped actor on one GPU after its first step
+    (the fused head: no logits)."""
+    base = dict(device=torch.device("cuda"), model=SimpleNamespace(config=preset_config("qwen2.5-0.5b")),
                 _working=None, optimizer=SimpleNamespace(state={"moments": "allocated"}),
                 layout=SimpleNamespace(sizes=Sizes(ddp=1, fsdp=1, tp=1, sp=1, dp=1)),
-                cfg=SimpleNamespace(gradient_checkpointing=True, offload_model=False, offload_optimizer=False),
-                max_tokens=16384, infer_tokens=32768, lora=SimpleNamespace(rank=0), fused_head=object(),
+                cfg=SimpleNamespace(gradient_checkpointing=True), offload_model=False, offload_optimizer=False,
+                max_tokens=16384, infer_tokens=32768, lora=SimpleNamespace(rank=0), keeps_logits=False,
                 masters=object())
     base.update(changes)
     return SimpleNamespace(**base)
@@ -92,12 +96,14 @@ def test_the_actors_working_bytes_are_its_gradients_and_activations_at_its_longe
     seq, h, layers, inter, heads, kv, hd = 32768, 896, 24, 4864, 14, 2, 64
     # fp32 gradient sums and the backward's bf16 gradients; every layer's bf16 input; one layer's working set
     want = 6 * params + layers * seq * h * 2 + int(1.5 * (4 * h + 2 * heads * hd + 2 * kv * hd + 5 * inter) * seq * 2)
-    assert Actor.update_working_bytes(fake_actor()) == want
+    assert Trainable.update_working_bytes(fake_actor()) == want
     assert working_bytes(config, seq=seq, lora_rank=0, fused_head=True, checkpointing=True,
                          master_weights=True) == want
     # FSDP2 over one rank instead: 4-byte gradients, and the largest group (the embeddings) unsharded, bf16 + fp32
-    fsdp = Actor.update_working_bytes(fake_actor(masters=None))
+    fsdp = Trainable.update_working_bytes(fake_actor(masters=None))
     assert fsdp == want - 2 * params + 151936 * h * 6
+    # the plain head: 12 bytes per token and vocabulary entry of its logits (a critic's value head keeps none)
+    assert Trainable.update_working_bytes(fake_actor(keeps_logits=True)) == want + 12 * seq * 151936
 
 
 def test_before_the_first_optimizer_step_the_moments_it_will_allocate_count_too():
@@ -105,17 +111,16 @@ def test_before_the_first_optimizer_step_the_moments_it_will_allocate_count_too(
     room by 8 bytes per trainable parameter (48 GiB for a 4B full fine-tune), so the first update counts them."""
     actor = fake_actor(optimizer=SimpleNamespace(state={}))
     params, _ = count_parameters(preset_config("qwen2.5-0.5b"))
-    first = Actor.update_working_bytes(actor)
+    first = Trainable.update_working_bytes(actor)
     actor.optimizer.state["moments"] = "allocated"
-    assert first - Actor.update_working_bytes(actor) == 8 * params
+    assert first - Trainable.update_working_bytes(actor) == 8 * params
 
 
 @pytest.mark.parametrize("change", [
-    dict(device=torch.device("cpu")), dict(train=False), dict(layout=SimpleNamespace(sizes=Sizes(1, 1, 2, 1, 1))),
-    dict(layout=SimpleNamespace(sizes=Sizes(1, 2, 1, 2, 1))),
-    dict(cfg=SimpleNamespace(gradient_checkpointing=True, offload_model=False, offload_optimizer=True)),
+    dict(device=torch.device("cpu")), dict(optimizer=None), dict(layout=SimpleNamespace(sizes=Sizes(1, 1, 2, 1, 1))),
+    dict(layout=SimpleNamespace(sizes=Sizes(1, 2, 1, 2, 1))), dict(offload_optimizer=True),
     dict(model=SimpleNamespace(config=SimpleNamespace(num_experts=8, model_type="qwen3_moe"))),
     dict(model=SimpleNamespace(config=SimpleNamespace(vision_config={"depth": 32}, model_type="qwen2_5_vl"))),
 ], ids=["cpu", "reference", "tp", "sp", "offload", "moe", "vision"])
 def test_no_estimate_where_the_plan_does_not_cover_the_update(change):
-    assert Actor.update_working_bytes(fake_actor(**change)) is None
+    assert Trainable.update_working_bytes(fake_actor(**change)) is None

@@ -22,7 +22,7 @@ from train.models import optim
 from train.models.config import ActorConfig, compute_dtype, replaced
 from train.models.lora import LoraSettings, adapters_disabled
 from train.models.master_weights import decide_master_weights, master_weights_refusal
-from train.models.memory_plan import CPU_MAX_LENGTH, AutoSettings, auto_settings, master_weights_fit, working_bytes
+from train.models.memory_plan import CPU_MAX_LENGTH, AutoSettings, auto_settings, master_weights_fit
 from train.models.model_init import build_model
 from train.models.router_replay import RouterBalance, RouterReplay
 from train.models.trainable import Norms, Trainable, UpdateStats
@@ -34,7 +34,7 @@ from train.parallel.layout import Layout, layout_for
 from train.parallel.packing import PackedMicroBatch
 from train.parallel.parallelize import DTYPES
 from train.parallel.step_batch import StepBatch
-from train.parallel.tensor_parallel import expert_count, vocab_parallel_logprobs
+from train.parallel.tensor_parallel import vocab_parallel_logprobs
 
 
 def loss_settings(cfg: ActorConfig) -> LossSettings:
@@ -166,7 +166,6 @@ class Actor(Trainable):
         self.replay = RouterReplay(self.model) if train and cfg.router_replay else None
         self.balance = RouterBalance(self.model) if train and cfg.router_aux_loss_coef > 0 else None
         self.optimizer = self.scheduler = None
-        self._working: tuple[int, ...] | None = None  # update_working_bytes' plan: (steady, before the first step)
         self.last_entropy_coef = 0.0
         if train:
             self.optimizer = optim.build_optimizer(self.trained, cfg.lr, cfg.betas, cfg.weight_decay)
@@ -176,25 +175,10 @@ class Actor(Trainable):
             self.model.eval()
             self.model.requires_grad_(False)
 
-    def update_working_bytes(self) -> int | None:
-        """Device bytes per rank this actor's next update will take beyond what it holds now
-        (memory_plan.working_bytes at the longer of its update and no-grad micro-batches, and the AdamW moments
-        until the first optimizer step has allocated them); None where the plan does not cover it: a
-        vision-language model (the tower's activations) or a mixture of experts, tensor, sequence or context
-        parallelism, offloaded weights or moments, a CPU. The plan is computed once."""
-        if self._working is None:
-            sizes, config, cfg = self.layout.sizes, self.model.config, self.cfg
-            covered = not (self.device.type != "cuda" or not self.train or is_vision_config(config)
-                           or expert_count(config) or sizes.tp > 1 or sizes.seq > 1 or cfg.offload_model
-                           or cfg.offload_optimizer)
-            self._working = tuple(
-                working_bytes(config, seq=max(self.max_tokens, self.infer_tokens), lora_rank=self.lora.rank,
-                              fused_head=self.fused_head is not None, checkpointing=bool(cfg.gradient_checkpointing),
-                              master_weights=self.masters is not None, shards=sizes.fsdp, moments=moments)
-                for moments in (False, True)) if covered else ()
-        if not self._working:
-            return None
-        return self._working[0] if self.optimizer.state else self._working[1]
+    @property
+    def keeps_logits(self) -> bool:
+        """The plain head's [tokens, vocab] logits (the fused one keeps none): what the memory plan counts."""
+        return self.fused_head is None
 
     # -- forward ---------------------------------------------------------------------------
     def _forward(self, mb: PackedMicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from train.models import optim
 from train.models.master_weights import MasterWeights
+from train.models.memory_plan import working_bytes
 from train.models.vlm import VisionSpec, image_spans, is_vision_config, mrope_positions
 from train.parallel.collectives import all_reduce_max_many, all_reduce_sum
 from train.parallel.layout import Layout
@@ -26,6 +27,7 @@ from train.parallel.packing import (PackedMicroBatch, SampleMedia, build_packed,
                                     unit_length)
 from train.parallel.shard_norms import local_pieces, local_square_sum
 from train.parallel.step_batch import StepBatch
+from train.parallel.tensor_parallel import expert_count
 from train.utils.image_inputs import ImageInputs
 
 
@@ -85,12 +87,35 @@ class Trainable:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     # bf16 weights with fp32 masters, cast once per optimizer step (one process, train/models/master_weights.py)
     masters: MasterWeights | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    keeps_logits = False  # whether its loss reads [tokens, vocab] logits (the actor's plain head)
+    _working: tuple[int, ...] | None = None  # update_working_bytes' plan: (steady, before the first step)
 
     def __init__(self, layout: Layout, device: torch.device, pad_id: int, max_tokens: int, infer_tokens: int,
                  max_grad_norm: float = 1.0, offload_optimizer: bool = False, offload_model: bool = False) -> None:
         self.layout, self.device, self.pad_id = layout, device, pad_id
         self.max_tokens, self.infer_tokens = max_tokens, infer_tokens
         self.max_grad_norm, self.offload_optimizer, self.offload_model = max_grad_norm, offload_optimizer, offload_model
+
+    def update_working_bytes(self) -> int | None:
+        """Device bytes per rank this model's next update will take beyond what it holds now
+        (memory_plan.working_bytes at the longer of its update and no-grad micro-batches, and the AdamW moments
+        until the first optimizer step has allocated them); None where the plan does not cover it: a model that
+        does not train, a vision-language model (the tower's activations) or a mixture of experts, tensor,
+        sequence or context parallelism, offloaded weights or moments, a CPU. The plan is computed once."""
+        if self._working is None:
+            sizes, config = self.layout.sizes, self.model.config
+            covered = not (self.device.type != "cuda" or self.optimizer is None or is_vision_config(config)
+                           or expert_count(config) or sizes.tp > 1 or sizes.seq > 1 or self.offload_model
+                           or self.offload_optimizer)
+            self._working = tuple(
+                working_bytes(config, seq=max(self.max_tokens, self.infer_tokens), lora_rank=self.lora.rank,
+                              fused_head=not self.keeps_logits, checkpointing=bool(self.cfg.gradient_checkpointing),
+                              master_weights=self.masters is not None, shards=sizes.fsdp, moments=moments)
+                for moments in (False, True)) if covered else ()
+        if not self._working:
+            return None
+        return self._working[0] if self.optimizer.state else self._working[1]
 
     def use_master_weights(self, dtype: torch.dtype) -> None:
         """The model's weights in `dtype` with fp32 masters for the optimizer (train/models/master_weights.py);

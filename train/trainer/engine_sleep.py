@@ -12,10 +12,10 @@ model on an 80 GB card).
   every rank (what the driver reports free plus what the allocator holds unused) covers the actor's update
   working bytes with 10% headroom (train/models/memory_plan.py `working_bytes`: gradients, activations, the
   push's buckets, at the longer of its update and no-grad micro-batches, and before the first optimizer step the
-  AdamW moments it will allocate); every rank decides alike (one all-reduce of one number). It sleeps where the plan
-  has no estimate (`Actor.update_working_bytes` is None: a vision-language model, a mixture of experts,
-  tp / sp / cp, offload), with a critic (the plan does not cover its update) and with SGLang (its KV pool takes
-  its share of the card whatever the batch). On a CPU `sleep()` frees nothing and costs nothing, and null keeps
+  AdamW moments it will allocate; with a critic, the sum of its and the actor's); every rank decides alike (one
+  all-reduce of one number). It sleeps where the plan has no estimate (`Trainable.update_working_bytes` is None:
+  a vision-language model, a mixture of experts, tp / sp / cp, offload) and with SGLang (its KV pool takes its
+  share of the card whatever the batch). On a CPU `sleep()` frees nothing and costs nothing, and null keeps
   calling it.
 """
 from __future__ import annotations
@@ -51,17 +51,18 @@ class EngineSleep:
     @classmethod
     def of(cls, asked: bool | None, ctx: DistContext, engine_kind: str, actor, critic) -> EngineSleep:
         """The policy of a run: `engine_kind` (rollout.engine, or "remote" for a dedicated rollout rank's, whose
-        sleep is a no-op), `actor` (its `update_working_bytes`) and `critic` (None without one)."""
+        sleep is a no-op), the models that update (`update_working_bytes`): `actor`, and `critic` (None without
+        one). With a critic the two updates' bytes are added (they run one after the other, so that is more than
+        either needs)."""
         working, why = None, None
         if asked is None and ctx.device.type == "cuda" and engine_kind != "remote":  # (a rollout rank's never sleeps)
+            trained = [m for m in (actor, critic) if m is not None]
             if engine_kind != "hf":
                 why = f"the {engine_kind} engine keeps its KV pool otherwise"
-            elif critic is not None:
-                why = "the memory plan does not cover the critic's update"
-            elif actor.update_working_bytes() is None:
-                why = "no memory estimate for this actor's update (Actor.update_working_bytes)"
+            elif any(m.update_working_bytes() is None for m in trained):
+                why = "no memory estimate for this run's update (Trainable.update_working_bytes)"
             else:
-                working = actor.update_working_bytes
+                working = lambda: sum(m.update_working_bytes() for m in trained)  # noqa: E731
         return cls(asked, working, ctx, lambda: free_device_bytes(ctx.device), why)
 
     def decide(self) -> tuple[bool, str | None]:
