@@ -7,12 +7,6 @@ import torch
 from conftest import read_jsonl, run_trainer
 
 
-def gpu(test):
-    """Marked `gpu` (benchmarks/gpu_suite.py runs it) and skipped without a CUDA GPU."""
-    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
-    return pytest.mark.gpu(skip(test))
-
-
 COMMON = ["trainer.test_freq=null", "trainer.save_freq=null"]
 
 
@@ -26,7 +20,8 @@ def test_an_engine_told_not_to_sleep_stays_awake_and_the_run_says_so(tmp_path):
     assert len(events) == 1 and events[0]["step"] == 1 and "rollout.sleep=false" in events[0]["line"]
 
 
-@gpu
+@pytest.mark.gpu  # benchmarks/gpu_suite.py's `tests` section runs it
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 def test_on_a_gpu_null_keeps_a_small_runs_engine_and_its_graphs_awake(tmp_path):
     """The stub on one GPU (the update's plan is a few MiB): null keeps the engine awake, and its CUDA graphs
     are captured once; told to sleep, it captures them again at every step."""

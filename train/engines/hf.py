@@ -54,6 +54,7 @@ from train.engines.base import Generation, SamplingParams
 from train.engines.static_decode import (CompiledLayers, StaticDecoder, column_bucket, compile_decode_modules,
                                          install_grouped_decode_attention, kv_bytes_per_token, row_bucket,
                                          supports_static_decode, uncompile_modules)
+from train.models.config import compute_dtype
 from train.models.router_replay import RoutingRecorder
 from train.models.vlm import (VisionSpec, image_spans, is_vision_config, mask_unsampled, model_class, mrope_positions,
                               text_config)
@@ -954,9 +955,9 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: str | torch.device) -> torch.dtype:
-    """None: bfloat16 on CUDA (tensor cores, half the memory), float32 elsewhere."""
+    """None: bfloat16 on CUDA (tensor cores, half the memory), float32 elsewhere (models/config.py compute_dtype)."""
     if dtype is None:
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        dtype = compute_dtype(None, torch.device(device).type)
     if isinstance(dtype, str):
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"engine dtype must be float32, bfloat16 or float16, got {dtype!r}")

@@ -18,8 +18,8 @@ DTYPES = ("float32", "bfloat16")  # actor.dtype, critic.dtype
 
 
 def compute_dtype(asked: str | None, device_type: str) -> str:
-    """actor.dtype / critic.dtype: null is bfloat16 on a GPU (tensor cores, half the activation memory; the
-    weights AdamW steps stay fp32 either way) and float32 on a CPU, the rule of rollout.dtype."""
+    """actor.dtype / critic.dtype / rollout.dtype: null is bfloat16 on a GPU (tensor cores, half the activation
+    memory; the weights AdamW steps stay fp32 either way) and float32 on a CPU."""
     if asked is not None:
         return asked
     return "bfloat16" if device_type == "cuda" else "float32"

@@ -32,6 +32,7 @@ import os
 
 import torch
 
+from train.models.config import compute_dtype
 from train.models.lora import LoraSettings, apply_lora, is_adapter
 from train.parallel.layout import layout_sizes
 
@@ -67,7 +68,7 @@ def share_base_refusal(run, world_size: int, device_type: str | None, rollout_ra
         return (f"each rank holds 1/{sizes.fsdp * sizes.tp} of the actor's base (FSDP over {sizes.fsdp}, TP over "
                 f"{sizes.tp} ranks); set actor.ddp_size={training_ranks} so every rank holds the whole base")
     if device_type is not None:
-        engine = rollout.dtype or ("bfloat16" if device_type == "cuda" else "float32")
+        engine = compute_dtype(rollout.dtype, device_type)
         if engine != actor.dtype:
             return (f"the engine runs in {engine} (rollout.dtype) and the actor keeps its frozen base in {actor.dtype} "
                     f"(actor.dtype); set rollout.dtype={actor.dtype} (or actor.dtype={engine})")
