@@ -20,9 +20,11 @@ Sections (each one's failure is recorded and the others still run; the exit stat
   on CUDA), same model, prompts and lengths.
 * `decode_layers`: the same static rows with each whole decoder layer compiled for the decode steps
   (`rollout.compile_decode_scope=layers`), to set beside `decode`'s compiled modules.
-* `mfu`: the actor's update (FSDP2 path, bf16 on CUDA) on one packed micro-batch of 8k and of 16k
-  tokens: 6 x params x tokens + attention FLOPs (LM head on action tokens) per second, over the
-  device's dense bf16 peak (datasheet where known, else a measured bf16 matmul).
+* `mfu`: the actor's update (bf16 on CUDA: fp32 masters, and FSDP2's mixed precision beside them) on one packed
+  micro-batch of 8k and of 16k tokens, activation checkpointing by the trainer's default rule (recompute only
+  where the update would not fit without it; each row says which): 6 x params x tokens + attention FLOPs (LM
+  head on action tokens) per second, over the device's dense bf16 peak (datasheet where known, else a measured
+  bf16 matmul). Rows before 2026-11-29 recomputed every layer.
 * `mfu_compiled`: the same at 16k with `actor.compile` (each decoder layer compiled), both heads, and the first
   compiled update's seconds (compiling included).
 * `push`: weight push seconds per billion parameters (flat-bucket gather + the engine's copy), the
@@ -428,7 +430,9 @@ def section_trl(args, work: Path, shapes: Shapes, model_dir: Path, info: dict) -
 
 
 def build_actor(model_dir: Path, max_tokens: int, info: dict, lora: dict | None = None, fused_head: bool = False,
-                compile_layers: bool = False, master_weights: bool | None = None):
+                compile_layers: bool = False, master_weights: bool | None = None, checkpointing: bool | None = True):
+    """The actor of a section at `max_tokens` per micro-batch. `checkpointing` None: the trainer's default rule
+    (on a GPU, on only for the packs whose update would not fit without it; memory_plan.recompute_above)."""
     import torch
     from omegaconf import OmegaConf
 
@@ -440,7 +444,7 @@ def build_actor(model_dir: Path, max_tokens: int, info: dict, lora: dict | None 
     cfg.model_name = str(model_dir)
     cfg.max_length_per_device = max_tokens
     cfg.dtype = "bfloat16" if info["cuda"] else "float32"
-    cfg.gradient_checkpointing = True
+    cfg.gradient_checkpointing = checkpointing
     cfg.use_liger_kernel = fused_head
     cfg.compile = compile_layers
     cfg.master_weights = master_weights  # null: fp32 masters where they apply and fit (the trainer's default)
@@ -489,13 +493,13 @@ def section_mfu(args, work: Path, shapes: Shapes, info: dict, model_dir: Path) -
     import torch
 
     peak, source = mfu_peak(info)
-    actor, ctx = build_actor(model_dir, max(shapes.mfu_tokens), info)
+    actor, ctx = build_actor(model_dir, max(shapes.mfu_tokens), info, checkpointing=None)
     # The default LM head (logits of the action tokens, then log-softmax) and the fused one
     # (actor.use_liger_kernel: chunked, no [tokens, vocab] logits kept).
     rows = [mfu_row(actor, ctx, work, shapes, info, model_dir, peak, fused, tokens)
             for fused in (False, True) for tokens in shapes.mfu_tokens]
     if actor.masters is not None:  # the same update as FSDP2 casts it, per parameter at every forward and backward
-        fsdp, _ = build_actor(model_dir, max(shapes.mfu_tokens), info, master_weights=False)
+        fsdp, _ = build_actor(model_dir, max(shapes.mfu_tokens), info, master_weights=False, checkpointing=None)
         rows.append(mfu_row(fsdp, ctx, work, shapes, info, model_dir, peak, False, max(shapes.mfu_tokens)))
         del fsdp
         if info["cuda"]:
@@ -507,7 +511,7 @@ def section_mfu_compiled(args, work: Path, shapes: Shapes, info: dict, model_dir
     """The same update with `actor.compile` (each decoder layer compiled) at the longest length, both heads; its
     own section, so a time limit that stops it keeps the eager figures."""
     peak, source = mfu_peak(info)
-    actor, ctx = build_actor(model_dir, max(shapes.mfu_tokens), info, compile_layers=True)
+    actor, ctx = build_actor(model_dir, max(shapes.mfu_tokens), info, compile_layers=True, checkpointing=None)
     rows = [mfu_row(actor, ctx, work, shapes, info, model_dir, peak, fused, max(shapes.mfu_tokens))
             for fused in (False, True)]
     return {"peak_tflops": peak, "peak_source": source, "micro_batches": rows}
@@ -547,7 +551,9 @@ def mfu_row(actor, ctx, work: Path, shapes: Shapes, info: dict, model_dir: Path,
         kernels = profiled(lambda: actor.update(batch, max_new), work / f"mfu_profile_{tokens}{tag}.txt")
     gflop = update_gflop(str(model_dir), len(ids), total / len(ids), actions / len(ids))
     tflops = gflop / seconds / 1e3
-    return {"lm_head": "fused" if fused else "plain", "compiled": bool(actor.cfg.compile),
+    recompute = bool(actor.cfg.gradient_checkpointing) and (actor.recompute_above is None
+                                                              or total > actor.recompute_above)
+    return {"lm_head": "fused" if fused else "plain", "compiled": bool(actor.cfg.compile), "recompute": recompute,
             "precision": ("fp32 masters" if actor.masters is not None else
                           "FSDP2 mixed" if actor.cfg.dtype == "bfloat16" else actor.cfg.dtype), "tokens": total,
             "seconds": seconds, "warmup_s": times[0], "tflops": tflops, "mfu": tflops / peak,
@@ -995,7 +1001,8 @@ def markdown(result: dict) -> str:
     def mfu(r: dict) -> str:
         return "; ".join(
             f"{m.get('lm_head', 'plain')} head{', compiled layers' if m.get('compiled') else ''}"
-            f"{', ' + m['precision'] if m.get('precision') else ''}, {m['tokens']} tokens: "
+            f"{', ' + m['precision'] if m.get('precision') else ''}"
+            f"{', recompute' if m.get('recompute') else ', no recompute' if 'recompute' in m else ''}, {m['tokens']} tokens: "
             f"{m['seconds']:.3f} s, {m['tflops']:.3g} TFLOP/s = MFU {100 * m['mfu']:.1f}%"
             + (f" (first update {m['warmup_s']:.1f} s)" if m.get('compiled') else "")
             + (f", {m['kernels_per_update']:,} kernels per update" if m.get("kernels_per_update") else "")

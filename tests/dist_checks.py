@@ -162,6 +162,8 @@ def grads(args, ctx) -> None:
     set_ownership(len(batch.ids), args.split, ctx.world_size)
     sb, source = step_batch(actor, batch, OWN[ctx.rank], ctx, args.share, 4 if args.grouped else 0)
     sb.fields["advantages"] = per_token(batch.advantages, sb, source)
+    actor.recompute_above = args.recompute_above  # what the plan chooses on a GPU (memory_plan.recompute_above)
+    recomputes = count_recomputes(actor.model)
     norms, [packs] = actor.prepare(sb, 1)
     shared_packs(packs, args)
     actor.model.train()
@@ -169,7 +171,28 @@ def grads(args, ctx) -> None:
         actor.accumulate(packs, norms[0], actor.policy_loss(sb, 32), UpdateStats())  # gradients, no step
     # FSDP's gradient reductions (one per FSDP unit and backward that reduces), and the packs they came from
     reduces = sum(e.name.startswith("FSDP::post_backward_reduce") for e in prof.events())
+    torch.save({"lengths": [mb.total_len for mb in packs], "recompute": [mb.recompute for mb in packs],
+                "recomputed_layers": recomputes[0], "layers": recomputes[1]}, f"{args.out}.rank{ctx.rank}.packs")
     step_and_save(actor, ctx, args.out, packs=len(packs), reduces=reduces, defers=actor.defers_grad_sync)
+
+
+def count_recomputes(model) -> list[int]:
+    """[layer forwards that went through activation checkpointing, checkpointed layers]: each checkpointed
+    layer's checkpoint function counts its calls (HF calls it only when the layer's flag is on)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    counts = [0, 0]
+    for layer in model.modules():
+        if isinstance(layer, GradientCheckpointingLayer) and layer.gradient_checkpointing:
+            counts[1] += 1
+            inner = layer._gradient_checkpointing_func
+
+            def counted(*a, inner=inner, **k):
+                counts[0] += 1
+                return inner(*a, **k)
+
+            layer._gradient_checkpointing_func = counted
+    return counts
 
 
 def shared_packs(packs, args) -> None:
@@ -819,6 +842,8 @@ def main() -> None:
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--ac", action="store_true", help="activation checkpointing")
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (actor.compile)")
+    parser.add_argument("--recompute_above", type=int, default=None,
+                        help="grads with --ac: packs of at most this many tokens skip the recompute")
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--bucket_kb", type=int, default=256)
     parser.add_argument("--ckpt", default=None)

@@ -326,12 +326,13 @@ def build_server(args: argparse.Namespace) -> ModelServer:
     from transformers import AutoTokenizer
 
     from train.engines.hf import HFEngine
+    from train.parallel.distributed import run_device_type
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     if args.chat_template:
         with open(args.chat_template) as f:
             tokenizer.chat_template = f.read()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or run_device_type()
     if device == "cpu" and args.threads:
         torch.set_num_threads(args.threads)
     engine = HFEngine.from_pretrained(args.model, tokenizer, dtype=getattr(torch, args.dtype), device=device,

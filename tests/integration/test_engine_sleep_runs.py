@@ -63,6 +63,8 @@ out["before"] = [m.update_working_bytes() for m in (actor, critic, reference)]
 for m in (actor, critic):
     m.optimizer.state[next(iter(m.optimizer.param_groups[0]["params"]))] = {"step": 1}  # as after a first step
 out["after"] = [m.update_working_bytes() for m in (actor, critic)]
+actor.recompute_above, actor._working = 768, None  # packs up to 768 tokens skip the recompute (recompute_above)
+out["recompute"] = actor.update_working_bytes()
 print(json.dumps(out))
 """
 
@@ -71,7 +73,8 @@ def test_the_actor_and_the_critic_say_what_their_update_will_take(in_repo_root):
     """Trainable.update_working_bytes on the built models (the attributes the GPU reads are there): none on a CPU
     or for a model that does not train; on a GPU the plan at the longer of the update's and the no-grad micro-batch
     (512 and 1,024 tokens here), with the AdamW moments until the first step, and the actor's plain head's
-    logits, which the critic's value head does not have."""
+    logits, which the critic's value head does not have; with a recompute threshold, the longest pack that keeps
+    its activations where it needs more."""
     import json
 
     from conftest import ranks_cmd, run_torchrun
@@ -88,3 +91,6 @@ def test_the_actor_and_the_critic_say_what_their_update_will_take(in_repo_root):
     assert out["cpu"] == [None, None] and out["before"][2] is None
     assert out["after"] == [actor, critic] and actor - critic == 12 * 1024 * config.vocab_size
     assert [b - a for b, a in zip(out["before"], out["after"])] == [8 * params, 8 * params]
+    # a 768-token pack that keeps every layer's activations needs more than a 1,024-token one that recomputes
+    plain = working_bytes(config, fused_head=False, **{**plan, "seq": 768, "checkpointing": False})
+    assert plain > actor and out["recompute"] == plain

@@ -85,7 +85,7 @@ def fake_actor(**changes):
                 layout=SimpleNamespace(sizes=Sizes(ddp=1, fsdp=1, tp=1, sp=1, dp=1)),
                 cfg=SimpleNamespace(gradient_checkpointing=True), offload_model=False, offload_optimizer=False,
                 max_tokens=16384, infer_tokens=32768, lora=SimpleNamespace(rank=0), keeps_logits=False,
-                masters=object())
+                masters=object(), recompute_above=None)
     base.update(changes)
     return SimpleNamespace(**base)
 
@@ -104,6 +104,10 @@ def test_the_actors_working_bytes_are_its_gradients_and_activations_at_its_longe
     assert fsdp == want - 2 * params + 151936 * h * 6
     # the plain head: 12 bytes per token and vocabulary entry of its logits (a critic's value head keeps none)
     assert Trainable.update_working_bytes(fake_actor(keeps_logits=True)) == want + 12 * seq * 151936
+    # packs up to 24,576 tokens skip the recompute: every layer keeps its working set, more than the checkpoints
+    plain = 6 * params + layers * int(1.5 * (4 * h + 2 * heads * hd + 2 * kv * hd + 5 * inter) * 24576 * 2)
+    assert plain > want and Trainable.update_working_bytes(fake_actor(recompute_above=24576)) == plain
+    assert Trainable.update_working_bytes(fake_actor(recompute_above=1024)) == want  # the checkpointed pack needs more
 
 
 def test_before_the_first_optimizer_step_the_moments_it_will_allocate_count_too():

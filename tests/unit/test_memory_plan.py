@@ -151,6 +151,72 @@ def test_the_fused_head_is_not_chosen_where_it_does_not_apply_and_a_short_batch_
     assert (short.max_length_per_device, short.gradient_checkpointing, short.use_liger_kernel) == (2048, False, False)
 
 
+def _fits_plain(config, seq, *, head, free, master_weights=False):
+    return plan(config, seq=seq, fused_head=head, checkpointing=False,
+                master_weights=master_weights).update_peak * 1.10 <= free
+
+
+def test_with_checkpointing_chosen_the_micro_batches_that_fit_without_it_skip_the_recompute():
+    """recompute_above: the longest multiple of 1024 below the chosen length whose update fits without
+    checkpointing (the packs up to it keep their activations), computed with the master weights as decided;
+    None where not even 1024 tokens fit without it."""
+    from train.models.memory_plan import auto_settings, recompute_above
+
+    config, free = preset_config("qwen2.5-0.5b"), int(CARDS["80 GB (H100)"] * GIB)
+    auto = auto_settings(None, None, None, config=config, device_type="cuda", free_bytes=free)
+    assert auto.gradient_checkpointing and auto.max_length_per_device == 65536  # the case the threshold is for
+    head = auto.use_liger_kernel
+    for masters in (False, True):
+        above = recompute_above(config, length=auto.max_length_per_device, fused_head=head, free_bytes=free,
+                                master_weights=masters)
+        assert above % 1024 == 0 and 1024 <= above < auto.max_length_per_device
+        assert _fits_plain(config, above, head=head, free=free, master_weights=masters)
+        assert not _fits_plain(config, above + 1024, head=head, free=free, master_weights=masters)
+    # masters hold 4 more bytes per parameter than they save in FSDP's unshard: fewer tokens fit without recompute
+    assert (recompute_above(config, length=65536, fused_head=head, free_bytes=free, master_weights=True)
+            < recompute_above(config, length=65536, fused_head=head, free_bytes=free))
+    assert recompute_above(config, length=65536, fused_head=head, free_bytes=6 * GIB) is None
+
+
+def test_the_actor_sets_a_recompute_threshold_only_where_it_chose_checkpointing_on_a_gpu(tmp_path, monkeypatch):
+    """recompute_threshold, which Actor.__init__ calls after the master weights: a threshold where a null
+    gradient_checkpointing came out on for a training actor on a GPU (its free memory faked, less what the other
+    models keep); none where checkpointing was set by hand, is off, on a CPU, or for a reference."""
+    from types import SimpleNamespace
+
+    import train.models.actor as actor_module
+    from train.models.memory_plan import recompute_above
+
+    config = preset_config("qwen2.5-0.5b")
+    config.save_pretrained(tmp_path)  # config.json only: the rule reads shapes, no weights
+    free = 60 * GIB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    monkeypatch.setattr(actor_module, "all_reduce_max", lambda value, device: value)  # one rank
+    cfg = run_config({"actor.dtype": "bfloat16", "actor.max_length_per_device": 65536,
+                      "actor.gradient_checkpointing": True, "actor.use_liger_kernel": True,
+                      "actor.master_weights": True}).actor
+    gpu, cpu = SimpleNamespace(device=torch.device("cuda")), SimpleNamespace(device=torch.device("cpu"))
+    layout = SimpleNamespace(sizes=SimpleNamespace(fsdp=1, tp=1))
+
+    def threshold(asked, ctx=gpu, train=True, reserved=0, **changes):
+        return actor_module.recompute_threshold(dataclasses.replace(cfg, **changes), asked, ctx, layout,
+                                                str(tmp_path), train, reserved)
+
+    want = recompute_above(config, length=65536, fused_head=True, free_bytes=free, master_weights=True)
+    assert want is not None and threshold(None) == want
+    assert threshold(None, reserved=lambda: 8 * GIB) == recompute_above(
+        config, length=65536, fused_head=True, free_bytes=free - 8 * GIB, master_weights=True) < want
+    assert threshold(True) is None and threshold(None, gradient_checkpointing=False) is None
+    assert threshold(None, ctx=cpu) is None and threshold(None, train=False) is None
+    from transformers import AutoConfig
+
+    moe = tmp_path / "moe"
+    AutoConfig.for_model("qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16).save_pretrained(moe)
+    assert actor_module.recompute_threshold(cfg, None, gpu, layout, str(moe), True) is None  # experts: not planned
+
+
 def test_sharding_and_offload_make_room_and_a_model_that_cannot_fit_is_named():
     from train.models.memory_plan import auto_settings
 

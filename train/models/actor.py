@@ -22,7 +22,8 @@ from train.models import optim
 from train.models.config import ActorConfig, compute_dtype, replaced
 from train.models.lora import LoraSettings, adapters_disabled
 from train.models.master_weights import decide_master_weights, master_weights_refusal
-from train.models.memory_plan import CPU_MAX_LENGTH, AutoSettings, auto_settings, master_weights_fit
+from train.models.memory_plan import (CPU_MAX_LENGTH, AutoSettings, auto_settings, master_weights_fit,
+                                      recompute_above)
 from train.models.model_init import build_model
 from train.models.router_replay import RouterBalance, RouterReplay
 from train.models.trainable import Norms, Trainable, UpdateStats
@@ -34,7 +35,7 @@ from train.parallel.layout import Layout, layout_for
 from train.parallel.packing import PackedMicroBatch
 from train.parallel.parallelize import DTYPES
 from train.parallel.step_batch import StepBatch
-from train.parallel.tensor_parallel import vocab_parallel_logprobs
+from train.parallel.tensor_parallel import expert_count, vocab_parallel_logprobs
 
 
 def loss_settings(cfg: ActorConfig) -> LossSettings:
@@ -117,6 +118,31 @@ def with_master_weights(cfg: ActorConfig, ctx: DistContext, layout: Layout, mode
     return replaced(cfg, master_weights=decide_master_weights(cfg.master_weights, "actor", why, default))
 
 
+def recompute_threshold(cfg: ActorConfig, asked: bool | None, ctx: DistContext, layout: Layout, model_path: str,
+                        train: bool, reserved_bytes: int | Callable[[], int] = 0) -> int | None:
+    """Where a null actor.gradient_checkpointing (`asked`) came out on for a GPU's update: the longest micro-batch
+    that fits without it (memory_plan.recompute_above, with the master weights decided), so shorter ones skip
+    the recompute; None (every micro-batch recomputes) where checkpointing was set, is off, on a CPU, or for a
+    vision-language model or a mixture of experts, whose activations the plan does not cover. From the
+    least free memory of any rank, so that every rank has the same threshold."""
+    if not (train and asked is None and cfg.gradient_checkpointing and ctx.device.type == "cuda"):
+        return None
+    from transformers import AutoConfig
+
+    free = int(-all_reduce_max(-float(torch.cuda.mem_get_info(ctx.device)[0]), ctx.device))
+    free -= reserved_bytes() if callable(reserved_bytes) else reserved_bytes
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+        if is_vision_config(config) or expert_count(config):  # the plan leaves out a tower's or experts' activations
+            return None
+        return recompute_above(config, length=cfg.max_length_per_device, fused_head=bool(cfg.use_liger_kernel),
+                               free_bytes=free, lora_rank=cfg.lora.rank, shards=layout.sizes.fsdp,
+                               offload_optimizer=bool(cfg.offload_optimizer), offload_model=bool(cfg.offload_model),
+                               master_weights=bool(cfg.master_weights))
+    except Exception:  # a model the plan cannot read: every micro-batch recomputes, as with_memory_settings chose
+        return None
+
+
 class Actor(Trainable):
     def __init__(self, cfg: ActorConfig, ctx: DistContext, model_path: str, *, pad_token_id: int, train: bool,
                  temperature: float, total_updates: int = 1, layout: Layout | None = None, adapter_seed: int = 0,
@@ -124,9 +150,14 @@ class Actor(Trainable):
         layout = layout or layout_for(cfg, ctx.world_size, ctx.device.type, "actor")
         # null settings decided here, once: `self.cfg` holds the values the actor runs with
         cfg = replaced(cfg, dtype=compute_dtype(cfg.dtype, ctx.device.type))
-        head_asked = cfg.use_liger_kernel
+        head_asked, checkpointing_asked = cfg.use_liger_kernel, cfg.gradient_checkpointing
         cfg, self.memory_note = with_memory_settings(cfg, ctx, layout, model_path, train, reserved_bytes)
         cfg = with_master_weights(cfg, ctx, layout, model_path, train, reserved_bytes)
+        self.recompute_above = recompute_threshold(cfg, checkpointing_asked, ctx, layout, model_path, train,
+                                                   reserved_bytes)
+        if self.recompute_above is not None:
+            self.memory_note += (f"; micro-batches of up to {self.recompute_above} tokens keep their activations "
+                                 "(no recompute)")
         super().__init__(layout, ctx.device, pad_token_id, cfg.max_length_per_device,
                          cfg.max_inference_length_per_device or 2 * cfg.max_length_per_device,
                          cfg.max_grad_norm, bool(cfg.offload_optimizer),

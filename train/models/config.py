@@ -149,7 +149,8 @@ class ActorConfig:
     mis_low: float = setting("masked IS: the lowest trainer/sampler ratio kept", gt=0, lt=1, example="0.5")
     mis_high: float = setting("masked IS: the highest trainer/sampler ratio kept", gt=1, example="2.0")
     gradient_checkpointing: bool | None = setting("recompute activations in the backward pass (null: on a GPU, "
-                                                  "when the update would not fit without; off on CPU)")
+                                                  "when the update would not fit without, for the packs longer than "
+                                                  "fit without it; off on CPU)")
     use_liger_kernel: bool | None = setting("fused log-prob/entropy head, no [batch, seq, vocab] logits (null: on a "
                                             "GPU for micro-batches of 8192 tokens or more, where it applies)")
     compile: bool = setting("torch.compile each decoder layer of the actor (and of its KL reference): its "

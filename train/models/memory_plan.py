@@ -43,7 +43,10 @@ before building the model; on CPU they are 4096, off and off, as before):
   with checkpointing unless it is set off) plus 10% fits the device's free memory when the actor is built,
   less what the reference, teachers or critic will keep (`resident_bytes`; the engine sleeps during the
   update); 1024 at least.
-- `actor.gradient_checkpointing`: off when the update at that length fits without it, else on.
+- `actor.gradient_checkpointing`: off when the update at that length fits without it, else on for the
+  micro-batches that need it: those longer than the longest multiple of 1024 whose update fits without it
+  (`recompute_above`, decided with actor.master_weights). A shorter micro-batch keeps its activations and skips
+  the recompute; every rank takes the same choice for the same pack (its longest over the ranks decides).
 
 `working_bytes` is what an update needs beyond the weights and AdamW moments that stay allocated between steps:
 its gradients, activations and unshard (or the optimizer step's temporary, or the push's two buckets, whichever
@@ -231,6 +234,20 @@ def fused_head_applies(config, tp_size: int) -> bool:
             and all(getattr(config, a, None) in (None, 1, 1.0) for a in LOGIT_POSTPROCESSING))
 
 
+def update_need(config, seq: int, *, fused_head: bool, checkpointing: bool, lora_rank: int = 0, shards: int = 1,
+                offload_optimizer: bool = False, offload_model: bool = False, master_weights: bool = False,
+                counts: tuple[int, int] | None = None) -> float:
+    """The update's peak at `seq` tokens per micro-batch (`plan`) plus 10%: what must be free for it. With
+    actor.offload_optimizer (offload_model) the moments (and weights and gradients) are not on the device."""
+    p = plan(config, seq=seq, lora_rank=lora_rank, fused_head=fused_head, counts=counts, checkpointing=checkpointing,
+             shards=shards, master_weights=master_weights)
+    if offload_optimizer or offload_model:
+        p = dataclasses.replace(p, optimizer=0, optimizer_temporary=0)
+    if offload_model:
+        p = dataclasses.replace(p, weights=0, gradients=0)
+    return p.update_peak * HEADROOM
+
+
 def auto_settings(max_length: int | None, checkpointing: bool | None, fused_head: bool | None, *, config,
                   device_type: str, free_bytes: int | None, lora_rank: int = 0, shards: int = 1,
                   tp_size: int = 1, offload_optimizer: bool = False, offload_model: bool = False,
@@ -250,13 +267,8 @@ def auto_settings(max_length: int | None, checkpointing: bool | None, fused_head
     free_bytes -= reserved_bytes
 
     def peak(seq: int, head: bool, ckpt: bool) -> float:
-        p = plan(config, seq=seq, lora_rank=lora_rank, fused_head=head, counts=counts, checkpointing=ckpt,
-                 shards=shards)
-        if offload_optimizer or offload_model:
-            p = dataclasses.replace(p, optimizer=0, optimizer_temporary=0)
-        if offload_model:
-            p = dataclasses.replace(p, weights=0, gradients=0)
-        return p.update_peak * HEADROOM
+        return update_need(config, seq, fused_head=head, checkpointing=ckpt, lora_rank=lora_rank, shards=shards,
+                           offload_optimizer=offload_optimizer, offload_model=offload_model, counts=counts)
 
     applies = fused_head_applies(config, tp_size)
 
@@ -281,6 +293,21 @@ def auto_settings(max_length: int | None, checkpointing: bool | None, fused_head
         note += ("; it does not fit even so: LoRA (actor.lora.rank), actor.offload_optimizer=true or more GPUs "
                  "(FSDP shards the weights and the optimizer) would")
     return AutoSettings(length, ckpt, head, note)
+
+
+def recompute_above(config, *, length: int, fused_head: bool, free_bytes: int, lora_rank: int = 0, shards: int = 1,
+                    offload_optimizer: bool = False, offload_model: bool = False,
+                    master_weights: bool = False) -> int | None:
+    """Where null actor.gradient_checkpointing came out on (the update at `length` tokens per micro-batch does
+    not fit without it): the longest micro-batch, a multiple of 1024 below `length`, whose update fits
+    `free_bytes` without checkpointing. Micro-batches up to it keep their activations and skip the recompute
+    (a third more compute per layer); longer ones recompute. None when not even 1024 tokens fit without it."""
+    counts = count_parameters(config, lora_rank)
+    fitting = [s for s in range(1024, length, 1024)
+               if update_need(config, s, fused_head=fused_head, checkpointing=False, lora_rank=lora_rank,
+                              shards=shards, offload_optimizer=offload_optimizer, offload_model=offload_model,
+                              master_weights=master_weights, counts=counts) <= free_bytes]
+    return fitting[-1] if fitting else None
 
 
 def master_weights_fit(config, *, seq: int, lora_rank: int, fused_head: bool, checkpointing: bool,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from train.models import optim
 from train.models.master_weights import MasterWeights
@@ -90,6 +91,10 @@ class Trainable:
     optimizer: torch.optim.Optimizer | None = None
     keeps_logits = False  # whether its loss reads [tokens, vocab] logits (the actor's plain head)
     _working: tuple[int, ...] | None = None  # update_working_bytes' plan: (steady, before the first step)
+    # with activation checkpointing: micro-batches of at most this many tokens (on the busiest rank) keep their
+    # activations and skip the recompute (None: every micro-batch recomputes; memory_plan.recompute_above)
+    recompute_above: int | None = None
+    _checkpointed: list[torch.nn.Module] | None = None  # the layers built with checkpointing (_checkpointing)
 
     def __init__(self, layout: Layout, device: torch.device, pad_id: int, max_tokens: int, infer_tokens: int,
                  max_grad_norm: float = 1.0, offload_optimizer: bool = False, offload_model: bool = False) -> None:
@@ -99,8 +104,9 @@ class Trainable:
 
     def update_working_bytes(self) -> int | None:
         """Device bytes per rank this model's next update will take beyond what it holds now
-        (memory_plan.working_bytes at the longer of its update and no-grad micro-batches, and the AdamW moments
-        until the first optimizer step has allocated them); None where the plan does not cover it: a model that
+        (memory_plan.working_bytes at the longer of its update and no-grad micro-batches, or at the longest one
+        that skips the recompute where that needs more, and the AdamW moments until the first optimizer step
+        has allocated them); None where the plan does not cover it: a model that
         does not train, a vision-language model (the tower's activations) or a mixture of experts, tensor,
         sequence or context parallelism, offloaded weights or moments, a CPU. The plan is computed once."""
         if self._working is None:
@@ -108,10 +114,14 @@ class Trainable:
             covered = not (self.device.type != "cuda" or self.optimizer is None or is_vision_config(config)
                            or expert_count(config) or sizes.tp > 1 or sizes.seq > 1 or self.offload_model
                            or self.offload_optimizer)
+            # the longest micro-batch as built, and the longest that skips the recompute (recompute_above)
+            points = [(max(self.max_tokens, self.infer_tokens), bool(self.cfg.gradient_checkpointing))]
+            if self.recompute_above is not None:
+                points.append((self.recompute_above, False))
             self._working = tuple(
-                working_bytes(config, seq=max(self.max_tokens, self.infer_tokens), lora_rank=self.lora.rank,
-                              fused_head=not self.keeps_logits, checkpointing=bool(self.cfg.gradient_checkpointing),
-                              master_weights=self.masters is not None, shards=sizes.fsdp, moments=moments)
+                max(working_bytes(config, seq=seq, lora_rank=self.lora.rank, fused_head=not self.keeps_logits,
+                                  checkpointing=ckpt, master_weights=self.masters is not None, shards=sizes.fsdp,
+                                  moments=moments) for seq, ckpt in points)
                 for moments in (False, True)) if covered else ()
         if not self._working:
             return None
@@ -255,8 +265,29 @@ class Trainable:
         """Each mini-batch's global normalisers and this rank's packs (as many as the busiest rank's):
         built once, reused by every epoch."""
         parts = [batch.minibatch_members(m, mini_batches) for m in range(mini_batches)]
-        return self.mini_batch_norms(batch, mini_batches), self._even_out(
-            [self.packs(batch, members, self.max_tokens) for members in parts])
+        norms = self.mini_batch_norms(batch, mini_batches)
+        packs = self._even_out([self.packs(batch, members, self.max_tokens) for members in parts])
+        if self.recompute_above is not None:
+            self._mark_recompute(packs)
+        return norms, packs
+
+    def _mark_recompute(self, packs_per_part: list[list[PackedMicroBatch]]) -> None:
+        """Each pack recomputes in the backward when the longest of its place's packs over all ranks (one
+        all-reduce for the step) is over `recompute_above`: ranks choose alike, so collectives inside a
+        recomputed layer (expert parallelism's all-to-all, tensor parallelism's reductions) stay matched."""
+        flat = [mb for part in packs_per_part for mb in part]
+        longest = all_reduce_max_many([float(mb.total_len) for mb in flat], self.device)
+        for mb, tokens in zip(flat, longest):
+            mb.recompute = tokens > self.recompute_above
+
+    def _checkpointing(self, on: bool) -> None:
+        """Turn the model's checkpointed layers' recompute on or off for the next forward (HF's per-layer flag,
+        read when the layer is called)."""
+        if self._checkpointed is None:
+            self._checkpointed = [m for m in self.model.modules()
+                                  if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+        for layer in self._checkpointed:
+            layer.gradient_checkpointing = on
 
     def accumulate(self, packs: list[PackedMicroBatch], norms: Norms, loss: LossHook, stats: UpdateStats) -> None:
         """Backward over one mini-batch's packs: gradients summed into .grad, no optimizer step; `stats` holds
@@ -269,6 +300,8 @@ class Trainable:
             for i, mb in enumerate(packs):
                 if defer:
                     self.model.set_requires_gradient_sync(i == len(packs) - 1)
+                if self.recompute_above is not None:
+                    self._checkpointing(mb.recompute)
                 (loss(mb, norms, stats) * self.layout.grad_scale).backward()
                 if self.masters is not None:  # the bf16 gradients into the fp32 sums
                     self.masters.collect()

@@ -45,6 +45,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_device_type() -> str:
+    """The device type a run takes on this machine: "cuda" where a GPU is visible, else "cpu" (the one rule;
+    `init_distributed` and the config's device defaults both ask it)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def init_distributed(timeout_s: float = 1800, rollout_ranks: int = 0, bridge_timeout_s: float = 1800) -> DistContext:
     """Join the torchrun process group (gloo on CPU, nccl on GPU); a plain `python -m`
     launch becomes a one-rank group so the same code path runs everywhere. With `rollout_ranks` K > 0
@@ -56,7 +62,7 @@ def init_distributed(timeout_s: float = 1800, rollout_ranks: int = 0, bridge_tim
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if torch.cuda.is_available():
+    if run_device_type() == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend, device_type = "nccl", "cuda"

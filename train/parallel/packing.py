@@ -78,6 +78,9 @@ class PackedMicroBatch:
     # (position_ids is then [3, 1, C]: multimodal rotary positions).
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    # whether its forward keeps only the layers' inputs and recomputes in the backward (where the model has
+    # activation checkpointing; Trainable marks each pack, from its length on the busiest rank)
+    recompute: bool = True
 
     @property
     def total_len(self) -> int:

@@ -187,9 +187,9 @@ def resolve_device_defaults(cfg: DictConfig, device_type: str | None = None) -> 
     GPU, float32 on a CPU; train/models/config.py compute_dtype). `device_type`: the run's (None: the one
     init_distributed will pick on this machine)."""
     if device_type is None:
-        import torch
+        from train.parallel.distributed import run_device_type
 
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        device_type = run_device_type()
     for section in ("actor", "critic"):
         if section in cfg and _get(cfg, f"{section}.dtype") is None:
             cfg[section].dtype = compute_dtype(None, device_type)

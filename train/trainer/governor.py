@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from train.models.master_weights import MasterModule
+
 
 @dataclass
 class Verdict:
@@ -118,7 +120,7 @@ class Snapshot:
         for (model, optimizer, scheduler), saved in zip(self.parts, self.saved):
             for p, value in zip([p for p in model.parameters() if p.requires_grad], saved["params"]):
                 _local(p).copy_(value)
-            if hasattr(model, "refresh"):  # fp32 masters (train/models/master_weights.py): cast into the model
+            if isinstance(model, MasterModule):  # fp32 masters written in place: cast them into the bf16 model
                 model.refresh()
             flat = [p for g in optimizer.param_groups for p in g["params"]]
             for p, s in zip(flat, saved["state"]):
