@@ -58,13 +58,11 @@ reference = Actor(cfg.actor, ctx, "stub/model", pad_token_id=0, train=False, tem
 out = {"cpu": [m.update_working_bytes() for m in (actor, critic)]}
 for m in (actor, critic, reference):
     m.device = torch.device("cuda")  # only read as the device's type: the plan is arithmetic on shapes
-    m._working = None  # (the plan is computed once per model: again for this device)
 out["before"] = [m.update_working_bytes() for m in (actor, critic, reference)]
 for m in (actor, critic):
     m.optimizer.state[next(iter(m.optimizer.param_groups[0]["params"]))] = {"step": 1}  # as after a first step
 out["after"] = [m.update_working_bytes() for m in (actor, critic)]
-actor.recompute_above, actor._working = 768, None  # packs up to 768 tokens skip the recompute (recompute_above)
-out["recompute"] = actor.update_working_bytes()
+out["short"] = actor.update_working_bytes(300)  # a step batch of 300 tokens over all ranks: no longer pack
 print(json.dumps(out))
 """
 
@@ -73,8 +71,7 @@ def test_the_actor_and_the_critic_say_what_their_update_will_take(in_repo_root):
     """Trainable.update_working_bytes on the built models (the attributes the GPU reads are there): none on a CPU
     or for a model that does not train; on a GPU the plan at the longer of the update's and the no-grad micro-batch
     (512 and 1,024 tokens here), with the AdamW moments until the first step, and the actor's plain head's
-    logits, which the critic's value head does not have; with a recompute threshold, the longest pack that keeps
-    its activations where it needs more."""
+    logits, which the critic's value head does not have; for a short step batch, its tokens."""
     import json
 
     from conftest import ranks_cmd, run_torchrun
@@ -91,6 +88,4 @@ def test_the_actor_and_the_critic_say_what_their_update_will_take(in_repo_root):
     assert out["cpu"] == [None, None] and out["before"][2] is None
     assert out["after"] == [actor, critic] and actor - critic == 12 * 1024 * config.vocab_size
     assert [b - a for b, a in zip(out["before"], out["after"])] == [8 * params, 8 * params]
-    # a 768-token pack that keeps every layer's activations needs more than a 1,024-token one that recomputes
-    plain = working_bytes(config, fused_head=False, **{**plan, "seq": 768, "checkpointing": False})
-    assert plain > actor and out["recompute"] == plain
+    assert out["short"] == working_bytes(config, fused_head=False, **{**plan, "seq": 300}) < actor

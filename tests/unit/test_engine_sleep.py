@@ -2,6 +2,7 @@
 planned memory does not fit beside it, every rank decides alike, and each change of mind is said once."""
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -14,51 +15,52 @@ from train.trainer.engine_sleep import EngineSleep
 
 CPU = SimpleNamespace(device=torch.device("cpu"))
 CUDA = SimpleNamespace(device=torch.device("cuda"))  # only its type is read: nothing touches a GPU
+TOKENS = 20000  # this rank's tokens of the step batch (one process: the batch's)
 
 
 def policy(asked, working, free):
-    return EngineSleep(asked, lambda: working, CPU, lambda: free)
+    return EngineSleep(asked, lambda tokens: working, CPU, lambda: free)
 
 
 def test_null_keeps_the_engine_awake_while_the_free_memory_covers_the_update_with_headroom():
     free = {"now": 20 * GIB}
-    sleep = EngineSleep(None, lambda: 10 * GIB, CPU, lambda: free["now"])
-    assert sleep.decide()[0] is False
+    sleep = EngineSleep(None, lambda tokens: 10 * GIB, CPU, lambda: free["now"])
+    assert sleep.decide(TOKENS)[0] is False
     free["now"] = 10.5 * GIB  # under 10 GiB + 10%
-    went, line = sleep.decide()
+    went, line = sleep.decide(TOKENS)
     assert went is True and "GiB short" not in line and "0.5 GiB more than the tightest rank has free" in line
     free["now"] = 11.5 * GIB
-    assert sleep.decide()[0] is False
+    assert sleep.decide(TOKENS)[0] is False
 
 
 def test_a_decision_is_said_once_and_again_only_when_it_changes():
     free = {"now": 20 * GIB}
-    sleep = EngineSleep(None, lambda: 10 * GIB, CPU, lambda: free["now"])
-    first = sleep.decide()
+    sleep = EngineSleep(None, lambda tokens: 10 * GIB, CPU, lambda: free["now"])
+    first = sleep.decide(TOKENS)
     assert first[0] is False and first[1].startswith("the engine stays awake through the update")
-    assert sleep.decide() == (False, None)
+    assert sleep.decide(TOKENS) == (False, None)
     free["now"] = GIB
-    went, line = sleep.decide()
+    went, line = sleep.decide(TOKENS)
     assert went and line.startswith("the engine sleeps during the update")
-    assert sleep.decide() == (True, None)
+    assert sleep.decide(TOKENS) == (True, None)
 
 
 @pytest.mark.parametrize("asked", [True, False])
 def test_true_and_false_hold_whatever_the_memory(asked):
     for free in (0, 10**15):
         sleep = policy(asked, 10 * GIB, free)
-        assert sleep.decide()[0] is asked
-    assert f"rollout.sleep={str(asked).lower()}" in EngineSleep(asked, None, CPU, lambda: 0).decide()[1]
+        assert sleep.decide(TOKENS)[0] is asked
+    assert f"rollout.sleep={str(asked).lower()}" in EngineSleep(asked, None, CPU, lambda: 0).decide(TOKENS)[1]
 
 
 def test_null_on_a_cpu_sleeps_as_before_and_says_nothing():
     actor = SimpleNamespace(update_working_bytes=lambda: pytest.fail("no estimate is asked for on a CPU"))
     sleep = EngineSleep.of(None, CPU, "hf", actor, None)
-    assert sleep.working is None and sleep.decide() == (True, None)
+    assert sleep.working is None and sleep.decide(TOKENS) == (True, None)
 
 
 def model(working):
-    return SimpleNamespace(update_working_bytes=lambda: working)
+    return SimpleNamespace(update_working_bytes=lambda tokens=None: working)
 
 
 @pytest.mark.parametrize("kind,critic,working,want,why", [
@@ -71,23 +73,25 @@ def model(working):
 ])
 def test_null_on_a_gpu_estimates_an_hf_engine_beside_the_models_that_update(kind, critic, working, want, why):
     sleep = EngineSleep.of(None, CUDA, kind, model(working), critic)
-    assert (sleep.working() if want is not None else sleep.working) == want
+    assert (sleep.working(TOKENS) if want is not None else sleep.working) == want
     assert (sleep.unestimated is None) == (why is None)
     if why is not None:
         assert why in sleep.unestimated
 
 
 def fake_actor(**changes):
-    """What Trainable.update_working_bytes reads, for a Qwen2.5-0.5B-shaped actor on one GPU after its first step
-    (the fused head: no logits)."""
+    """A Trainable with what update_working_bytes and _recompute_limit read (no model built), for a
+    Qwen2.5-0.5B-shaped actor on one GPU after its first step (the fused head: no logits)."""
     base = dict(device=torch.device("cuda"), model=SimpleNamespace(config=preset_config("qwen2.5-0.5b")),
-                _working=None, optimizer=SimpleNamespace(state={"moments": "allocated"}),
+                optimizer=SimpleNamespace(state={"moments": "allocated"}),
                 layout=SimpleNamespace(sizes=Sizes(ddp=1, fsdp=1, tp=1, sp=1, dp=1)),
                 cfg=SimpleNamespace(gradient_checkpointing=True), offload_model=False, offload_optimizer=False,
                 max_tokens=16384, infer_tokens=32768, lora=SimpleNamespace(rank=0), keeps_logits=False,
                 masters=object(), recompute_above=None)
     base.update(changes)
-    return SimpleNamespace(**base)
+    actor = Trainable.__new__(Trainable)
+    actor.__dict__.update(base)
+    return actor
 
 
 def test_the_actors_working_bytes_are_its_gradients_and_activations_at_its_longest_micro_batch():
@@ -104,10 +108,64 @@ def test_the_actors_working_bytes_are_its_gradients_and_activations_at_its_longe
     assert fsdp == want - 2 * params + 151936 * h * 6
     # the plain head: 12 bytes per token and vocabulary entry of its logits (a critic's value head keeps none)
     assert Trainable.update_working_bytes(fake_actor(keeps_logits=True)) == want + 12 * seq * 151936
-    # packs up to 24,576 tokens skip the recompute: every layer keeps its working set, more than the checkpoints
-    plain = 6 * params + layers * int(1.5 * (4 * h + 2 * heads * hd + 2 * kv * hd + 5 * inter) * 24576 * 2)
-    assert plain > want and Trainable.update_working_bytes(fake_actor(recompute_above=24576)) == plain
-    assert Trainable.update_working_bytes(fake_actor(recompute_above=1024)) == want  # the checkpointed pack needs more
+    # a step batch of 8,192 tokens over all ranks makes no longer pack; one of more is held to the configured length
+    short = 6 * params + layers * 8192 * h * 2 + int(1.5 * (4 * h + 2 * heads * hd + 2 * kv * hd + 5 * inter) * 8192 * 2)
+    assert fake_actor().update_working_bytes(tokens=8192) == short < want
+    assert fake_actor().update_working_bytes(tokens=10**6) == want
+
+
+def test_packs_skip_the_recompute_only_as_far_as_the_memory_free_at_the_update_allows():
+    """_recompute_limit, which the update's packing asks with the least free memory of any rank: the longest
+    multiple of 1024, up to recompute_above, whose update without recompute (every layer's working set kept) plus
+    10% fits; 0 (every pack recomputes) where not even 1024 do; recompute_above itself where the plan does not
+    cover the update (it was chosen for such a model at build time)."""
+    params, _ = count_parameters(preset_config("qwen2.5-0.5b"))
+    h, layers, inter, heads, kv, hd = 896, 24, 4864, 14, 2, 64
+
+    def need(seq: int) -> float:  # fp32 gradient sums and bf16 gradients; every layer's working set
+        return (6 * params + layers * int(1.5 * (4 * h + 2 * heads * hd + 2 * kv * hd + 5 * inter) * seq * 2)) * 1.1
+
+    actor = fake_actor(recompute_above=30720)
+    assert actor._recompute_limit(10**13) == 30720
+    assert actor._recompute_limit(math.ceil(need(20480))) == 20480
+    assert actor._recompute_limit(math.ceil(need(20480)) - 1) == 19456
+    assert actor._recompute_limit(math.ceil(need(1024)) - 1) == 0
+    assert fake_actor(recompute_above=30720, offload_optimizer=True)._recompute_limit(0) == 30720
+    assert fake_actor(recompute_above=1500)._recompute_limit(10**13) == 1500  # not a multiple of 1024 itself
+
+
+def test_a_pack_recomputes_when_its_place_is_over_the_limit_on_any_rank(monkeypatch):
+    """_mark_recompute on a GPU (its collective and free memory faked: this rank's pack lengths, and the
+    other rank's longer second pack and less free memory): one all-reduce gives each place's longest pack and
+    the least free memory; the limit comes from that memory, and the step's limit and share of recomputed packs
+    are kept for the metrics."""
+    import train.models.trainable as trainable
+
+    actor = fake_actor(recompute_above=30720)
+    other_rank = [8192.0, 24576.0, 2048.0, -20 * GIB]
+
+    def all_reduce_max_many(values, device):
+        assert device.type == "cuda"
+        return [max(a, b) for a, b in zip(values, other_rank)]
+
+    monkeypatch.setattr(trainable, "all_reduce_max_many", all_reduce_max_many)
+    monkeypatch.setattr(trainable, "free_device_bytes", lambda device: 70 * GIB)
+    packs = [[SimpleNamespace(total_len=16384, recompute=True), SimpleNamespace(total_len=4096, recompute=True)],
+             [SimpleNamespace(total_len=1024, recompute=True)]]
+    actor._mark_recompute(packs)
+    limit = actor._recompute_limit(20 * GIB)  # the other rank's free memory decides
+    assert 4096 < limit < 16384  # this rank alone (70 GiB) would have let its 16,384-token pack keep its activations
+    assert actor._recompute_limit(70 * GIB) >= 16384
+    assert [mb.recompute for part in packs for mb in part] == [True, True, False]
+    assert actor.recompute_stats == (limit, 2 / 3)
+
+
+def test_null_sizes_the_update_by_the_step_batchs_tokens_over_all_ranks():
+    seen = []
+    sleep = EngineSleep(None, lambda tokens: seen.append(tokens) or GIB, CPU, lambda: 2 * GIB)
+    went, line = sleep.decide(TOKENS)
+    assert went is False and seen == [TOKENS]  # (one process: the sum over ranks is its own)
+    assert f"the update of {TOKENS} tokens needs 1.1 GiB" in line
 
 
 def test_before_the_first_optimizer_step_the_moments_it_will_allocate_count_too():

@@ -178,6 +178,32 @@ def test_with_checkpointing_chosen_the_micro_batches_that_fit_without_it_skip_th
     assert recompute_above(config, length=65536, fused_head=head, free_bytes=6 * GIB) is None
 
 
+def test_without_checkpointing_the_plan_bounds_what_the_forward_keeps_for_the_backward():
+    """The estimate the recompute threshold stands on: every tensor a bf16 forward saves for its backward
+    (counted once per storage, through autograd's saved-tensor hooks) fits the plan's activations without
+    checkpointing (layers x one layer's working set), which is not loose by more than 2x either. (CPU SDPA: a
+    GPU's flash attention saves no more. The backward's transients are what the plan's 1.5 factor is for.)"""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen2", vocab_size=1000, hidden_size=256, intermediate_size=1024,
+                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                  tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").train()
+    seq, storages = 1024, {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model.model(torch.randint(0, 1000, (1, seq)))
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}  # (a matmul saves its weight too)
+    saved = sum(n for ptr, n in storages.items() if ptr not in weights)
+    planned = plan(config, seq=seq, checkpointing=False, fused_head=True).activations
+    assert planned / 2 < saved <= planned
+
+
 def test_the_actor_sets_a_recompute_threshold_only_where_it_chose_checkpointing_on_a_gpu(tmp_path, monkeypatch):
     """recompute_threshold, which Actor.__init__ calls after the master weights: a threshold where a null
     gradient_checkpointing came out on for a training actor on a GPU (its free memory faked, less what the other

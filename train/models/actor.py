@@ -386,6 +386,8 @@ class Actor(Trainable):
                 metrics[f"actor/sampler_kl_lag{j}"] = kl / share
                 metrics[f"actor/tokens_share_lag{j}"] = share
         metrics["actor/entropy_coef"] = self.last_entropy_coef
+        if self.recompute_stats is not None:  # checkpointing by pack length (recompute_above): this update's choice
+            metrics["actor/recompute_limit"], metrics["actor/recompute_fraction"] = self.recompute_stats
         if cfg.kl.coef > 0:
             metrics["actor/kl_coef"] = self.kl_coef
         # Tokens the update's passes computed per token its samples hold: 1.0 unshared, less when a

@@ -50,8 +50,9 @@ before building the model; on CPU they are 4096, off and off, as before):
 
 `working_bytes` is what an update needs beyond the weights and AdamW moments that stay allocated between steps:
 its gradients, activations and unshard (or the optimizer step's temporary, or the push's two buckets, whichever
-is most), at the longer of the update's and the no-grad passes' micro-batch; before the first optimizer step the
-moments too (fused AdamW allocates them there). `rollout.sleep=null`
+is most), at the longer of the update's and the no-grad passes' micro-batch (or the step batch's tokens where
+those are fewer: no pack is longer), or at the longest micro-batch that skips the recompute where that needs
+more; before the first optimizer step the moments too (fused AdamW allocates them there). `rollout.sleep=null`
 (train/trainer/engine_sleep.py) keeps the engine awake through the update where the free memory covers it.
 
 `master_weights_fit` then decides a null `actor.master_weights` (train/models/actor.py): on where the plan
@@ -200,6 +201,15 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
                       activations=kept + head, unshard=unshard, engine_weights=engine,
                       kv_cache=replies * (prompt + new) * kv_per_token,
                       push_buffers=2 * min(int(bucket_mb * 2**20), 2 * (adapters if lora_rank else params)))
+
+
+def free_device_bytes(device) -> int:
+    """This rank's CUDA `device` bytes a new allocation can take now: free on the device, plus the allocator's
+    reserved blocks that hold no tensor."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
 def resident_bytes(config, *, trainable: bool, shards: int = 1, weight_bytes: int = 4) -> int:

@@ -20,7 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from train.models import optim
 from train.models.master_weights import MasterWeights
-from train.models.memory_plan import working_bytes
+from train.models.memory_plan import HEADROOM, free_device_bytes, working_bytes
 from train.models.vlm import VisionSpec, image_spans, is_vision_config, mrope_positions
 from train.parallel.collectives import all_reduce_max_many, all_reduce_sum
 from train.parallel.layout import Layout
@@ -90,11 +90,11 @@ class Trainable:
     masters: MasterWeights | None = None
     optimizer: torch.optim.Optimizer | None = None
     keeps_logits = False  # whether its loss reads [tokens, vocab] logits (the actor's plain head)
-    _working: tuple[int, ...] | None = None  # update_working_bytes' plan: (steady, before the first step)
     # with activation checkpointing: micro-batches of at most this many tokens (on the busiest rank) keep their
     # activations and skip the recompute (None: every micro-batch recomputes; memory_plan.recompute_above)
     recompute_above: int | None = None
     _checkpointed: list[torch.nn.Module] | None = None  # the layers built with checkpointing (_checkpointing)
+    recompute_stats: tuple[int, float] | None = None  # the last update's (limit, fraction of packs recomputed)
 
     def __init__(self, layout: Layout, device: torch.device, pad_id: int, max_tokens: int, infer_tokens: int,
                  max_grad_norm: float = 1.0, offload_optimizer: bool = False, offload_model: bool = False) -> None:
@@ -102,30 +102,30 @@ class Trainable:
         self.max_tokens, self.infer_tokens = max_tokens, infer_tokens
         self.max_grad_norm, self.offload_optimizer, self.offload_model = max_grad_norm, offload_optimizer, offload_model
 
-    def update_working_bytes(self) -> int | None:
-        """Device bytes per rank this model's next update will take beyond what it holds now
-        (memory_plan.working_bytes at the longer of its update and no-grad micro-batches, or at the longest one
-        that skips the recompute where that needs more, and the AdamW moments until the first optimizer step
-        has allocated them); None where the plan does not cover it: a model that
-        does not train, a vision-language model (the tower's activations) or a mixture of experts, tensor,
-        sequence or context parallelism, offloaded weights or moments, a CPU. The plan is computed once."""
-        if self._working is None:
-            sizes, config = self.layout.sizes, self.model.config
-            covered = not (self.device.type != "cuda" or self.optimizer is None or is_vision_config(config)
-                           or expert_count(config) or sizes.tp > 1 or sizes.seq > 1 or self.offload_model
-                           or self.offload_optimizer)
-            # the longest micro-batch as built, and the longest that skips the recompute (recompute_above)
-            points = [(max(self.max_tokens, self.infer_tokens), bool(self.cfg.gradient_checkpointing))]
-            if self.recompute_above is not None:
-                points.append((self.recompute_above, False))
-            self._working = tuple(
-                max(working_bytes(config, seq=seq, lora_rank=self.lora.rank, fused_head=not self.keeps_logits,
-                                  checkpointing=ckpt, master_weights=self.masters is not None, shards=sizes.fsdp,
-                                  moments=moments) for seq, ckpt in points)
-                for moments in (False, True)) if covered else ()
-        if not self._working:
+    def update_working_bytes(self, tokens: int | None = None) -> int | None:
+        """Device bytes per rank this model's next update will take beyond what it holds now: memory_plan's
+        working_bytes at its longest micro-batch (the longer of the update's and the no-grad passes'), and the
+        AdamW moments until the first optimizer step has allocated them. `tokens`: the step batch's tokens over
+        all ranks, which no pack can exceed (None: the configured lengths). Packs that would skip the recompute
+        (recompute_above) do so only within the memory free when the update starts (`_recompute_limit`), so
+        they add nothing here. None where the plan does not cover it: a model that does not train, a
+        vision-language model (the tower's activations) or a mixture of experts, tensor, sequence or context
+        parallelism, offloaded weights or moments, a CPU."""
+        if not self._planned():
             return None
-        return self._working[0] if self.optimizer.state else self._working[1]
+        seq = max(self.max_tokens, self.infer_tokens)
+        return working_bytes(self.model.config, seq=seq if tokens is None else min(seq, tokens),
+                             lora_rank=self.lora.rank, fused_head=not self.keeps_logits,
+                             checkpointing=bool(self.cfg.gradient_checkpointing),
+                             master_weights=self.masters is not None, shards=self.layout.sizes.fsdp,
+                             moments=not self.optimizer.state)
+
+    def _planned(self) -> bool:
+        """Whether memory_plan covers this model's update (update_working_bytes)."""
+        sizes, config = self.layout.sizes, self.model.config
+        return not (self.device.type != "cuda" or self.optimizer is None or is_vision_config(config)
+                    or expert_count(config) or sizes.tp > 1 or sizes.seq > 1 or self.offload_model
+                    or self.offload_optimizer)
 
     def use_master_weights(self, dtype: torch.dtype) -> None:
         """The model's weights in `dtype` with fp32 masters for the optimizer (train/models/master_weights.py);
@@ -272,13 +272,31 @@ class Trainable:
         return norms, packs
 
     def _mark_recompute(self, packs_per_part: list[list[PackedMicroBatch]]) -> None:
-        """Each pack recomputes in the backward when the longest of its place's packs over all ranks (one
-        all-reduce for the step) is over `recompute_above`: ranks choose alike, so collectives inside a
-        recomputed layer (expert parallelism's all-to-all, tensor parallelism's reductions) stay matched."""
+        """Each pack recomputes in the backward when the longest of its place's packs over all ranks is over
+        this update's limit (`_recompute_limit`: recompute_above, lowered to what the least free rank has room
+        for now); one all-reduce for the update. Ranks choose alike, so collectives inside a recomputed layer
+        (expert parallelism's all-to-all, tensor parallelism's reductions) stay matched."""
         flat = [mb for part in packs_per_part for mb in part]
-        longest = all_reduce_max_many([float(mb.total_len) for mb in flat], self.device)
+        free = free_device_bytes(self.device) if self.device.type == "cuda" else 0
+        *longest, least_free = all_reduce_max_many([float(mb.total_len) for mb in flat] + [-float(free)], self.device)
+        limit = self._recompute_limit(int(-least_free)) if self.device.type == "cuda" else self.recompute_above
         for mb, tokens in zip(flat, longest):
-            mb.recompute = tokens > self.recompute_above
+            mb.recompute = tokens > limit
+        self.recompute_stats = (limit, sum(mb.recompute for mb in flat) / max(len(flat), 1))
+
+    def _recompute_limit(self, free_bytes: int) -> int:
+        """The longest pack (recompute_above, or a multiple of 1024 below it) whose update without recompute fits
+        `free_bytes` now, by memory_plan's working_bytes plus 10% (0: every pack recomputes). recompute_above
+        was chosen at build time for an engine asleep through the update; an engine kept awake
+        (rollout.sleep=null) leaves less, and then shorter packs skip the recompute, or none."""
+        if not self._planned():
+            return self.recompute_above
+        fits = [s for s in [*range(1024, self.recompute_above, 1024), self.recompute_above]
+                if working_bytes(self.model.config, seq=s, lora_rank=self.lora.rank, fused_head=not self.keeps_logits,
+                                 checkpointing=False, master_weights=self.masters is not None,
+                                 shards=self.layout.sizes.fsdp, moments=not self.optimizer.state) * HEADROOM
+                <= free_bytes]
+        return fits[-1] if fits else 0
 
     def _checkpointing(self, on: bool) -> None:
         """Turn the model's checkpointed layers' recompute on or off for the next forward (HF's per-layer flag,

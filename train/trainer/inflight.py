@@ -130,7 +130,7 @@ class InflightRollouts(RolloutSource):
         got.metrics.update(self._inflight_metrics(step, samples, trainer_version, c))
         return got
 
-    def hand_over(self, step: int, metrics: dict[str, float]) -> None:
+    def hand_over(self, step: int, metrics: dict[str, float], tokens: int) -> None:
         """Admit prompts up to `inflight_groups` and start the next segment in the background (with the weights
         the update starts from); after the last step, free the engine as a synchronous run does."""
         if step >= self.total_steps:
@@ -391,7 +391,7 @@ class ContinuousRollouts(InflightRollouts):
         return self._hand_out(step, trainer_version, taken, dropped,
                               {"async/trainer_wait_s": time.monotonic() - start})
 
-    def hand_over(self, step: int, metrics: dict[str, float]) -> None:
+    def hand_over(self, step: int, metrics: dict[str, float], tokens: int) -> None:
         if step >= self.total_steps:
             self._pause()
             self.engine.sleep()

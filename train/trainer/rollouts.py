@@ -74,10 +74,10 @@ class RolloutSource:
         got.metrics["time/engine_wake_s"] = woke
         return got
 
-    def hand_over(self, step: int, metrics: dict[str, float]) -> None:
-        """The rollout is over: free the engine's accelerator memory for the update where the update needs it
-        (rollout.sleep; a no-op on CPU)."""
-        sleep, line = self.engine_sleep.decide() if self.engine_sleep is not None else (True, None)
+    def hand_over(self, step: int, metrics: dict[str, float], tokens: int) -> None:
+        """The rollout is over (this rank keeps `tokens` of it to train on): free the engine's accelerator
+        memory for the update where the update needs it (rollout.sleep; a no-op on CPU)."""
+        sleep, line = self.engine_sleep.decide(tokens) if self.engine_sleep is not None else (True, None)
         if line is not None:
             self.report.note(step, "engine_sleep", line)
         if sleep:
@@ -286,7 +286,7 @@ class PrefetchedRollouts(RolloutSource):
         got.metrics.update(waited)
         return got
 
-    def hand_over(self, step: int, metrics: dict[str, float]) -> None:
+    def hand_over(self, step: int, metrics: dict[str, float], tokens: int) -> None:
         """Queue the rollouts up to step+k (the last one generating in the background while this step
         trains); after the last step, free the engine as a synchronous run does."""
         if step >= self.total_steps:
