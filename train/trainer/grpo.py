@@ -457,8 +457,7 @@ class Trainer:
         with self.watchdog.phase("rollout"), phase_peak(self.ctx.device, "rollout", peaks := {}):  # memory/*: CUDA
             got = self.rollouts.next(step, self.trainer_version)  # made now, made ahead, or on a rollout rank
         metrics = {**got.metrics, **peaks}
-        # the next rollout starts (max_staleness), or the engine sleeps where the update needs its memory
-        self.rollouts.hand_over(step, metrics, tokens=sum(len(s.ids) for s in got.kept))
+        self.rollouts.hand_over(step, metrics, sum(len(s.ids) for s in got.kept))  # next rollout starts, or engine sleeps
         metrics.update(self.report.samples(step, got.samples, self.rollouts.api_calls()))
         t1, n = time.perf_counter(), self.cfg.data.responses_per_prompt
         # Every rank learns every kept sample's length, group and reward (the step batch's index).
