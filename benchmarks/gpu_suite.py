@@ -30,8 +30,10 @@ Sections (each one's failure is recorded and the others still run; the exit stat
 * `push`: weight push seconds per billion parameters (flat-bucket gather + the engine's copy), the
   trainer's `PolicySync.push` path.
 * `step`: 3 trainer steps on the same 0.5B-shaped model (stub tokenizer and data, `eq.py`),
-  the step's time breakdown from `metrics.jsonl`; by default (`rollout.sleep=null`: the engine stays awake where
-  the update fits beside it), then with the engine sleeping through every update (`rollout.sleep=true`).
+  the step's time breakdown from `metrics.jsonl`: with the GPU defaults (null actor lengths and checkpointing:
+  the micro-batch chosen from free memory, recompute only for packs that need it; `rollout.sleep=null`: the
+  engine stays awake where the update fits beside it), then with the engine sleeping through every update
+  (`rollout.sleep=true`), then with the stub config's 8,192-token packs (as the step rows before 2026-11-29).
 * `trl`: TRL's GRPOTrainer against this trainer on the same GPU, 0.5B-shaped model, data, group and
   lengths as `step` (`benchmarks/vs_trl.py --device cuda`, 4 steps each, the first left out): step
   seconds and the ratio; needs the `trl` wheels (`bash scripts/offline_wheels.sh DIR 3.12 --bench`).
@@ -646,20 +648,27 @@ def step_overrides(model: Path, shapes: Shapes, *flags: str) -> list[str]:
             "rollout.dynamic_filtering=false", "trainer.save_freq=null", *flags]
 
 
+# The step section's runs: the GPU defaults (actor lengths, checkpointing and rollout.sleep all null), the same
+# with the engine sleeping through every update, and the stub config's 8,192-token packs (the step rows before
+# 2026-11-29): name -> overrides.
+STEP_RUNS = {"default": ("actor.max_length_per_device=null", "actor.gradient_checkpointing=null", "rollout.sleep=null"),
+             "sleep_true": ("actor.max_length_per_device=null", "actor.gradient_checkpointing=null", "rollout.sleep=true"),
+             "packs_8192": ("rollout.sleep=null",)}
+
+
 def section_step(args, work: Path, shapes: Shapes, model_dir: Path) -> dict:
-    """The default run (rollout.sleep=null: the engine stays awake where the update fits beside it), then the
-    same with the engine sleeping through every update (rollout.sleep=true, as every run did before)."""
+    """STEP_RUNS, each 3 trainer steps; the default's means at the top level, the others' under their names."""
     out = {}
-    for sleep in ("null", "true"):
-        run = work / f"step_sleep_{sleep}"
+    for name, flags in STEP_RUNS.items():
+        run = work / f"step_{name}"
         shutil.rmtree(run, ignore_errors=True)
-        run_logged(trainer_cmd(run, step_overrides(model_dir, shapes, f"rollout.sleep={sleep}")),
-                   work / f"step_sleep_{sleep}.log", args.timeout)
-        means = step_means(run, ("engine/slept", "engine/cuda_graphs"))
-        if sleep == "null":
+        run_logged(trainer_cmd(run, step_overrides(model_dir, shapes, *flags)), work / f"step_{name}.log", args.timeout)
+        means = step_means(run, ("engine/slept", "engine/cuda_graphs", "actor/recompute_fraction",
+                                 "actor/recompute_limit"))
+        if name == "default":
             out.update(means)
         else:
-            out["sleep_true"] = means
+            out[name] = means
     return out
 
 
@@ -1032,10 +1041,12 @@ def markdown(result: dict) -> str:
         return (", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in r.items() if k.startswith("time/"))
                 + "".join(f"; {k.removeprefix('memory/')} {v:.1f} GiB" for k, v in r.items() if k.startswith("memory/"))
                 + (f"; engine slept {r['engine/slept']:.0f}, {r['engine/cuda_graphs']:.0f} CUDA graphs"
-                   if "engine/slept" in r else ""))
+                   if "engine/slept" in r else "")
+                + (f"; packs recomputed {r['actor/recompute_fraction']:.2f} (limit {r['actor/recompute_limit']:.0f})"
+                   if "actor/recompute_fraction" in r else ""))
 
-    cell("step", lambda r: step_cell(r) + (f" || rollout.sleep=true: {step_cell(r['sleep_true'])}"
-                                           if "sleep_true" in r else ""))
+    cell("step", lambda r: step_cell(r) + "".join(f" || {name}: {step_cell(r[name])}" for name in STEP_RUNS
+                                                  if isinstance(r.get(name), dict)))
     cell("ring", lambda r: "; ".join(
         f"{x['tokens']} tokens: {x['kernel']} {x['ring_s']:.3f} s vs SDPA {x['sdpa_s']:.3f} s "
         f"(x{x['ring_s'] / x['sdpa_s']:.2f})" + (f", peak {x['ring_peak_gib']:.2f} vs {x['sdpa_peak_gib']:.2f} GiB"

@@ -9,7 +9,8 @@ at least one kernel launch there (a foreach op is one multi-tensor kernel), and 
 a random model with Qwen2.5-0.5B's tensor layout (24 layers, 290 tensors, tied embeddings) at tiny widths, so the
 count is the real one and the arithmetic is negligible, and runs the actor's update as on one GPU (bf16 compute:
 bf16 weights with fp32 masters, the trainer's default, or with `--master-weights false` FSDP2's mixed precision
-over one rank; gradient checkpointing, one packed micro-batch unless `--packs`). It prints, per
+over one rank; gradient checkpointing, every pack recomputing unless `--recompute-above`, one packed
+micro-batch unless `--packs`). It prints, per
 phase, the ops dispatched (a `TorchDispatchMode` count: what the Python dispatcher sees, so a CPU foreach op
 that loops internally still counts once), the host syncs among them, and the median seconds over `--repeats`
 updates.
@@ -116,6 +117,7 @@ def build(args, folder: Path):
     cfg.master_weights = {"null": None, "true": True, "false": False}[args.master_weights]
     torch.manual_seed(0)
     actor = Actor(cfg, ctx, str(folder), pad_token_id=0, train=True, temperature=1.0, total_updates=1000)
+    actor.recompute_above = args.recompute_above  # what a GPU's plan sets (memory_plan.recompute_above)
     ids, masks, adv, sampler, max_new = gpu_suite.fixed_batch(args.tokens, shapes.vocab)
     index = exchange_index([len(x) for x in ids], list(range(len(ids))), [0.0] * len(ids), ctx.device)
     batch = dispatch(index, ids, masks, sampler, actor.layout, 1, ctx.device)
@@ -134,6 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--master-weights", default="null", choices=("null", "true", "false"),
                    help="actor.master_weights: true = bf16 weights and fp32 masters (null: the trainer's default, true "
                         "here), false = FSDP2's mixed precision over one rank")
+    p.add_argument("--recompute-above", type=int, default=None,
+                   help="packs of at most this many tokens skip the checkpointed recompute (default: every pack "
+                        "recomputes; a GPU's null actor.gradient_checkpointing sets it from free memory)")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -167,7 +172,9 @@ def main(argv: list[str] | None = None) -> None:
             actor.update(batch, max_new)
         phases.counter = None
     params = sum(1 for _ in actor.model.parameters())
-    print(f"{args.layers} layers, {params} tensors, {args.tokens} tokens in {args.packs} pack(s), {args.dtype}, "
+    recompute = ("every pack recomputes" if args.recompute_above is None else
+                 f"packs over {args.recompute_above} tokens recompute")
+    print(f"{args.layers} layers, {params} tensors, {args.tokens} tokens in {args.packs} pack(s) ({recompute}), {args.dtype}, "
           f"model {type(actor.model).__name__}{', compiled layers' if args.compile else ''}"
           f"{', fp32 masters (actor.master_weights)' if actor.masters is not None else ''}")
     print(f"| phase | ops | host syncs | ms (median of {args.repeats}) |\n|---|---|---|---|")

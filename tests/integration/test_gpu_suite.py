@@ -75,8 +75,10 @@ def test_gpu_suite_tiny_runs_every_section(tmp_path):
                  "push_profile_verify_True.txt"):
         assert "Self CPU" in (tmp_path / name).read_text()  # the profiles the GPU run is read by
     assert s["step"]["steps"] == 3 and s["step"]["time/step_s"] > 0 and "time/rollout_s" in s["step"]
-    # the default, then the engine told to sleep through every update (on CPU null calls the no-op sleep too)
+    # the defaults, then the engine told to sleep through every update (on CPU null calls the no-op sleep too),
+    # then the stub config's packs
     assert s["step"]["sleep_true"]["steps"] == 3 and s["step"]["sleep_true"]["engine/slept"] == 1.0
+    assert s["step"]["packs_8192"]["steps"] == 3 and s["step"]["packs_8192"]["time/update_s"] > 0
     moe = s["moe"]  # a mixture of experts, with router replay and the balance loss, then without replay
     assert moe["replay"]["steps"] == 3 and moe["no_replay"]["steps"] == 3
     assert moe["replay"]["actor/router_aux_loss"] > 0 and "actor/router_aux_loss" not in moe["no_replay"]
