@@ -553,8 +553,9 @@ def mfu_row(actor, ctx, work: Path, shapes: Shapes, info: dict, model_dir: Path,
         kernels = profiled(lambda: actor.update(batch, max_new), work / f"mfu_profile_{tokens}{tag}.txt")
     gflop = update_gflop(str(model_dir), len(ids), total / len(ids), actions / len(ids))
     tflops = gflop / seconds / 1e3
-    recompute = bool(actor.cfg.gradient_checkpointing) and (actor.recompute_above is None
-                                                              or total > actor.recompute_above)
+    # (with a recompute limit, the last update's own choice: the limit follows the memory free when it starts)
+    recompute = bool(actor.cfg.gradient_checkpointing) and (actor.recompute_stats is None
+                                                              or actor.recompute_stats[1] > 0)
     return {"lm_head": "fused" if fused else "plain", "compiled": bool(actor.cfg.compile), "recompute": recompute,
             "precision": ("fp32 masters" if actor.masters is not None else
                           "FSDP2 mixed" if actor.cfg.dtype == "bfloat16" else actor.cfg.dtype), "tokens": total,
