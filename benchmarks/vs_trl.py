@@ -331,6 +331,9 @@ def run_ours(a, work: Path, threads_per_proc: int) -> dict:
         "actor.warmup_ratio=0.0", "actor.weight_decay=0.0", "actor.kl.coef=0.0", "actor.clip=0.2",
         "actor.agg_mode=all_token_mean", "adv.norm_var=true",
         f"actor.dtype={'bfloat16' if a.device == 'cuda' else 'float32'}",
+        # on a GPU the micro-batch and the recompute from free memory, the defaults there (TRL runs its whole batch
+        # in one forward, without checkpointing); on CPU the stub config's 8,192-token packs
+        *(["actor.max_length_per_device=null", "actor.gradient_checkpointing=null"] if a.device == "cuda" else []),
         "rollout.dynamic_filtering=false",
         f"trainer.total_steps={a.steps}", f"trainer.test_freq={a.test_freq if a.learning_curve else 'null'}",
         f"data.test_data_path={a.test_data}", f"rollout.test_sampling_params.max_new_tokens={a.max_new_tokens}",
