@@ -45,14 +45,16 @@ before building the model; on CPU they are 4096, off and off, as before):
   update); 1024 at least.
 - `actor.gradient_checkpointing`: off when the update at that length fits without it, else on for the
   micro-batches that need it: those longer than the longest multiple of 1024 whose update fits without it
-  (`recompute_above`, decided with actor.master_weights). A shorter micro-batch keeps its activations and skips
-  the recompute; every rank takes the same choice for the same pack (its longest over the ranks decides).
+  (`recompute_above`, decided with actor.master_weights), a limit each update lowers to the working bytes that
+  the least free rank has room for when it starts (Trainable._recompute_limit: an engine kept awake leaves
+  less). A shorter micro-batch keeps its activations and skips the recompute; every rank takes the same choice
+  for the same pack (its longest over the ranks decides).
 
 `working_bytes` is what an update needs beyond the weights and AdamW moments that stay allocated between steps:
 its gradients, activations and unshard (or the optimizer step's temporary, or the push's two buckets, whichever
 is most), at the longer of the update's and the no-grad passes' micro-batch (or the step batch's tokens where
-those are fewer: no pack is longer), or at the longest micro-batch that skips the recompute where that needs
-more; before the first optimizer step the moments too (fused AdamW allocates them there). `rollout.sleep=null`
+those are fewer: no pack is longer); before the first optimizer step the moments too (fused AdamW allocates
+them there). `rollout.sleep=null`
 (train/trainer/engine_sleep.py) keeps the engine awake through the update where the free memory covers it.
 
 `master_weights_fit` then decides a null `actor.master_weights` (train/models/actor.py): on where the plan
