@@ -1,6 +1,7 @@
 """train/models/memory_plan.py: parameter counts are the model's own, and the estimate reproduces the
 peaks measured on one GPU (benchmarks/gpu_suite.py --only bigmodel)."""
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -88,6 +89,19 @@ def test_the_command_prints_a_plan_and_names_what_it_does_not_know(capsys):
     assert main(["--model", "qwen2.5-0.5b", "--lora-rank", "8", "--seq", "4096"]) == 0
     out = capsys.readouterr().out
     assert "qwen2.5-0.5b" in out and "LoRA rank 8" in out and "fits" in out
+    # without checkpointing: the longest micro-batch each card holds (recompute_above's rule), up to --seq
+    from train.models.memory_plan import recompute_above
+
+    assert main(["--model", "qwen3-4b", "--seq", "65536", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)["no_recompute_up_to"]
+    assert plain == {card: recompute_above(preset_config("qwen3-4b"), length=65537, fused_head=True,
+                                           free_bytes=int(gib * GIB)) for card, gib in CARDS.items()}
+    assert plain["80 GB (H100)"] < plain["141 GB (H200)"] <= 65536
+    assert main(["--model", "qwen2.5-0.5b", "--seq", "65536"]) == 0
+    small = recompute_above(preset_config("qwen2.5-0.5b"), length=65537, fused_head=True,
+                            free_bytes=int(CARDS["80 GB (H100)"] * GIB))
+    assert f"without checkpointing (the update alone, engine asleep): micro-batches up to {small} tokens on 80 GB" in (
+        capsys.readouterr().out)
     with pytest.raises(ValueError, match="neither a preset"):
         load_config("no-such-model")
     assert set(PRESETS) >= {"llama3.1-8b", "qwen3-4b"}

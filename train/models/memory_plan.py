@@ -399,14 +399,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.model:
         ap.error("--model is required (or --table)")
-    p = plan(load_config(args.model), seq=args.seq, lora_rank=args.lora_rank, share_base=not args.no_share_base,
+    config = load_config(args.model)
+    p = plan(config, seq=args.seq, lora_rank=args.lora_rank, share_base=not args.no_share_base,
              replies=args.replies, prompt=args.prompt, new=args.new, fused_head=not args.plain_head,
              foreach=args.foreach, bucket_mb=args.bucket_mb)
+    # the longest micro-batch whose update fits each card without checkpointing (recompute_above's rule)
+    plain = {card: recompute_above(config, length=args.seq + 1, fused_head=not args.plain_head,
+                                   free_bytes=int(gib * GIB), lora_rank=args.lora_rank) for card, gib in CARDS.items()}
     if args.json:
         print(json.dumps({**p.__dict__, "update_peak": p.update_peak, "rollout_peak": p.rollout_peak,
-                          "push_peak": p.push_peak}))
+                          "push_peak": p.push_peak, "no_recompute_up_to": plain}))
     else:
         print(describe(args.model, p, args.seq, args.lora_rank))
+        print("  without checkpointing (the update alone, engine asleep): micro-batches up to " + ", ".join(
+            f"{n if n is not None else 'none'} tokens on {card}" for card, n in plain.items())
+            + " keep their activations; longer ones recompute")
     return 0
 
 
