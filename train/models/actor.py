@@ -60,6 +60,16 @@ def loss_settings(cfg: ActorConfig) -> LossSettings:
 # (the last bucket: that many or more), with asynchronous rollouts.
 LAG_BUCKETS = 5
 
+def least_free_bytes(ctx: DistContext) -> int:
+    """The least free device memory of any rank (collective, as the build is), so that every rank decides alike."""
+    return int(-all_reduce_max(-float(torch.cuda.mem_get_info(ctx.device)[0]), ctx.device))
+
+
+def resolved(reserved_bytes: int | Callable[[], int]) -> int:
+    """What the run's other models will keep: `reserved_bytes`, or what the function given says."""
+    return reserved_bytes() if callable(reserved_bytes) else reserved_bytes
+
+
 def with_memory_settings(cfg: ActorConfig, ctx: DistContext, layout: Layout, model_path: str, train: bool,
                          reserved_bytes: int | Callable[[], int] = 0) -> tuple[ActorConfig, str | None]:
     """`cfg` with actor.max_length_per_device, gradient_checkpointing and use_liger_kernel decided where they
@@ -74,10 +84,9 @@ def with_memory_settings(cfg: ActorConfig, ctx: DistContext, layout: Layout, mod
     free = config = None
     reserved = 0
     if ctx.device.type == "cuda":
-        # the least free memory of any rank, so that every rank decides alike (collective, as the build is)
-        free = int(-all_reduce_max(-float(torch.cuda.mem_get_info(ctx.device)[0]), ctx.device))
+        free = least_free_bytes(ctx)
         config = AutoConfig.from_pretrained(model_path)
-        reserved = reserved_bytes() if callable(reserved_bytes) else reserved_bytes
+        reserved = resolved(reserved_bytes)
     try:
         auto = auto_settings(*settings, config=config, device_type=ctx.device.type, free_bytes=free,
                              lora_rank=cfg.lora.rank if train else 0, shards=layout.sizes.fsdp, tp_size=layout.sizes.tp,
@@ -111,7 +120,7 @@ def with_master_weights(cfg: ActorConfig, ctx: DistContext, layout: Layout, mode
                                  is_vision_config(config))
     default = True
     if why is None and cfg.master_weights is None and ctx.device.type == "cuda":
-        free = torch.cuda.mem_get_info(ctx.device)[0] - (reserved_bytes() if callable(reserved_bytes) else reserved_bytes)
+        free = torch.cuda.mem_get_info(ctx.device)[0] - resolved(reserved_bytes)
         default = master_weights_fit(config, seq=cfg.max_length_per_device, lora_rank=cfg.lora.rank,
                                      fused_head=bool(cfg.use_liger_kernel), checkpointing=bool(cfg.gradient_checkpointing),
                                      free_bytes=free, offload_optimizer=bool(cfg.offload_optimizer))
@@ -129,8 +138,7 @@ def recompute_threshold(cfg: ActorConfig, asked: bool | None, ctx: DistContext, 
         return None
     from transformers import AutoConfig
 
-    free = int(-all_reduce_max(-float(torch.cuda.mem_get_info(ctx.device)[0]), ctx.device))
-    free -= reserved_bytes() if callable(reserved_bytes) else reserved_bytes
+    free = least_free_bytes(ctx) - resolved(reserved_bytes)
     try:
         config = AutoConfig.from_pretrained(model_path)
         if is_vision_config(config) or expert_count(config):  # the plan leaves out a tower's or experts' activations

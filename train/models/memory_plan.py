@@ -67,6 +67,7 @@ import argparse
 import dataclasses
 import json
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from train.models.vlm import text_config
@@ -246,6 +247,12 @@ def fused_head_applies(config, tp_size: int) -> bool:
             and all(getattr(config, a, None) in (None, 1, 1.0) for a in LOGIT_POSTPROCESSING))
 
 
+def longest_fitting(lengths: Iterable[int], fits: Callable[[int], bool]) -> int | None:
+    """The last of `lengths` (ascending) that `fits`; None where none does."""
+    fitting = [s for s in lengths if fits(s)]
+    return fitting[-1] if fitting else None
+
+
 def update_need(config, seq: int, *, fused_head: bool, checkpointing: bool, lora_rank: int = 0, shards: int = 1,
                 offload_optimizer: bool = False, offload_model: bool = False, master_weights: bool = False,
                 counts: tuple[int, int] | None = None) -> float:
@@ -289,9 +296,8 @@ def auto_settings(max_length: int | None, checkpointing: bool | None, fused_head
 
     length = max_length
     if length is None:  # the longest that fits, checkpointing unless it is set off
-        fitting = [s for s in range(1024, MAX_AUTO_LENGTH + 1, 1024)
-                   if peak(s, head_at(s), checkpointing is not False) <= free_bytes]
-        length = fitting[-1] if fitting else 1024
+        length = longest_fitting(range(1024, MAX_AUTO_LENGTH + 1, 1024),
+                                 lambda s: peak(s, head_at(s), checkpointing is not False) <= free_bytes) or 1024
     head = head_at(length)
     ckpt = checkpointing if checkpointing is not None else peak(length, head, False) > free_bytes
     need = peak(length, head, ckpt)
@@ -315,11 +321,10 @@ def recompute_above(config, *, length: int, fused_head: bool, free_bytes: int, l
     `free_bytes` without checkpointing. Micro-batches up to it keep their activations and skip the recompute
     (a third more compute per layer); longer ones recompute. None when not even 1024 tokens fit without it."""
     counts = count_parameters(config, lora_rank)
-    fitting = [s for s in range(1024, length, 1024)
-               if update_need(config, s, fused_head=fused_head, checkpointing=False, lora_rank=lora_rank,
-                              shards=shards, offload_optimizer=offload_optimizer, offload_model=offload_model,
-                              master_weights=master_weights, counts=counts) <= free_bytes]
-    return fitting[-1] if fitting else None
+    return longest_fitting(range(1024, length, 1024), lambda s: update_need(
+        config, s, fused_head=fused_head, checkpointing=False, lora_rank=lora_rank, shards=shards,
+        offload_optimizer=offload_optimizer, offload_model=offload_model, master_weights=master_weights,
+        counts=counts) <= free_bytes)
 
 
 def master_weights_fit(config, *, seq: int, lora_rank: int, fused_head: bool, checkpointing: bool,

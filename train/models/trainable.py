@@ -20,7 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from train.models import optim
 from train.models.master_weights import MasterWeights
-from train.models.memory_plan import HEADROOM, free_device_bytes, working_bytes
+from train.models.memory_plan import HEADROOM, free_device_bytes, longest_fitting, working_bytes
 from train.models.vlm import VisionSpec, image_spans, is_vision_config, mrope_positions
 from train.parallel.collectives import all_reduce_max_many, all_reduce_sum
 from train.parallel.layout import Layout
@@ -114,11 +114,14 @@ class Trainable:
         if not self._planned():
             return None
         seq = max(self.max_tokens, self.infer_tokens)
-        return working_bytes(self.model.config, seq=seq if tokens is None else min(seq, tokens),
-                             lora_rank=self.lora.rank, fused_head=not self.keeps_logits,
-                             checkpointing=bool(self.cfg.gradient_checkpointing),
-                             master_weights=self.masters is not None, shards=self.layout.sizes.fsdp,
-                             moments=not self.optimizer.state)
+        return self._working_bytes(seq if tokens is None else min(seq, tokens), bool(self.cfg.gradient_checkpointing))
+
+    def _working_bytes(self, seq: int, checkpointing: bool) -> int:
+        """memory_plan.working_bytes of this model's update at `seq` tokens per micro-batch, as it is now built
+        (its head, masters, shards; the moments until the first optimizer step allocates them)."""
+        return working_bytes(self.model.config, seq=seq, lora_rank=self.lora.rank, fused_head=not self.keeps_logits,
+                             checkpointing=checkpointing, master_weights=self.masters is not None,
+                             shards=self.layout.sizes.fsdp, moments=not self.optimizer.state)
 
     def _planned(self) -> bool:
         """Whether memory_plan covers this model's update (update_working_bytes)."""
@@ -291,12 +294,8 @@ class Trainable:
         (rollout.sleep=null) leaves less, and then shorter packs skip the recompute, or none."""
         if not self._planned():
             return self.recompute_above
-        fits = [s for s in [*range(1024, self.recompute_above, 1024), self.recompute_above]
-                if working_bytes(self.model.config, seq=s, lora_rank=self.lora.rank, fused_head=not self.keeps_logits,
-                                 checkpointing=False, master_weights=self.masters is not None,
-                                 shards=self.layout.sizes.fsdp, moments=not self.optimizer.state) * HEADROOM
-                <= free_bytes]
-        return fits[-1] if fits else 0
+        return longest_fitting([*range(1024, self.recompute_above, 1024), self.recompute_above],
+                               lambda s: self._working_bytes(s, False) * HEADROOM <= free_bytes) or 0
 
     def _checkpointing(self, on: bool) -> None:
         """Turn the model's checkpointed layers' recompute on or off for the next forward (HF's per-layer flag,
