@@ -224,14 +224,15 @@ def test_the_actor_sets_a_recompute_threshold_only_where_it_chose_checkpointing_
     models keep); none where checkpointing was set by hand, is off, on a CPU, or for a reference."""
     from types import SimpleNamespace
 
-    import train.models.actor as actor_module
+    import train.models.memory_settings as settings_module
     from train.models.memory_plan import recompute_above
+    from train.models.memory_settings import BuildRoom, recompute_threshold
 
     config = preset_config("qwen2.5-0.5b")
     config.save_pretrained(tmp_path)  # config.json only: the rule reads shapes, no weights
     free = 60 * GIB
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
-    monkeypatch.setattr(actor_module, "all_reduce_max", lambda value, device: value)  # one rank
+    monkeypatch.setattr(settings_module, "all_reduce_max", lambda value, device: value)  # one rank
     cfg = run_config({"actor.dtype": "bfloat16", "actor.max_length_per_device": 65536,
                       "actor.gradient_checkpointing": True, "actor.use_liger_kernel": True,
                       "actor.master_weights": True}).actor
@@ -239,8 +240,8 @@ def test_the_actor_sets_a_recompute_threshold_only_where_it_chose_checkpointing_
     layout = SimpleNamespace(sizes=SimpleNamespace(fsdp=1, tp=1))
 
     def threshold(asked, ctx=gpu, train=True, reserved=0, **changes):
-        return actor_module.recompute_threshold(dataclasses.replace(cfg, **changes), asked, ctx, layout,
-                                                str(tmp_path), train, reserved)
+        return recompute_threshold(dataclasses.replace(cfg, **changes), asked, BuildRoom(ctx, str(tmp_path), reserved),
+                                   layout, train)
 
     want = recompute_above(config, length=65536, fused_head=True, free_bytes=free, master_weights=True)
     assert want is not None and threshold(None) == want
@@ -254,7 +255,50 @@ def test_the_actor_sets_a_recompute_threshold_only_where_it_chose_checkpointing_
     AutoConfig.for_model("qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                          num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16).save_pretrained(moe)
-    assert actor_module.recompute_threshold(cfg, None, gpu, layout, str(moe), True) is None  # experts: not planned
+    assert recompute_threshold(cfg, None, BuildRoom(gpu, str(moe)), layout, True) is None  # experts: not planned
+
+
+def test_the_actor_build_reads_the_config_the_free_memory_and_the_others_bytes_once(tmp_path, monkeypatch):
+    """decided_memory_settings, what Actor.__init__ calls: with every memory setting null on a GPU, its three
+    decisions read the model's config once, make one all-reduce of the free memory and ask the other models'
+    bytes once, and decide as the three functions do one by one."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    import train.models.memory_settings as settings_module
+    from train.models.memory_settings import (BuildRoom, decided_memory_settings, recompute_threshold,
+                                              with_master_weights, with_memory_settings)
+
+    preset_config("qwen2.5-0.5b").save_pretrained(tmp_path)
+    calls = {"config": 0, "all_reduce": 0, "reserved": 0}
+    read = transformers.AutoConfig.from_pretrained
+
+    def counted(key, fn):
+        def call(*a, **k):
+            calls[key] += 1
+            return fn(*a, **k)
+        return call
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", counted("config", read))
+    monkeypatch.setattr(settings_module, "all_reduce_max", counted("all_reduce", lambda value, device: value))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * GIB, 80 * GIB))
+    reserved = counted("reserved", lambda: 2 * GIB)
+    cfg = run_config({"actor.dtype": "bfloat16"}).actor
+    assert None in (cfg.max_length_per_device, cfg.gradient_checkpointing, cfg.master_weights)
+    gpu = SimpleNamespace(device=torch.device("cuda"))
+    layout = SimpleNamespace(sizes=SimpleNamespace(fsdp=1, tp=1), fsdp_mesh=SimpleNamespace(size=lambda: 1))
+    out, note, threshold = decided_memory_settings(cfg, BuildRoom(gpu, str(tmp_path), reserved), layout, True)
+    assert calls == {"config": 1, "all_reduce": 1, "reserved": 1}
+    one_by_one, _ = with_memory_settings(cfg, BuildRoom(gpu, str(tmp_path), reserved), layout, True)
+    one_by_one = with_master_weights(one_by_one, BuildRoom(gpu, str(tmp_path), reserved), layout, True)
+    assert out == one_by_one and out.master_weights and "(chosen)" in note
+    assert threshold == recompute_threshold(one_by_one, None, BuildRoom(gpu, str(tmp_path), reserved), layout, True)
+    assert (threshold is not None) == bool(out.gradient_checkpointing)  # chosen on: the short packs skip it
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    before = dict(calls)
+    decided_memory_settings(cfg, BuildRoom(cpu, str(tmp_path), reserved), layout, True)
+    assert calls["all_reduce"] == before["all_reduce"] and calls["reserved"] == before["reserved"]  # nothing on CPU
 
 
 def test_sharding_and_offload_make_room_and_a_model_that_cannot_fit_is_named():
@@ -278,7 +322,7 @@ def test_the_actor_decides_null_settings_before_it_builds_the_model():
 
     from omegaconf import OmegaConf
 
-    from train.models.actor import with_memory_settings
+    from train.models.memory_settings import BuildRoom, with_memory_settings
 
     section = OmegaConf.load(ROOT / "config" / "grpo.yaml").actor
     assert section.max_length_per_device is None and section.use_liger_kernel is None  # the shipped defaults
@@ -286,7 +330,7 @@ def test_the_actor_decides_null_settings_before_it_builds_the_model():
     layout = SimpleNamespace(sizes=SimpleNamespace(fsdp=1, tp=1))
     typed = run_config().actor
     for cfg in (section, typed):
-        out, note = with_memory_settings(cfg, ctx, layout, str(ROOT / "stub" / "model"), train=True)
+        out, note = with_memory_settings(cfg, BuildRoom(ctx, str(ROOT / "stub" / "model")), layout, train=True)
         assert (out.max_length_per_device, out.gradient_checkpointing, out.use_liger_kernel) == (4096, False, False)
         assert cfg.max_length_per_device is None and "on cpu" in note  # a copy: the caller's config is unchanged
 
@@ -297,8 +341,9 @@ def test_the_actor_takes_master_weights_on_a_gpu_where_the_plan_with_them_fits(t
     what the other models keep; off otherwise; a set value stays; a reference and fp32 never hold masters."""
     from types import SimpleNamespace
 
-    from train.models.actor import with_master_weights
+    import train.models.memory_settings as settings_module
     from train.models.memory_plan import HEADROOM
+    from train.models.memory_settings import BuildRoom, with_master_weights
 
     config = preset_config("qwen3-4b")
     config.save_pretrained(tmp_path)  # config.json only: the rule reads shapes, no weights
@@ -308,18 +353,20 @@ def test_the_actor_takes_master_weights_on_a_gpu_where_the_plan_with_them_fits(t
     ctx = SimpleNamespace(device=torch.device("cuda"))
     layout = SimpleNamespace(fsdp_mesh=SimpleNamespace(size=lambda: 1), sizes=SimpleNamespace(tp=1))
 
+    monkeypatch.setattr(settings_module, "all_reduce_max", lambda value, device: value)  # one rank
+
     def decided(free: int, reserved=0, **changes) -> bool:
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
         section = dataclasses.replace(cfg, **changes)
-        return with_master_weights(section, ctx, layout, str(tmp_path), True, reserved).master_weights
+        return with_master_weights(section, BuildRoom(ctx, str(tmp_path), reserved), layout, True).master_weights
 
     assert decided(need + 1) and not decided(need - 1)
     assert not decided(need + 1, reserved=lambda: 2)  # the reference's or the critic's bytes come off first
     assert decided(need - 1, master_weights=True) and not decided(need + 1, master_weights=False)
     assert not decided(need + 1, dtype="float32")
-    assert not with_master_weights(cfg, ctx, layout, str(tmp_path), False).master_weights  # a reference: frozen
+    assert not with_master_weights(cfg, BuildRoom(ctx, str(tmp_path)), layout, False).master_weights  # a reference
     wide = SimpleNamespace(fsdp_mesh=SimpleNamespace(size=lambda: 2), sizes=SimpleNamespace(tp=1))
-    assert not with_master_weights(cfg, ctx, wide, str(tmp_path), True).master_weights  # FSDP over 2 ranks
+    assert not with_master_weights(cfg, BuildRoom(ctx, str(tmp_path)), wide, True).master_weights  # FSDP, 2 ranks
 
 
 def test_what_the_other_models_keep_is_taken_off_before_choosing():

@@ -21,21 +21,19 @@ from train.algorithms.schedules import entropy_coef_schedule
 from train.models import optim
 from train.models.config import ActorConfig, compute_dtype, replaced
 from train.models.lora import LoraSettings, adapters_disabled
-from train.models.master_weights import decide_master_weights, master_weights_refusal
-from train.models.memory_plan import (CPU_MAX_LENGTH, AutoSettings, auto_settings, master_weights_fit,
-                                      recompute_above)
+from train.models.memory_settings import BuildRoom, decided_memory_settings
 from train.models.model_init import build_model
 from train.models.router_replay import RouterBalance, RouterReplay
 from train.models.trainable import Norms, Trainable, UpdateStats
 from train.models.vlm import VisionSpec, is_vision_config, mask_unsampled, vision_tower
-from train.parallel.collectives import all_reduce_max, all_reduce_sum
+from train.parallel.collectives import all_reduce_sum
 from train.parallel.distributed import DistContext
 from train.parallel.fused_logprobs import FusedLogprobHead
 from train.parallel.layout import Layout, layout_for
 from train.parallel.packing import PackedMicroBatch
 from train.parallel.parallelize import DTYPES
 from train.parallel.step_batch import StepBatch
-from train.parallel.tensor_parallel import expert_count, vocab_parallel_logprobs
+from train.parallel.tensor_parallel import vocab_parallel_logprobs
 
 
 def loss_settings(cfg: ActorConfig) -> LossSettings:
@@ -60,96 +58,6 @@ def loss_settings(cfg: ActorConfig) -> LossSettings:
 # (the last bucket: that many or more), with asynchronous rollouts.
 LAG_BUCKETS = 5
 
-def least_free_bytes(ctx: DistContext) -> int:
-    """The least free device memory of any rank (collective, as the build is), so that every rank decides alike."""
-    return int(-all_reduce_max(-float(torch.cuda.mem_get_info(ctx.device)[0]), ctx.device))
-
-
-def resolved(reserved_bytes: int | Callable[[], int]) -> int:
-    """What the run's other models will keep: `reserved_bytes`, or what the function given says."""
-    return reserved_bytes() if callable(reserved_bytes) else reserved_bytes
-
-
-def with_memory_settings(cfg: ActorConfig, ctx: DistContext, layout: Layout, model_path: str, train: bool,
-                         reserved_bytes: int | Callable[[], int] = 0) -> tuple[ActorConfig, str | None]:
-    """`cfg` with actor.max_length_per_device, gradient_checkpointing and use_liger_kernel decided where they
-    are null (train/models/memory_plan.auto_settings: from the model's shapes and this device's free memory on a
-    GPU; 4096, off, off on CPU), and the line that says how (None when none was null). `reserved_bytes`: what
-    the run's other models will keep, or a function that says it (called only when a GPU's memory decides)."""
-    settings = (cfg.max_length_per_device, cfg.gradient_checkpointing, cfg.use_liger_kernel)
-    if None not in settings:
-        return cfg, None
-    from transformers import AutoConfig
-
-    free = config = None
-    reserved = 0
-    if ctx.device.type == "cuda":
-        free = least_free_bytes(ctx)
-        config = AutoConfig.from_pretrained(model_path)
-        reserved = resolved(reserved_bytes)
-    try:
-        auto = auto_settings(*settings, config=config, device_type=ctx.device.type, free_bytes=free,
-                             lora_rank=cfg.lora.rank if train else 0, shards=layout.sizes.fsdp, tp_size=layout.sizes.tp,
-                             offload_optimizer=bool(cfg.offload_optimizer), offload_model=bool(cfg.offload_model),
-                             reserved_bytes=reserved)
-    except Exception as e:  # a model the plan cannot read: the CPU defaults, with checkpointing, and why
-        length = settings[0] or CPU_MAX_LENGTH
-        ckpt = True if settings[1] is None else settings[1]
-        head = bool(settings[2])
-        auto = AutoSettings(length, ckpt, head,
-                            f"no memory estimate for {model_path} ({type(e).__name__}: {str(e)[:120]}): "
-                            f"max_length_per_device {length}, gradient_checkpointing {'on' if ckpt else 'off'}, "
-                            f"fused head {'on' if head else 'off'}")
-    return replaced(cfg, max_length_per_device=auto.max_length_per_device,
-                     gradient_checkpointing=auto.gradient_checkpointing, use_liger_kernel=auto.use_liger_kernel), auto.note
-
-
-def with_master_weights(cfg: ActorConfig, ctx: DistContext, layout: Layout, model_path: str, train: bool,
-                        reserved_bytes: int | Callable[[], int] = 0) -> ActorConfig:
-    """`cfg` with actor.master_weights decided (train/models/master_weights.py): where it applies (one process
-    holds the whole text model in bf16 on the device), null is on on a CPU, and on a GPU when the update's plan
-    with the bf16 copies (2 more bytes per trainable parameter for the weights and 2 for the backward's
-    gradients, no FSDP unshard) fits the free memory at the settings chosen, less what the other models keep.
-    A reference (train=False) holds no masters."""
-    if not train or (cfg.dtype != "bfloat16" and not cfg.master_weights):
-        return replaced(cfg, master_weights=False)
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_path)
-    why = master_weights_refusal("actor", layout.fsdp_mesh.size() * layout.sizes.tp, cfg.dtype, bool(cfg.offload_model),
-                                 is_vision_config(config))
-    default = True
-    if why is None and cfg.master_weights is None and ctx.device.type == "cuda":
-        free = torch.cuda.mem_get_info(ctx.device)[0] - resolved(reserved_bytes)
-        default = master_weights_fit(config, seq=cfg.max_length_per_device, lora_rank=cfg.lora.rank,
-                                     fused_head=bool(cfg.use_liger_kernel), checkpointing=bool(cfg.gradient_checkpointing),
-                                     free_bytes=free, offload_optimizer=bool(cfg.offload_optimizer))
-    return replaced(cfg, master_weights=decide_master_weights(cfg.master_weights, "actor", why, default))
-
-
-def recompute_threshold(cfg: ActorConfig, asked: bool | None, ctx: DistContext, layout: Layout, model_path: str,
-                        train: bool, reserved_bytes: int | Callable[[], int] = 0) -> int | None:
-    """Where a null actor.gradient_checkpointing (`asked`) came out on for a GPU's update: the longest micro-batch
-    that fits without it (memory_plan.recompute_above, with the master weights decided), so shorter ones skip
-    the recompute; None (every micro-batch recomputes) where checkpointing was set, is off, on a CPU, or for a
-    vision-language model or a mixture of experts, whose activations the plan does not cover. From the
-    least free memory of any rank, so that every rank has the same threshold."""
-    if not (train and asked is None and cfg.gradient_checkpointing and ctx.device.type == "cuda"):
-        return None
-    from transformers import AutoConfig
-
-    free = least_free_bytes(ctx) - resolved(reserved_bytes)
-    try:
-        config = AutoConfig.from_pretrained(model_path)
-        if is_vision_config(config) or expert_count(config):  # the plan leaves out a tower's or experts' activations
-            return None
-        return recompute_above(config, length=cfg.max_length_per_device, fused_head=bool(cfg.use_liger_kernel),
-                               free_bytes=free, lora_rank=cfg.lora.rank, shards=layout.sizes.fsdp,
-                               offload_optimizer=bool(cfg.offload_optimizer), offload_model=bool(cfg.offload_model),
-                               master_weights=bool(cfg.master_weights))
-    except Exception:  # a model the plan cannot read: every micro-batch recomputes, as with_memory_settings chose
-        return None
-
 
 class Actor(Trainable):
     def __init__(self, cfg: ActorConfig, ctx: DistContext, model_path: str, *, pad_token_id: int, train: bool,
@@ -158,14 +66,9 @@ class Actor(Trainable):
         layout = layout or layout_for(cfg, ctx.world_size, ctx.device.type, "actor")
         # null settings decided here, once: `self.cfg` holds the values the actor runs with
         cfg = replaced(cfg, dtype=compute_dtype(cfg.dtype, ctx.device.type))
-        head_asked, checkpointing_asked = cfg.use_liger_kernel, cfg.gradient_checkpointing
-        cfg, self.memory_note = with_memory_settings(cfg, ctx, layout, model_path, train, reserved_bytes)
-        cfg = with_master_weights(cfg, ctx, layout, model_path, train, reserved_bytes)
-        self.recompute_above = recompute_threshold(cfg, checkpointing_asked, ctx, layout, model_path, train,
-                                                   reserved_bytes)
-        if self.recompute_above is not None:
-            self.memory_note += (f"; micro-batches of up to {self.recompute_above} tokens keep their activations "
-                                 "(no recompute)")
+        head_asked = cfg.use_liger_kernel
+        cfg, self.memory_note, self.recompute_above = decided_memory_settings(
+            cfg, BuildRoom(ctx, model_path, reserved_bytes), layout, train)
         super().__init__(layout, ctx.device, pad_token_id, cfg.max_length_per_device,
                          cfg.max_inference_length_per_device or 2 * cfg.max_length_per_device,
                          cfg.max_grad_norm, bool(cfg.offload_optimizer),

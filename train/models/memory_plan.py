@@ -33,7 +33,7 @@ stays under the card's memory. Checked against the H100 runs of `benchmarks/gpu_
 working set (layers x the one-layer set above). Under FSDP over F ranks the weights, gradients and moments
 are F times smaller per rank; activations are not.
 
-`auto_settings` turns three null actor settings into values on a GPU (`train/models/actor.py` calls it
+`auto_settings` turns three null actor settings into values on a GPU (`train/models/memory_settings.py` calls it
 before building the model; on CPU they are 4096, off and off, as before):
 
 - `actor.use_liger_kernel` (the fused log-prob head): on where it applies (tp_size 1, a text model whose
@@ -57,7 +57,7 @@ those are fewer: no pack is longer); before the first optimizer step the moments
 them there). `rollout.sleep=null`
 (train/trainer/engine_sleep.py) keeps the engine awake through the update where the free memory covers it.
 
-`master_weights_fit` then decides a null `actor.master_weights` (train/models/actor.py): on where the plan
+`master_weights_fit` then decides a null `actor.master_weights` (train/models/memory_settings.py): on where the plan
 with it, at the settings chosen, plus 10% fits the same free memory. A frozen model of the run (the KL
 reference) holds its weights in the run's dtype: `resident_bytes(..., weight_bytes=2)` in bf16.
 """
