@@ -99,7 +99,7 @@ def test_the_actors_working_bytes_are_its_gradients_and_activations_at_its_longe
     params, _ = count_parameters(config)
     seq, h, layers, inter, heads, kv, hd = 32768, 896, 24, 4864, 14, 2, 64
     # fp32 gradient sums and the backward's bf16 gradients; every layer's bf16 input; one layer's working set
-    want = 6 * params + layers * seq * h * 2 + int(1.5 * (4 * h + 2 * heads * hd + 2 * kv * hd + 5 * inter) * seq * 2)
+    want = 6 * params + layers * seq * h * 2 + int(1.5 * (4 * h + 3 * heads * hd + 3 * kv * hd + 5 * inter) * seq * 2)
     assert Trainable.update_working_bytes(fake_actor()) == want
     assert working_bytes(config, seq=seq, lora_rank=0, fused_head=True, checkpointing=True,
                          master_weights=True) == want
@@ -109,7 +109,7 @@ def test_the_actors_working_bytes_are_its_gradients_and_activations_at_its_longe
     # the plain head: 12 bytes per token and vocabulary entry of its logits (a critic's value head keeps none)
     assert Trainable.update_working_bytes(fake_actor(keeps_logits=True)) == want + 12 * seq * 151936
     # a step batch of 8,192 tokens over all ranks makes no longer pack; one of more is held to the configured length
-    short = 6 * params + layers * 8192 * h * 2 + int(1.5 * (4 * h + 2 * heads * hd + 2 * kv * hd + 5 * inter) * 8192 * 2)
+    short = 6 * params + layers * 8192 * h * 2 + int(1.5 * (4 * h + 3 * heads * hd + 3 * kv * hd + 5 * inter) * 8192 * 2)
     assert fake_actor().update_working_bytes(tokens=8192) == short < want
     assert fake_actor().update_working_bytes(tokens=10**6) == want
 
@@ -123,7 +123,7 @@ def test_packs_skip_the_recompute_only_as_far_as_the_memory_free_at_the_update_a
     h, layers, inter, heads, kv, hd = 896, 24, 4864, 14, 2, 64
 
     def need(seq: int) -> float:  # fp32 gradient sums and bf16 gradients; every layer's working set
-        return (6 * params + layers * int(1.5 * (4 * h + 2 * heads * hd + 2 * kv * hd + 5 * inter) * seq * 2)) * 1.1
+        return (6 * params + layers * int(1.5 * (4 * h + 3 * heads * hd + 3 * kv * hd + 5 * inter) * seq * 2)) * 1.1
 
     actor = fake_actor(recompute_above=30720)
     assert actor._recompute_limit(10**13) == 30720
@@ -181,8 +181,23 @@ def test_before_the_first_optimizer_step_the_moments_it_will_allocate_count_too(
 @pytest.mark.parametrize("change", [
     dict(device=torch.device("cpu")), dict(optimizer=None), dict(layout=SimpleNamespace(sizes=Sizes(1, 1, 2, 1, 1))),
     dict(layout=SimpleNamespace(sizes=Sizes(1, 2, 1, 2, 1))), dict(offload_optimizer=True),
-    dict(model=SimpleNamespace(config=SimpleNamespace(num_experts=8, model_type="qwen3_moe"))),
+    dict(layout=SimpleNamespace(sizes=Sizes(ddp=1, fsdp=2, tp=1, sp=1, dp=2, ep=2))),
     dict(model=SimpleNamespace(config=SimpleNamespace(vision_config={"depth": 32}, model_type="qwen2_5_vl"))),
-], ids=["cpu", "reference", "tp", "sp", "offload", "moe", "vision"])
+], ids=["cpu", "reference", "tp", "sp", "offload", "expert_parallel", "vision"])
 def test_no_estimate_where_the_plan_does_not_cover_the_update(change):
     assert Trainable.update_working_bytes(fake_actor(**change)) is None
+
+
+def test_a_mixture_of_experts_is_estimated_with_each_tokens_top_k_expert_copies():
+    """A Qwen3-30B-A3B-shaped actor (128 experts, top-8 of width 768): every layer's working set counts each of
+    a token's 8 copies (its input and weighted output, 5 x the expert's width) and the router's fp32 logits and
+    probabilities, in place of the dense 5 x intermediate_size."""
+    from train.models.memory_plan import preset_config as preset
+
+    config = preset("qwen3-30b-a3b")
+    params, _ = count_parameters(config)
+    seq, h, layers, heads, kv, hd = 16384, 2048, 48, 32, 4, 128
+    mlp = 8 * (2 * h + 5 * 768) + 4 * 128  # > 5 x 6144, the dense width Qwen3-MoE's config also names
+    want = 6 * params + layers * seq * h * 2 + int(1.5 * (4 * h + 3 * heads * hd + 3 * kv * hd + mlp) * seq * 2)
+    actor = fake_actor(model=SimpleNamespace(config=config), max_tokens=seq, infer_tokens=seq)
+    assert Trainable.update_working_bytes(actor) == want

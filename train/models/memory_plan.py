@@ -1,7 +1,7 @@
 """What fits on one GPU: device memory of an RL step on one rank, estimated from a model's config.
 
     .venv/bin/python -m train.models.memory_plan --model llama3.1-8b --lora-rank 32 --seq 16384
-    .venv/bin/python -m train.models.memory_plan --model path/to/hf_folder --seq 8192 --full
+    .venv/bin/python -m train.models.memory_plan --model path/to/hf_folder --seq 8192   # full fine-tuning (no --lora-rank)
     .venv/bin/python -m train.models.memory_plan --table          # the presets on 80 GB and 141 GB cards
 
 The rule, per rank with the actor unsharded (one GPU), P parameters, L LoRA adapter parameters,
@@ -16,7 +16,10 @@ bf16 compute (`actor.dtype=bfloat16`), S tokens per packed micro-batch:
 - update activations with gradient checkpointing: every layer's bf16 input (layers x S x hidden x 2),
   plus one layer's recomputed working set, about 1.5 x (4 hidden + 2 query + 2 key/value + 5
   intermediate) x S x 2 bytes; the fused log-prob head keeps no [S, vocab] logits (without it, 12
-  bytes per action token and vocabulary entry). FSDP2's one-rank unshard of the largest group (the
+  bytes per action token and vocabulary entry). A mixture of experts counts, in place of 5 intermediate,
+  each of a token's top-k copies (2 hidden + 5 x the expert's width), the shared experts and the router
+  (`mlp_width`); attention sinks (GPT-OSS) add the packed attention's per-segment scores (`attention_width`).
+  Checked against what a bf16 forward saves for its backward, family by family, in tests/unit/test_memory_plan.py. FSDP2's one-rank unshard of the largest group (the
   embeddings, or one layer) in bf16, and for a full fine-tune its fp32 gradient before the reduce.
 - rollout: the actor's weights and optimizer state stay (gradients are freed after the step), the
   engine's own bf16 weights (2P + 2L; 2L when it borrows the actor's frozen base,
@@ -92,6 +95,9 @@ PRESETS: dict[str, dict] = {
     "qwen3-32b": dict(model_type="qwen3", hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
                       num_key_value_heads=8, head_dim=128, intermediate_size=25600, vocab_size=151936,
                       tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, vocab_size=151936, tie_word_embeddings=False),
 }
 
 
@@ -183,11 +189,10 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or h // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    inter = config.intermediate_size
     trainable = adapters if lora_rank else params
     weights = (2 * params + 4 * adapters) if lora_rank else 4 * params
     checkpoints = layers * seq * h * 2
-    layer_set = int(1.5 * (4 * h + 2 * heads * head_dim + 2 * kv_heads * head_dim + 5 * inter) * seq * 2)
+    layer_set = int(1.5 * (4 * h + attention_width(config, seq) + mlp_width(config)) * seq * 2)
     kept = checkpoints + layer_set if checkpointing else layers * layer_set
     head = 0 if fused_head else 12 * seq * vocab
     largest_group = max(vocab * h, params // max(layers, 1))
@@ -204,6 +209,43 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
                       activations=kept + head, unshard=unshard, engine_weights=engine,
                       kv_cache=replies * (prompt + new) * kv_per_token,
                       push_buffers=2 * min(int(bucket_mb * 2**20), 2 * (adapters if lora_rank else params)))
+
+
+ATTENTION_SINKS = ("gpt_oss",)  # model types whose attention has one sink logit per head (GPT-OSS)
+
+
+def attention_width(config, seq: int) -> int:
+    """Values per token that one layer's attention keeps for the backward (2 bytes each in bf16): its queries,
+    keys and values with their projections' outputs (2 x query width + 2 x key/value width; SDPA's flash and
+    efficient kernels keep only their output and log-sum-exp besides). With attention sinks the packed attention
+    (train/parallel/seq_parallel.py) takes explicit scores per segment, keeping fp32 probabilities and their bf16
+    copy (6 bytes per head, query and key of a segment): 3 x heads x seq, the worst case of one segment as long
+    as the micro-batch."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    scores = 3 * heads * seq if getattr(config, "model_type", None) in ATTENTION_SINKS else 0
+    return 3 * heads * head_dim + 3 * kv_heads * head_dim + scores
+
+
+def mlp_width(config) -> int:
+    """Values per token that one layer's MLP keeps for the backward (2 bytes each in bf16). A dense MLP:
+    5 x intermediate_size (the gate's and up projection's outputs, the activation, their product, and the
+    down projection's input). A mixture of experts: for each of the top-k copies of a token, its gathered input
+    and weighted output (2 x hidden) and 5 x the expert's width; the shared experts' 5 x their width; the
+    router's fp32 logits and probabilities (4 x experts, counted in 2-byte values). A model with both kinds of
+    layer (Qwen-MoE's mlp_only_layers, DeepSeek's first dense layers) takes the larger for every layer."""
+    from train.parallel.tensor_parallel import expert_count
+
+    dense = 5 * config.intermediate_size
+    experts = expert_count(config)
+    if not experts:
+        return dense
+    top_k = config.num_experts_per_tok
+    width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    shared = (getattr(config, "shared_expert_intermediate_size", None)
+              or (getattr(config, "n_shared_experts", None) or 0) * width)
+    return max(dense, top_k * (2 * config.hidden_size + 5 * width) + 5 * shared + 4 * experts)
 
 
 def free_device_bytes(device) -> int:
@@ -365,7 +407,7 @@ def describe(name: str, p: MemoryPlan, seq: int, lora_rank: int) -> str:
 
 
 TABLE_ROWS = (("qwen2.5-0.5b", 0), ("qwen3-4b", 0), ("qwen3-4b", 32), ("llama3.1-8b", 0), ("llama3.1-8b", 32),
-              ("qwen3-8b", 32), ("qwen3-32b", 32))
+              ("qwen3-8b", 32), ("qwen3-32b", 32), ("qwen3-30b-a3b", 32))
 
 
 def table(seqs: tuple[int, ...] = (16384, 32768)) -> str:

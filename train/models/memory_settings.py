@@ -28,7 +28,6 @@ from train.models.vlm import is_vision_config
 from train.parallel.collectives import all_reduce_max
 from train.parallel.distributed import DistContext
 from train.parallel.layout import Layout
-from train.parallel.tensor_parallel import expert_count
 
 
 class BuildRoom:
@@ -112,14 +111,15 @@ def recompute_threshold(cfg: ActorConfig, asked: bool | None, room: BuildRoom, l
                         train: bool) -> int | None:
     """Where a null actor.gradient_checkpointing (`asked`) came out on for a GPU's update: the longest micro-batch
     that fits without it (memory_plan.recompute_above, with the master weights decided), so shorter ones skip
-    the recompute; None (every micro-batch recomputes) where checkpointing was set, is off, on a CPU, or for a
-    vision-language model or a mixture of experts, whose activations the plan does not cover."""
-    if not (train and asked is None and cfg.gradient_checkpointing and room.on_gpu):
+    the recompute; None (every micro-batch recomputes) where checkpointing was set, is off, on a CPU, for a
+    vision-language model (the plan leaves out its tower's activations) or under expert parallelism (the tokens a
+    rank's experts receive are not its own)."""
+    if not (train and asked is None and cfg.gradient_checkpointing and room.on_gpu and layout.sizes.ep == 1):
         return None
     free = room.free
     try:
         config = room.config
-        if is_vision_config(config) or expert_count(config):  # the plan leaves out a tower's or experts' activations
+        if is_vision_config(config):
             return None
         return recompute_above(config, length=cfg.max_length_per_device, fused_head=bool(cfg.use_liger_kernel),
                                free_bytes=free, lora_rank=cfg.lora.rank, shards=layout.sizes.fsdp,

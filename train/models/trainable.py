@@ -28,7 +28,6 @@ from train.parallel.packing import (PackedMicroBatch, SampleMedia, build_packed,
                                     unit_length)
 from train.parallel.shard_norms import local_pieces, local_square_sum
 from train.parallel.step_batch import StepBatch
-from train.parallel.tensor_parallel import expert_count
 from train.utils.image_inputs import ImageInputs
 
 
@@ -109,8 +108,8 @@ class Trainable:
         all ranks, which no pack can exceed (None: the configured lengths). Packs that would skip the recompute
         (recompute_above) do so only within the memory free when the update starts (`_recompute_limit`), so
         they add nothing here. None where the plan does not cover it: a model that does not train, a
-        vision-language model (the tower's activations) or a mixture of experts, tensor, sequence or context
-        parallelism, offloaded weights or moments, a CPU."""
+        vision-language model (the tower's activations), expert, tensor, sequence or context parallelism,
+        offloaded weights or moments, a CPU."""
         if not self._planned():
             return None
         seq = max(self.max_tokens, self.infer_tokens)
@@ -127,8 +126,7 @@ class Trainable:
         """Whether memory_plan covers this model's update (update_working_bytes)."""
         sizes, config = self.layout.sizes, self.model.config
         return not (self.device.type != "cuda" or self.optimizer is None or is_vision_config(config)
-                    or expert_count(config) or sizes.tp > 1 or sizes.seq > 1 or self.offload_model
-                    or self.offload_optimizer)
+                    or sizes.ep > 1 or sizes.tp > 1 or sizes.seq > 1 or self.offload_model or self.offload_optimizer)
 
     def use_master_weights(self, dtype: torch.dtype) -> None:
         """The model's weights in `dtype` with fp32 masters for the optimizer (train/models/master_weights.py);
