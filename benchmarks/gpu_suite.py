@@ -68,6 +68,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -224,10 +225,18 @@ def profiled(fn, path: Path, rows: int = 30) -> int:
 # ------------------------------------------------------------------------------------------ sections
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment for a child, less the rank and rendezvous that build_actor's one-rank group put
+    there (the push and mfu sections): a child started with them would join this process's port."""
+    from train.parallel.distributed import without_launcher_env
+
+    return without_launcher_env(os.environ)
+
+
 def run_logged(cmd: list[str], log: Path, timeout_s: int, env: dict | None = None) -> subprocess.CompletedProcess:
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s,
-                              env={**os.environ, **(env or {})})
+                              env={**child_env(), **(env or {})})
     if proc.returncode != 0:
         tail = log.read_text()[-3000:]
         raise RuntimeError(f"`{' '.join(cmd)}` exited with {proc.returncode} (log: {log}):\n{tail}")
@@ -244,7 +253,8 @@ def section_tests(args, work: Path) -> dict:
         raise RuntimeError("no test file under tests/ has a test marked gpu")
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout)
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout,
+                              env=child_env())
     text = log.read_text()
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", text)}
     if proc.returncode != 0 or counts.get("failed") or counts.get("error") or counts.get("errors"):
@@ -355,9 +365,10 @@ def section_decode(args, work: Path, shapes: Shapes, info: dict, layers: bool = 
         finally:
             engine.close()
             del engine
-    if not layers:
-        rows.append(hf_generate_row(model, shapes, bw, weight_bytes, kv_bytes_per_token))
     uncompile_modules(model)
+    if not layers:  # plain transformers: the engine's compiled modules and grouped decode attention taken off
+        model.set_attn_implementation("sdpa")
+        rows.append(hf_generate_row(model, shapes, bw, weight_bytes, kv_bytes_per_token))
     del model
     if info["cuda"]:
         torch.cuda.empty_cache()
@@ -1060,6 +1071,27 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+class TimeLimit(BaseException):
+    """SIGTERM, which scripts/gpu_check.sh's `timeout` sends at its limit: the running section is recorded as
+    stopped and no other starts (a BaseException, so that no section's own `except Exception` takes it)."""
+    PREFIX = "stopped by SIGTERM"
+
+    @classmethod
+    def raise_it(cls, signum: int, frame) -> None:
+        raise cls(f"{cls.PREFIX} (the time limit) while this section ran")
+
+
+def write_results(work: Path, result: dict) -> str:
+    """gpu_suite.json and gpu_suite.md as they stand (after every section); returns the markdown."""
+    (work / "gpu_suite.json").write_text(json.dumps(result, indent=1, default=str))
+    try:
+        table = markdown(result)
+    except Exception as exc:  # a partial result the table cannot show: the json holds it
+        table = f"(no table: {type(exc).__name__}: {exc}; see gpu_suite.json)"
+    (work / "gpu_suite.md").write_text(table)
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny shapes, runs on CPU in about a minute")
@@ -1081,6 +1113,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no CUDA device: the full suite needs a GPU (use --tiny to run the same code paths on CPU)")
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, TimeLimit.raise_it)
     result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "tiny": args.tiny,
               "date": time.strftime("%Y-%m-%d %H:%M"), "device": info, "shapes": dataclasses.asdict(shapes),
               "sections": {}}
@@ -1128,19 +1161,20 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # one section's failure is recorded; the others still run
                 traceback.print_exc()
                 out = {"error": f"{type(exc).__name__}: {exc}"}
+            except TimeLimit as exc:  # recorded, and no section starts after it
+                out = {"error": str(exc)}
             out["section_s"] = time.perf_counter() - start
             result["sections"][name] = out
             print(f"[gpu_suite] {name}: {json.dumps(out, default=str)[:400]}", flush=True)
             # After every section: a run stopped by a time limit still leaves what it measured.
-            (work / "gpu_suite.json").write_text(json.dumps(result, indent=1, default=str))
+            write_results(work, result)
+            if isinstance(out.get("error"), str) and out["error"].startswith(TimeLimit.PREFIX):
+                break
         del actor
     from train.parallel.distributed import cleanup
 
     cleanup()
-    (work / "gpu_suite.json").write_text(json.dumps(result, indent=1, default=str))
-    table = markdown(result)
-    (work / "gpu_suite.md").write_text(table)
-    print(table)
+    print(write_results(work, result))
     failed = [n for n, r in result["sections"].items() if "error" in r]
     if failed:
         print(f"[gpu_suite] failed: {', '.join(failed)}", flush=True)

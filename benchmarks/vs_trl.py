@@ -104,7 +104,11 @@ def count_params(model_dir: str) -> int | None:
 
 
 def offline_env(threads_per_proc: int, device: str = "cpu") -> dict[str, str]:
-    env = dict(os.environ)
+    from train.parallel.distributed import without_launcher_env
+
+    # A caller that is itself a distributed process (gpu_suite.py after its push section) must not hand its
+    # rank and rendezvous to a trainer started without torchrun: TRL's accelerate would join the caller's port.
+    env = without_launcher_env(os.environ)
     env.update(
         OMP_NUM_THREADS=str(threads_per_proc),
         MKL_NUM_THREADS=str(threads_per_proc),
@@ -118,15 +122,7 @@ def offline_env(threads_per_proc: int, device: str = "cpu") -> dict[str, str]:
     )
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU benchmark even where a GPU exists
-    # A caller that is itself a distributed process (gpu_suite.py after its push section) must not hand its
-    # rank and rendezvous to a trainer started without torchrun: TRL's accelerate would join the caller's port.
-    for key in [k for k in env if k in DIST_ENV or k.startswith("TORCHELASTIC_")]:
-        del env[key]
     return env
-
-
-DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
-            "MASTER_ADDR", "MASTER_PORT")
 
 
 # ---------------------------------------------------------------------------------------------

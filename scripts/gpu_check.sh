@@ -24,9 +24,12 @@ WORK=$(mktemp -d)
 STATUS=0
 timeout "$SECONDS_LIMIT" "$PY" benchmarks/gpu_suite.py --only "$SECTIONS" --out "$WORK" > "$OUT/gpu_suite.log" 2>&1 \
   || STATUS=$?
-# What it measured, even when a section failed or the time ran out (gpu_suite.json is rewritten after each section).
-find "$WORK" -maxdepth 1 -type f \( -name 'gpu_suite.*' -o -name '*profile*.txt' -o -name '*.log' -o -name '*.json' \) \
-  -exec cp {} "$OUT"/ \;
+# What it measured, even when a section failed or the time ran out (gpu_suite.json and .md are rewritten after each
+# section). The device tool brings back at most 8 files: the two results as they are, the rest (profiles, logs,
+# the peers' json) in one archive.
+for f in gpu_suite.json gpu_suite.md; do [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"; done
+( cd "$WORK" && find . -maxdepth 1 -type f \( -name '*profile*.txt' -o -name '*.log' -o -name '*.json' \) \
+  ! -name gpu_suite.json -print0 | tar czf "$OUT/extras.tgz" --null -T - ) || true
 tail -n 30 "$OUT/gpu_suite.log"
 [ -f "$OUT/gpu_suite.md" ] && cat "$OUT/gpu_suite.md"
 echo "gpu_check: exit $STATUS (124: the ${SECONDS_LIMIT} s limit; 1: a section failed), outputs in $OUT"

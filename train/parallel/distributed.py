@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# What torchrun (or a one-process `init_distributed`) puts in the environment: a rank and a rendezvous.
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                "MASTER_ADDR", "MASTER_PORT")
+
+
+def without_launcher_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` less the launcher's rank and rendezvous variables (LAUNCHER_ENV, TORCHELASTIC_*): for a child
+    process that starts its own group. With them it would join its parent's port (EADDRINUSE) as its rank 0."""
+    return {k: v for k, v in env.items() if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
 
 
 def run_device_type() -> str:
