@@ -40,6 +40,22 @@ def qwen2(seed: int = 0, layers: int = 3) -> Qwen2ForCausalLM:
     return model
 
 
+def deepseek_mla(seed: int = 0):
+    """Multi-head latent attention (DeepSeek-V3's layout): keys wider than values (qk_head_dim 24, v_head_dim 8)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                              num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                              topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                              v_head_dim=8, head_dim=8, max_position_embeddings=512)
+    model = DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
 def requests(seed: int = 1) -> list[tuple[list[int], SamplingParams]]:
     """Groups sharing a prompt (shared prefill), ragged prompt lengths (left padding), budgets from
     3 to 40 tokens and an EOS token, so rows finish at many different steps (compaction), greedy,
@@ -79,13 +95,32 @@ def compare(model, device: str = "cpu", rounds: int = 2, compile_decode: bool = 
     return static
 
 
-@pytest.mark.parametrize("make", [llama, qwen2], ids=["llama", "qwen2-gqa-tied"])
+@pytest.mark.parametrize("make", [llama, qwen2, deepseek_mla], ids=["llama", "qwen2-gqa-tied", "deepseek-mla"])
 def test_static_decoding_matches_the_dynamic_path_on_cpu(make) -> None:
     engine = compare(make())
     decoder = engine._static
     assert decoder is not None and decoder.compactions > 0  # finished rows were moved out
     assert engine.stats["cuda_graphs"] == 0  # no graphs on CPU
     assert decoder.rows == row_bucket(36) and decoder.columns % COLUMN_BLOCK == 0
+    # each buffer has the heads and width of what its layer caches (latent attention caches keys and values of
+    # different widths)
+    with torch.no_grad():
+        cache = engine.model(torch.tensor([[5, 6, 7]]), use_cache=True).past_key_values
+    assert [(k.shape[1], k.shape[3], v.shape[1], v.shape[3]) for k, v in zip(decoder.keys, decoder.values)] == [
+        (layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[1], layer.values.shape[3])
+        for layer in cache.layers]
+
+
+def test_rows_past_the_live_ones_start_each_batch_at_position_zero() -> None:
+    """A bucket's rows past the live ones are computed and ignored; their positions restart with every batch
+    (else they grow without bound across batches: an absolute-position table's end, a dynamic RoPE's scale)."""
+    engine = HFEngine(llama(), eos_token_ids=[2], static_cache=True)
+    sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    generate(engine, [([5, 6, 7], sp)] * 3)  # 3 live rows in a bucket of 4
+    decoder = engine._static
+    assert decoder.rows == 4 and int(decoder.positions[3]) == 19  # the spare row stepped with the others
+    generate(engine, [([5, 6], sp)] * 3)
+    assert engine._static is decoder and int(decoder.positions[3]) == 19  # from 0 again, not 38
 
 
 def test_buckets() -> None:
@@ -130,6 +165,34 @@ def test_cuda_graph_decoding_matches_the_dynamic_path(make, compile_decode) -> N
     engine = compare(make(), device="cuda", compile_decode=compile_decode)
     assert engine.static_error is None and engine.stats["cuda_graphs"] > 0
     assert engine.compile_error is None and (engine.stats["compiled_modules"] > 0) == compile_decode
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+def test_graphs_are_captured_while_another_thread_allocates() -> None:
+    """An asynchronous rollout (or the Tinker service) captures on the engine's thread while the trainer's thread
+    allocates and frees device memory: the capture is thread-local, so neither fails."""
+    import threading
+
+    stop, errors = threading.Event(), []
+
+    def trainer() -> None:
+        try:
+            while not stop.is_set():
+                x = torch.empty(1 << 26, device="cuda")  # 256 MiB: a fresh cudaMalloc after the cache is emptied
+                del x
+                torch.cuda.empty_cache()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        engine = compare(llama(), device="cuda")
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert not errors and engine.static_error is None and engine.stats["cuda_graphs"] > 0
 
 
 @pytest.mark.slow  # ~20 s of inductor C++ builds; on CUDA, where compile_decode is on by default, the gpu test above

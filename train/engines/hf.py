@@ -55,6 +55,7 @@ from train.engines.static_decode import (CompiledLayers, StaticDecoder, column_b
                                          install_grouped_decode_attention, kv_bytes_per_token, row_bucket,
                                          supports_static_decode, uncompile_modules)
 from train.models.config import compute_dtype
+from train.models.memory_plan import free_device_bytes
 from train.models.router_replay import RoutingRecorder
 from train.models.vlm import (VisionSpec, image_spans, is_vision_config, mask_unsampled, model_class, mrope_positions,
                               text_config)
@@ -182,7 +183,9 @@ class HFEngine:
             install_grouped_decode_attention(self.model)
         self._static: StaticDecoder | None = None  # kept across batches while its shapes fit
         self.static_cache_max_bytes = static_cache_max_bytes
-        self.static_error: str | None = None  # why the last static batch could not capture graphs
+        # why a static batch could not capture graphs: later decoders then run without (a capture that failed
+        # once fails again: the model synchronises with the host, say), rather than fail at every rebuild
+        self.static_error: str | None = None
         self.compile_error: str | None = None  # why compiled modules were given up (compile_decode)
         config = getattr(self.model, "config", None)
         # A vision-language model (train/models/vlm.py): prompts may carry images, prefilled with their
@@ -549,14 +552,15 @@ class HFEngine:
         self.stats["static_parts"] += -(-len(requests) // rows)
         return [g for start in range(0, len(requests), rows) for g in self._decode(requests[start:start + rows])]
 
-    def _static_byte_limit(self) -> float | None:
+    def _static_byte_limit(self, freed_after: int = 0) -> float | None:
         """The most the static KV buffers may take: `static_cache_max_bytes`, else half the free GPU
-        memory (counting the current buffers as free); None on CPU (no limit)."""
+        memory (the allocator's unused blocks, the current buffers and `freed_after` bytes about to be freed,
+        the prefill's cache, counted as free); None on CPU (no limit)."""
         if self.static_cache_max_bytes is not None:
             return float(self.static_cache_max_bytes)
         if self.device.type != "cuda":
             return None
-        free, _ = torch.cuda.mem_get_info(self.device)
+        free = free_device_bytes(self.device) + freed_after
         return (free + (self._static.nbytes() if self._static is not None else 0)) / 2
 
     def _static_rows_that_fit(self, requests: list[tuple[list[int], SamplingParams, tuple]]) -> int | None:
@@ -717,7 +721,7 @@ class HFEngine:
                 routes.step(step, live)
         if static is not None:
             self.stats["cuda_graphs"] += static.captures - captured
-            self.static_error = static.capture_error
+            self.static_error = self.static_error or static.capture_error
         if routes is not None:
             for j, (p, got) in enumerate(zip(prompts, tokens)):
                 results[rows[j]].extra["routing"] = routes.of(j, owner[j] if shared else j, len(p), len(got) - 1)
@@ -751,12 +755,13 @@ class HFEngine:
         if old is not None and old.fits(rows, columns) and old.weights_key == weights_key:
             self.stats["static_batches"] += 1
             return old
-        limit = self._static_byte_limit()
+        # the prefill's cache moves into the buffers and is freed: the same room as before the prefill
+        limit = self._static_byte_limit(sum(t.nbytes for layer in prefill.layers for t in (layer.keys, layer.values)))
         old_shape = (old.rows, old.columns) if old is not None else None
         self._static = old = None  # graphs of moved weights or smaller shapes: dropped (and their memory)
-        kv_shapes = [(layer.keys.shape[1], layer.keys.shape[3]) for layer in prefill.layers]
+        kv_shapes = [(layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[3]) for layer in prefill.layers]
         dtype = prefill.layers[0].keys.dtype
-        per_cell = sum(2 * h * d for h, d in kv_shapes) * dtype.itemsize  # one row, one column
+        per_cell = sum(h * (dk + dv) for h, dk, dv in kv_shapes) * dtype.itemsize  # one row, one column
         rows, columns = row_bucket(rows), column_bucket(columns)
         if old_shape is not None:  # grow to cover both shapes, so alternating batches keep one set of graphs
             wider = (max(rows, old_shape[0]), max(columns, old_shape[1]))
@@ -765,7 +770,8 @@ class HFEngine:
         if limit is not None and rows * columns * per_cell > limit:
             return None
         self._static = StaticDecoder(self.model, self._cache_arg, self._logits_to_keep, rows, columns, kv_shapes,
-                                     dtype, self.device, self.device.type == "cuda", weights_key,
+                                     dtype, self.device, self.device.type == "cuda" and self.static_error is None,
+                                     weights_key,
                                      self._compiled_layers)
         self.stats["static_batches"] += 1
         return self._static

@@ -85,7 +85,9 @@ def install_grouped_decode_attention(model: torch.nn.Module) -> bool:
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """Bytes of keys and values one token takes over all layers (the static buffers' row size per column)."""
+    """Bytes of keys and values one token takes over all layers (the static buffers' row size per column), from
+    the config. (DeepSeek's latent attention caches less: its latent and rotary key, one head; the buffers take
+    their widths from the prefill's cache, so this over-counts there.)"""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -135,7 +137,7 @@ class StaticDecoder:
     while a batch fits (`fits`) and the weights stay where they were (`weights_key`)."""
 
     def __init__(self, model: torch.nn.Module, cache_arg: str, logits_to_keep: bool, rows: int, columns: int,
-                 kv_shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
+                 kv_shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device,
                  use_graphs: bool, weights_key: tuple, compiled_layers: CompiledLayers | None = None) -> None:
         self.model, self.cache_arg, self.logits_to_keep = model, cache_arg, logits_to_keep
         # what each decode step's forward runs inside: the compiled layers installed, or nothing
@@ -143,8 +145,8 @@ class StaticDecoder:
         self.rows, self.columns, self.device, self.use_graphs = rows, columns, device, use_graphs
         self.weights_key = weights_key
         zeros = lambda heads, dim: torch.zeros(rows, heads, columns, dim, dtype=dtype, device=device)  # noqa: E731
-        self.keys = [zeros(h, d) for h, d in kv_shapes]
-        self.values = [zeros(h, d) for h, d in kv_shapes]
+        self.keys = [zeros(h, key_dim) for h, key_dim, _ in kv_shapes]  # (kv_shapes: heads, key and value widths)
+        self.values = [zeros(h, value_dim) for h, _, value_dim in kv_shapes]
         self.ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.masked = torch.finfo(dtype).min
@@ -175,6 +177,7 @@ class StaticDecoder:
         self.mask[:n].fill_(self.masked)
         self.mask[:n, 0, 0, :width].masked_fill_(attention.bool(), 0.0)
         self.positions[:n, 0].copy_(next_positions)
+        self.positions[n:].zero_()  # rows past the live ones are computed and ignored: keep their positions small
         self.next_column = width
         self.bucket = row_bucket(n)
         self.slots = torch.arange(n, device=self.device)  # the buffer row of each live row, in order
@@ -228,14 +231,54 @@ class StaticDecoder:
         logits = self._forward(rows, columns)  # this step, eagerly; also the capture's warm-up
         if self.use_graphs and self.capture_error is None:
             try:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    out = self._forward(rows, columns)  # recorded, not run: the buffers are untouched
-                self.graphs[(rows, columns)] = (g, out)
+                self.graphs[(rows, columns)] = self._capture(rows, columns)
                 self.captures += 1
             except Exception as exc:  # a model that cannot be captured decodes eagerly on the same buffers
                 self.capture_error = f"{type(exc).__name__}: {exc}"
         return logits
+
+    def _capture(self, rows: int, columns: int) -> tuple[Any, torch.Tensor]:
+        """One step's forward recorded (not run: the buffers are untouched) as a CUDA graph in the decoder's pool.
+        On a side stream, in thread-local mode: the trainer's thread (an asynchronous rollout, the Tinker service)
+        may allocate or synchronise meanwhile, which the global mode would refuse for the whole process, and
+        without `torch.cuda.graph`'s process-wide synchronise and cache emptying. A capture that fails leaves the
+        allocator and the thread's stream as they were."""
+        graph, current = torch.cuda.CUDAGraph(), torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                out = self._forward(rows, columns)
+            except BaseException:
+                _abandon_capture(graph, self.device, self.pool)
+                raise
+            try:
+                graph.capture_end()
+            except BaseException:
+                _end_allocating_to_pool(self.device, self.pool)
+                raise
+        current.wait_stream(side)
+        return graph, out
+
+
+def _abandon_capture(graph: Any, device: torch.device, pool: Any) -> None:
+    """End a capture whose forward raised (ending it may raise too: the capture is invalid either way)."""
+    try:
+        graph.capture_end()
+    except Exception:
+        _end_allocating_to_pool(device, pool)
+
+
+def _end_allocating_to_pool(device: torch.device, pool: Any) -> None:
+    """The allocator stops sending allocations to the graphs' pool: `capture_end` does this only once the stream
+    has left capture mode, so a failed end would leave it routing there (and `empty_cache` freeing nothing)."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None:
+        try:
+            end(device.index if device.index is not None else torch.cuda.current_device(), pool)
+        except Exception:  # already ended
+            pass
 
 
 # Module types whose instances `compile_decode_modules` compiles, matched on the class name's end:
