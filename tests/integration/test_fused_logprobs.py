@@ -41,6 +41,32 @@ def test_values_and_gradients_match_the_plain_path(temperature: float, chunk: in
     torch.testing.assert_close(gw1, gw0, rtol=1e-4, atol=1e-5)
 
 
+def test_an_unused_entropy_adds_no_term_to_the_backward(monkeypatch) -> None:
+    """The actor computes the entropy for its metric and detaches it at actor.entropy.coef 0: the head's backward
+    then gets None for it (not a tensor of zeros), skips its term, and gives the gradients of a head that
+    computed no entropy, bit for bit."""
+    from train.parallel import fused_logprobs
+
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(13, 16, generator=g).requires_grad_()
+    weight = torch.randn(50, 16, generator=g).requires_grad_()
+    labels = torch.randint(0, 50, (13,), generator=g)
+    seen = []
+    backward = fused_logprobs._ChunkedLogprobEntropy.backward
+
+    def recording(ctx, g_logp, g_ent):
+        seen.append(g_ent)
+        return backward(ctx, g_logp, g_ent)
+
+    monkeypatch.setattr(fused_logprobs._ChunkedLogprobEntropy, "backward", staticmethod(recording))
+    lp, ent = fused_logprobs_entropy(hidden, weight, labels, 0.7, chunk_tokens=4)
+    got = torch.autograd.grad((lp * 2.0).sum() + 0 * ent.detach().sum(), (hidden, weight))
+    assert seen == [None]
+    lp, _ = fused_logprobs_entropy(hidden, weight, labels, 0.7, chunk_tokens=4, with_entropy=False)
+    want = torch.autograd.grad((lp * 2.0).sum(), (hidden, weight))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_logprob_only_and_bfloat16() -> None:
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(2, 9, 32, generator=g).to(torch.bfloat16).requires_grad_()

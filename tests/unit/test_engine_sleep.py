@@ -87,7 +87,7 @@ def fake_actor(**changes):
                 layout=SimpleNamespace(sizes=Sizes(ddp=1, fsdp=1, tp=1, sp=1, dp=1)),
                 cfg=SimpleNamespace(gradient_checkpointing=True), offload_model=False, offload_optimizer=False,
                 max_tokens=16384, infer_tokens=32768, lora=SimpleNamespace(rank=0), keeps_logits=False,
-                masters=object(), recompute_above=None)
+                masters=SimpleNamespace(sums_held=False), recompute_above=None, _counts=None)
     base.update(changes)
     actor = Trainable.__new__(Trainable)
     actor.__dict__.update(base)
@@ -112,6 +112,22 @@ def test_the_actors_working_bytes_are_its_gradients_and_activations_at_its_longe
     short = 6 * params + layers * 8192 * h * 2 + int(1.5 * (4 * h + 3 * heads * hd + 3 * kv * hd + 5 * inter) * 8192 * 2)
     assert fake_actor().update_working_bytes(tokens=8192) == short < want
     assert fake_actor().update_working_bytes(tokens=10**6) == want
+
+
+def test_the_masters_gradient_sums_count_until_the_first_backward_allocates_them():
+    """The fp32 gradient sums of actor.master_weights (4 bytes per trainable parameter) stay allocated from the
+    first backward on, as the moments do from the first step: free memory read after that already lacks them."""
+    params, _ = count_parameters(preset_config("qwen2.5-0.5b"))
+    before = Trainable.update_working_bytes(fake_actor())
+    assert before - Trainable.update_working_bytes(fake_actor(masters=SimpleNamespace(sums_held=True))) == 4 * params
+    from train.models.master_weights import MasterWeights
+
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    masters = MasterWeights(model, torch.bfloat16)
+    assert not masters.sums_held
+    model(torch.ones(2, 4, dtype=torch.bfloat16)).sum().backward()
+    masters.collect()
+    assert masters.sums_held
 
 
 def test_packs_skip_the_recompute_only_as_far_as_the_memory_free_at_the_update_allows():
@@ -158,6 +174,18 @@ def test_a_pack_recomputes_when_its_place_is_over_the_limit_on_any_rank(monkeypa
     assert actor._recompute_limit(70 * GIB) >= 16384
     assert [mb.recompute for part in packs for mb in part] == [True, True, False]
     assert actor.recompute_stats == (limit, 2 / 3)
+
+
+def test_under_sequence_parallelism_a_pack_is_measured_by_what_one_device_holds(monkeypatch):
+    """A packed row is split over the sp ranks: the limit (tokens per device) is held against its share."""
+    import train.models.trainable as trainable
+
+    actor = fake_actor(recompute_above=10240, layout=SimpleNamespace(sizes=Sizes(ddp=1, fsdp=1, tp=1, sp=2, dp=1)))
+    monkeypatch.setattr(trainable, "all_reduce_max_many", lambda values, device: values)
+    monkeypatch.setattr(trainable, "free_device_bytes", lambda device: 70 * GIB)
+    packs = [[SimpleNamespace(total_len=16384, recompute=True), SimpleNamespace(total_len=24576, recompute=True)]]
+    actor._mark_recompute(packs)
+    assert [mb.recompute for mb in packs[0]] == [False, True]  # 8,192 and 12,288 tokens on each of the 2 devices
 
 
 def test_null_sizes_the_update_by_the_step_batchs_tokens_over_all_ranks():

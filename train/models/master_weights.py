@@ -88,6 +88,11 @@ class MasterWeights:
         self._sums: list[torch.Tensor] | None = None
         self._started = [False] * len(self.masters)
 
+    @property
+    def sums_held(self) -> bool:
+        """Whether the fp32 gradient sums are allocated (from the first backward on; they stay, like the moments)."""
+        return self._sums is not None
+
     def _views(self) -> list[torch.Tensor]:
         if not self.masters:  # nothing trains (every weight frozen): nothing to sum
             return []

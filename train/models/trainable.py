@@ -20,7 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from train.models import optim
 from train.models.master_weights import MasterWeights
-from train.models.memory_plan import HEADROOM, free_device_bytes, longest_fitting, working_bytes
+from train.models.memory_plan import HEADROOM, count_parameters, free_device_bytes, longest_fitting, working_bytes
 from train.models.vlm import VisionSpec, image_spans, is_vision_config, mrope_positions
 from train.parallel.collectives import all_reduce_max_many, all_reduce_sum
 from train.parallel.layout import Layout
@@ -83,7 +83,6 @@ class Trainable:
     """Subclasses set model, optimizer, scheduler and the config keys (see Actor, Critic)."""
 
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer | None
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     # bf16 weights with fp32 masters, cast once per optimizer step (one process, train/models/master_weights.py)
     masters: MasterWeights | None = None
@@ -100,6 +99,7 @@ class Trainable:
         self.layout, self.device, self.pad_id = layout, device, pad_id
         self.max_tokens, self.infer_tokens = max_tokens, infer_tokens
         self.max_grad_norm, self.offload_optimizer, self.offload_model = max_grad_norm, offload_optimizer, offload_model
+        self._counts: tuple[int, int] | None = None  # memory_plan.count_parameters, once (_parameter_counts)
 
     def update_working_bytes(self, tokens: int | None = None) -> int | None:
         """Device bytes per rank this model's next update will take beyond what it holds now: memory_plan's
@@ -117,10 +117,20 @@ class Trainable:
 
     def _working_bytes(self, seq: int, checkpointing: bool) -> int:
         """memory_plan.working_bytes of this model's update at `seq` tokens per micro-batch, as it is now built
-        (its head, masters, shards; the moments until the first optimizer step allocates them)."""
+        (its head, masters, shards; the moments until the first optimizer step allocates them, the masters' fp32
+        gradient sums until the first backward does)."""
         return working_bytes(self.model.config, seq=seq, lora_rank=self.lora.rank, fused_head=not self.keeps_logits,
                              checkpointing=checkpointing, master_weights=self.masters is not None,
-                             shards=self.layout.sizes.fsdp, moments=not self.optimizer.state)
+                             shards=self.layout.sizes.fsdp, moments=not self.optimizer.state,
+                             sums_held=self.masters is not None and self.masters.sums_held,
+                             counts=self._parameter_counts())
+
+    def _parameter_counts(self) -> tuple[int, int]:
+        """memory_plan.count_parameters of this model, counted once (a meta-device build: ~65 ms for a 32B
+        model, and `_recompute_limit` asks up to 64 lengths per update)."""
+        if self._counts is None:
+            self._counts = count_parameters(self.model.config, self.lora.rank)
+        return self._counts
 
     def _planned(self) -> bool:
         """Whether memory_plan covers this model's update (update_working_bytes)."""
@@ -276,10 +286,13 @@ class Trainable:
         """Each pack recomputes in the backward when the longest of its place's packs over all ranks is over
         this update's limit (`_recompute_limit`: recompute_above, lowered to what the least free rank has room
         for now); one all-reduce for the update. Ranks choose alike, so collectives inside a recomputed layer
-        (expert parallelism's all-to-all, tensor parallelism's reductions) stay matched."""
+        (expert parallelism's all-to-all, tensor parallelism's reductions) stay matched. A pack's length is what
+        one device holds of it: its row over the sequence-parallel ranks (sp x cp) it is split across."""
         flat = [mb for part in packs_per_part for mb in part]
         free = free_device_bytes(self.device) if self.device.type == "cuda" else 0
-        *longest, least_free = all_reduce_max_many([float(mb.total_len) for mb in flat] + [-float(free)], self.device)
+        split = self.layout.sizes.seq
+        *longest, least_free = all_reduce_max_many([float(-(-mb.total_len // split)) for mb in flat] + [-float(free)],
+                                                   self.device)
         limit = self._recompute_limit(int(-least_free)) if self.device.type == "cuda" else self.recompute_above
         for mb, tokens in zip(flat, longest):
             mb.recompute = tokens > limit

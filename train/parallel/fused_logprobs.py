@@ -17,6 +17,7 @@ Requires an unsharded lm_head (actor tensor parallel size 1) without bias or log
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -46,6 +47,9 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
                 entropy[s:s + chunk] = lse - (p * z).sum(-1)
         ctx.save_for_backward(hidden, weight, labels)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+        # An output the loss does not use (the entropy, detached at actor.entropy.coef 0) gets None, not zeros:
+        # the backward then skips its term (three [chunk, vocab] float32 temporaries per chunk).
+        ctx.set_materialize_grads(False)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -106,6 +110,7 @@ def fused_logprobs_entropy(
     return logp.reshape(shape), (entropy.reshape(shape) if with_entropy else None)
 
 
+@functools.cache  # a failed import is not cached by Python: asked once per pack, it would be tried every time
 def liger_available() -> bool:
     try:
         import liger_kernel.transformers.functional  # noqa: F401  (needs triton)
