@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from train.models.trainable import Trainable
 from train.models.memory_plan import GIB, count_parameters, preset_config, working_bytes
@@ -186,6 +187,30 @@ def test_under_sequence_parallelism_a_pack_is_measured_by_what_one_device_holds(
     packs = [[SimpleNamespace(total_len=16384, recompute=True), SimpleNamespace(total_len=24576, recompute=True)]]
     actor._mark_recompute(packs)
     assert [mb.recompute for mb in packs[0]] == [False, True]  # 8,192 and 12,288 tokens on each of the 2 devices
+
+
+def test_the_engines_weights_are_reserved_where_it_stays_awake_through_the_update():
+    """grpo.awake_engine_bytes, which the trainer hands the actor: the hf engine's own weights (in rollout.dtype)
+    where the configuration keeps it awake through the update; nothing where it borrows the actor's; None where it
+    sleeps when needed, runs on rollout ranks, or is SGLang."""
+    from conftest import STUB_MODEL, run_config
+    from train.models.shared_base import share_base_refusal
+    from train.trainer.grpo import awake_engine_bytes
+
+    ctx = SimpleNamespace(device=torch.device("cpu"), world_size=1)
+    params, _ = count_parameters(AutoConfig.from_pretrained(STUB_MODEL))
+
+    def engine(**overrides):
+        found = awake_engine_bytes(run_config(overrides), ctx, str(STUB_MODEL))
+        return None if found is None else found()
+
+    assert engine() is None and engine(**{"rollout.sleep": True}) is None  # null: it sleeps when the update needs it
+    assert engine(**{"rollout.sleep": False}) == engine(**{"rollout.max_staleness": 1}) == 4 * params  # fp32 on CPU
+    assert engine(**{"rollout.sleep": False, "rollout.dtype": "bfloat16"}) == 2 * params
+    assert engine(**{"rollout.max_staleness": 1, "rollout.ranks": 1}) is None
+    lora = {"rollout.sleep": False, "actor.lora.rank": 4}
+    assert share_base_refusal(run_config(lora), 1, "cpu") is None and engine(**lora) == 0  # it borrows the base
+    assert engine(**lora, **{"rollout.share_actor_base": False}) == 4 * params
 
 
 def test_null_sizes_the_update_by_the_step_batchs_tokens_over_all_ranks():

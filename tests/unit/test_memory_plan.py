@@ -335,6 +335,33 @@ def test_the_actor_build_reads_the_config_the_free_memory_and_the_others_bytes_o
     assert calls["all_reduce"] == before["all_reduce"] and calls["reserved"] == before["reserved"]  # nothing on CPU
 
 
+def test_beside_an_engine_awake_through_the_update_the_actor_plans_with_half_of_what_it_leaves(tmp_path, monkeypatch):
+    """rollout.sleep=false or rollout.max_staleness >= 1: the engine generates while the actor updates, its weights
+    stay and its static KV buffers take up to half of the memory free when it decodes. So the null settings are
+    chosen for half of what is left after the other models and the engine's weights, and the line says so."""
+    from types import SimpleNamespace
+
+    import train.models.memory_settings as settings_module
+    from train.models.memory_plan import auto_settings
+    from train.models.memory_settings import BuildRoom, decided_memory_settings
+
+    config = preset_config("qwen2.5-0.5b")
+    config.save_pretrained(tmp_path)
+    free, others, engine = 24 * GIB, 2 * GIB, GIB
+    monkeypatch.setattr(settings_module, "all_reduce_max", lambda value, device: value)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * GIB))
+    cfg = run_config({"actor.dtype": "bfloat16", "actor.master_weights": False}).actor
+    gpu = SimpleNamespace(device=torch.device("cuda"))
+    layout = SimpleNamespace(sizes=SimpleNamespace(fsdp=1, tp=1, ep=1), fsdp_mesh=SimpleNamespace(size=lambda: 1))
+    asleep, _, _ = decided_memory_settings(cfg, BuildRoom(gpu, str(tmp_path), others), layout, True)
+    awake, note, _ = decided_memory_settings(cfg, BuildRoom(gpu, str(tmp_path), others, lambda: engine), layout, True)
+    half = (free - others - engine) // 2
+    want = auto_settings(None, None, None, config=config, device_type="cuda", free_bytes=half)
+    assert awake.max_length_per_device == want.max_length_per_device < asleep.max_length_per_device
+    assert awake.gradient_checkpointing == want.gradient_checkpointing
+    assert "half the memory the rollout engine leaves" in note and "1.0 GiB" in note
+
+
 def test_sharding_and_offload_make_room_and_a_model_that_cannot_fit_is_named():
     from train.models.memory_plan import auto_settings
 

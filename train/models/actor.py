@@ -62,13 +62,14 @@ LAG_BUCKETS = 5
 class Actor(Trainable):
     def __init__(self, cfg: ActorConfig, ctx: DistContext, model_path: str, *, pad_token_id: int, train: bool,
                  temperature: float, total_updates: int = 1, layout: Layout | None = None, adapter_seed: int = 0,
-                 reserved_bytes: int | Callable[[], int] = 0):
+                 reserved_bytes: int | Callable[[], int] = 0,
+                 awake_engine_bytes: int | Callable[[], int] | None = None):
         layout = layout or layout_for(cfg, ctx.world_size, ctx.device.type, "actor")
         # null settings decided here, once: `self.cfg` holds the values the actor runs with
         cfg = replaced(cfg, dtype=compute_dtype(cfg.dtype, ctx.device.type))
         head_asked = cfg.use_liger_kernel
         cfg, self.memory_note, self.recompute_above = decided_memory_settings(
-            cfg, BuildRoom(ctx, model_path, reserved_bytes), layout, train)
+            cfg, BuildRoom(ctx, model_path, reserved_bytes, awake_engine_bytes), layout, train)
         super().__init__(layout, ctx.device, pad_token_id, cfg.max_length_per_device,
                          cfg.max_inference_length_per_device or 2 * cfg.max_length_per_device,
                          cfg.max_grad_norm, bool(cfg.offload_optimizer),

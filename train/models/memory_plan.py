@@ -45,7 +45,8 @@ before building the model; on CPU they are 4096, off and off, as before):
 - `actor.max_length_per_device`: the largest multiple of 1024 up to 65536 whose update peak (this plan,
   with checkpointing unless it is set off) plus 10% fits the device's free memory when the actor is built,
   less what the reference, teachers or critic will keep (`resident_bytes`; the engine sleeps during the
-  update); 1024 at least.
+  update; where the configuration keeps it awake, half of what its weights leave: train/models/memory_settings.py);
+  1024 at least.
 - `actor.gradient_checkpointing`: off when the update at that length fits without it, else on for the
   micro-batches that need it: those longer than the longest multiple of 1024 whose update fits without it
   (`recompute_above`, decided with actor.master_weights), a limit each update lowers to the working bytes that

@@ -9,7 +9,9 @@ Three decisions, in this order, each on the values the one before chose:
 They read the same three facts, and `BuildRoom` reads each at most once and only where a decision needs it:
 the model's config (a small JSON file), the least free device memory of any rank (one scalar all-reduce, so
 every rank decides alike), and what the run's other models will keep (a count of their parameters on the meta
-device). Whether a fact is needed depends only on the config section, the layout and the device type, so every
+device). Where the rollout engine stays awake through the update (rollout.sleep=false, rollout.max_staleness >= 1:
+it generates meanwhile), the actor plans with half of what is left after the engine's own weights, since the
+engine's static KV buffers take up to half of the memory free when it decodes (train/engines/hf.py). Whether a fact is needed depends only on the config section, the layout and the device type, so every
 rank makes the same collective call or none.
 """
 from __future__ import annotations
@@ -36,8 +38,10 @@ class BuildRoom:
     collective) and `reserved` (`reserved_bytes`, or what the function given says: what the run's other models
     will keep)."""
 
-    def __init__(self, ctx: DistContext, model_path: str, reserved_bytes: int | Callable[[], int] = 0) -> None:
+    def __init__(self, ctx: DistContext, model_path: str, reserved_bytes: int | Callable[[], int] = 0,
+                 awake_engine_bytes: int | Callable[[], int] | None = None) -> None:
         self.ctx, self.model_path, self.reserved_bytes = ctx, model_path, reserved_bytes
+        self.awake_engine_bytes = awake_engine_bytes  # the engine's own weights where it stays awake (else None)
 
     @property
     def on_gpu(self) -> bool:
@@ -57,10 +61,19 @@ class BuildRoom:
     def reserved(self) -> int:
         return self.reserved_bytes() if callable(self.reserved_bytes) else self.reserved_bytes
 
+    @cached_property
+    def engine(self) -> int | None:
+        """The rollout engine's own weights where it stays awake through the update; None where it sleeps when
+        the update needs its memory."""
+        awake = self.awake_engine_bytes
+        return awake() if callable(awake) else awake
+
     @property
     def free(self) -> int:
-        """The least free memory of any rank less what the other models will keep."""
-        return self.least_free - self.reserved
+        """The least free memory of any rank less what the other models will keep; beside an awake engine, half
+        of what its weights leave (its KV buffers take up to the other half)."""
+        left = self.least_free - self.reserved
+        return left if self.engine is None else (left - self.engine) // 2
 
 
 def with_memory_settings(cfg: ActorConfig, room: BuildRoom, layout: Layout, train: bool
@@ -71,7 +84,9 @@ def with_memory_settings(cfg: ActorConfig, room: BuildRoom, layout: Layout, trai
     settings = (cfg.max_length_per_device, cfg.gradient_checkpointing, cfg.use_liger_kernel)
     if None not in settings:
         return cfg, None
-    config, free, reserved = (room.config, room.least_free, room.reserved) if room.on_gpu else (None, None, 0)
+    # auto_settings takes the reserve (the other models, and beside an awake engine its share) off the free memory
+    config, free, reserved = ((room.config, room.least_free, room.least_free - room.free) if room.on_gpu
+                              else (None, None, 0))
     try:
         auto = auto_settings(*settings, config=config, device_type=room.ctx.device.type, free_bytes=free,
                              lora_rank=cfg.lora.rank if train else 0, shards=layout.sizes.fsdp, tp_size=layout.sizes.tp,
@@ -139,4 +154,8 @@ def decided_memory_settings(cfg: ActorConfig, room: BuildRoom, layout: Layout, t
     threshold = recompute_threshold(cfg, checkpointing_asked, room, layout, train)
     if threshold is not None:
         note = f"{note}; micro-batches of up to {threshold} tokens keep their activations (no recompute)"
+    if note is not None and room.on_gpu and room.engine is not None:
+        note += (f"; planned with half the memory the rollout engine leaves (awake through the update: "
+                 f"rollout.sleep=false or rollout.max_staleness >= 1; its own weights {room.engine / 2**30:.1f} GiB, "
+                 "its KV buffers up to the other half)")
     return cfg, note, threshold

@@ -47,6 +47,7 @@ from train.datasets.vision import vision_processor
 from train.engines import build_engine
 from train.models.actor import Actor, AdapterFreeReference
 from train.models.critic import Critic
+from train.models.config import compute_dtype
 from train.models.lora import LoraTargetError
 from train.models.memory_plan import resident_bytes
 from train.models.model_init import ModelWeightsError
@@ -79,7 +80,7 @@ from train.trainer.health import HealthDetector
 from train.trainer.policy_sync import PolicySync
 from train.trainer.prefetch import RolloutTimeout, StepRollout
 from train.trainer.report import RunReport
-from train.trainer.schema import load
+from train.trainer.schema import RunConfig, load
 from train.trainer.inflight import read_saved_rank
 from train.trainer.sources import rollout_source
 from train.trainer.teachers import RoutedTeachers, TeacherRoutes
@@ -124,6 +125,22 @@ def resident_elsewhere(frozen_folders: list[str], critic_folder: str | None, sha
     if critic_folder is not None:
         held += resident_bytes(AutoConfig.from_pretrained(critic_folder), trainable=True, shards=shards("critic"))
     return held
+
+
+def awake_engine_bytes(cfg: RunConfig, ctx: DistContext, rollout_folder: str) -> Callable[[], int] | None:
+    """Where this rank's `hf` engine stays awake through the actor's update by the configuration (rollout.sleep
+    =false, or rollout.max_staleness >= 1: it generates meanwhile), what says its own weights' device bytes (0
+    where it borrows the actor's, rollout.share_actor_base); None where it sleeps when the update needs its
+    memory, runs on rollout ranks, or is SGLang (its KV pool is rollout.gpu_memory_utilization of the card)."""
+    rollout = cfg.rollout
+    if rollout.engine != "hf" or rollout.ranks or not (rollout.sleep is False or rollout.max_staleness >= 1):
+        return None
+    if share_base_refusal(cfg, ctx.world_size, ctx.device.type) is None and rollout.share_actor_base is not False:
+        return lambda: 0
+    from transformers import AutoConfig
+
+    itemsize = DTYPES[compute_dtype(rollout.dtype, ctx.device.type)].itemsize
+    return lambda: resident_bytes(AutoConfig.from_pretrained(rollout_folder), trainable=False, weight_bytes=itemsize)
 
 
 @dataclass
@@ -291,7 +308,8 @@ class Trainer:
         others = lambda: resident_elsewhere(frozen_folders, critic_folder,  # noqa: E731
                                             lambda role: layout(role).sizes.fsdp, cfg.actor.dtype)
         actor = Actor(cfg.actor, ctx, paths.actor, pad_token_id=pad_id, train=True, temperature=temperature,
-                      total_updates=updates, layout=layout("actor"), adapter_seed=cfg.trainer.seed, reserved_bytes=others)
+                      total_updates=updates, layout=layout("actor"), adapter_seed=cfg.trainer.seed, reserved_bytes=others,
+                      awake_engine_bytes=awake_engine_bytes(cfg, ctx, paths.rollout))
         if actor.cfg is not cfg.actor:  # null memory settings decided by the actor: the reference runs with them too
             cfg = self.cfg = replace(cfg, actor=actor.cfg)
         ref = None
