@@ -197,11 +197,12 @@ def test_the_engines_weights_are_reserved_where_it_stays_awake_through_the_updat
     from train.models.shared_base import share_base_refusal
     from train.trainer.grpo import awake_engine_bytes
 
-    ctx = SimpleNamespace(device=torch.device("cpu"), world_size=1)
     params, _ = count_parameters(AutoConfig.from_pretrained(STUB_MODEL))
 
-    def engine(**overrides):
-        found = awake_engine_bytes(run_config(overrides), ctx, str(STUB_MODEL))
+    def engine(**overrides):  # as the trainer asks it
+        cfg = run_config(overrides)
+        borrows = share_base_refusal(cfg, 1, "cpu") is None and cfg.rollout.share_actor_base is not False
+        found = awake_engine_bytes(cfg.rollout, "cpu", str(STUB_MODEL), borrows)
         return None if found is None else found()
 
     assert engine() is None and engine(**{"rollout.sleep": True}) is None  # null: it sleeps when the update needs it

@@ -253,6 +253,20 @@ def test_a_compile_that_fails_falls_back_to_the_eager_modules() -> None:
     assert "no C++ compiler found" in engine.compile_error and engine.stats["compiled_modules"] == 0
 
 
+def test_running_out_of_memory_is_not_taken_for_a_failed_compile() -> None:
+    """An out-of-memory error in a compiled decode is raised as it is: compiling stays on (eager modules would
+    need as much memory), and no compile error is recorded."""
+    engine = HFEngine(llama(), eos_token_ids=[2], static_cache=True, seed=5, compile_decode=True)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    engine._decode_in_parts = out_of_memory
+    with pytest.raises(torch.OutOfMemoryError):
+        engine._generate_batch(requests()[:2])
+    assert engine.compile_error is None and engine.stats["compiled_modules"] > 0
+
+
 def test_grouped_decode_attention_against_a_float64_reference() -> None:
     """One-token queries, 6 query heads over 2 key/value heads, an additive padding mask: each query
     head h attends with key/value head h // 3, as softmax(q k^T * scale + mask) v."""

@@ -501,6 +501,8 @@ class HFEngine:
             start = time.perf_counter()
             try:
                 results = self._decode_in_parts(requests)
+            except torch.OutOfMemoryError:  # not the compiler's doing: eager modules would not need less
+                raise
             except Exception as exc:
                 if not self.stats["compiled_modules"]:
                     raise

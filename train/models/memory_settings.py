@@ -9,10 +9,12 @@ Three decisions, in this order, each on the values the one before chose:
 They read the same three facts, and `BuildRoom` reads each at most once and only where a decision needs it:
 the model's config (a small JSON file), the least free device memory of any rank (one scalar all-reduce, so
 every rank decides alike), and what the run's other models will keep (a count of their parameters on the meta
-device). Where the rollout engine stays awake through the update (rollout.sleep=false, rollout.max_staleness >= 1:
-it generates meanwhile), the actor plans with half of what is left after the engine's own weights, since the
-engine's static KV buffers take up to half of the memory free when it decodes (train/engines/hf.py). Whether a fact is needed depends only on the config section, the layout and the device type, so every
+device). Whether a fact is needed depends only on the config section, the layout and the device type, so every
 rank makes the same collective call or none.
+
+Where the rollout engine stays awake through the update (rollout.sleep=false, rollout.max_staleness >= 1: it
+generates meanwhile), the actor plans with half of what is left after the engine's own weights, since the
+engine's static KV buffers take up to half of the memory free when it decodes (train/engines/hf.py).
 """
 from __future__ import annotations
 

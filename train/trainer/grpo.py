@@ -80,7 +80,7 @@ from train.trainer.health import HealthDetector
 from train.trainer.policy_sync import PolicySync
 from train.trainer.prefetch import RolloutTimeout, StepRollout
 from train.trainer.report import RunReport
-from train.trainer.schema import RunConfig, load
+from train.trainer.schema import load
 from train.trainer.inflight import read_saved_rank
 from train.trainer.sources import rollout_source
 from train.trainer.teachers import RoutedTeachers, TeacherRoutes
@@ -89,6 +89,7 @@ from train.trainer.sync_check import PROBE_TEXT, SyncProbe, WeightSyncError, pro
 from train.utils import hub
 from train.utils.disk import UNWRITABLE_ERRNOS, StorageError, is_under, unwritable_line
 from train.utils.torchrun_errors import record_for_torchrun
+from train.workers.config import RolloutConfig
 from train.workers.env_routing import EnvRouter, env_paths
 from train.workers.environment import EnvLoadError
 from train.workers.remote_rollout import RemoteEngine, RemoteRollout
@@ -127,19 +128,19 @@ def resident_elsewhere(frozen_folders: list[str], critic_folder: str | None, sha
     return held
 
 
-def awake_engine_bytes(cfg: RunConfig, ctx: DistContext, rollout_folder: str) -> Callable[[], int] | None:
+def awake_engine_bytes(rollout: RolloutConfig, device_type: str, rollout_folder: str,
+                       borrows: bool) -> Callable[[], int] | None:
     """Where this rank's `hf` engine stays awake through the actor's update by the configuration (rollout.sleep
     =false, or rollout.max_staleness >= 1: it generates meanwhile), what says its own weights' device bytes (0
-    where it borrows the actor's, rollout.share_actor_base); None where it sleeps when the update needs its
+    where it `borrows` the actor's, rollout.share_actor_base); None where it sleeps when the update needs its
     memory, runs on rollout ranks, or is SGLang (its KV pool is rollout.gpu_memory_utilization of the card)."""
-    rollout = cfg.rollout
     if rollout.engine != "hf" or rollout.ranks or not (rollout.sleep is False or rollout.max_staleness >= 1):
         return None
-    if share_base_refusal(cfg, ctx.world_size, ctx.device.type) is None and rollout.share_actor_base is not False:
+    if borrows:
         return lambda: 0
     from transformers import AutoConfig
 
-    itemsize = DTYPES[compute_dtype(rollout.dtype, ctx.device.type)].itemsize
+    itemsize = DTYPES[compute_dtype(rollout.dtype, device_type)].itemsize
     return lambda: resident_bytes(AutoConfig.from_pretrained(rollout_folder), trainable=False, weight_bytes=itemsize)
 
 
@@ -305,11 +306,14 @@ class Trainer:
         frozen_folders = reference_folders(paths, self.teacher_routes.folders if paths.teachers else [],
                                            reference_slot=has_reference_slot(cfg), lora=cfg.actor.lora.rank > 0)
         critic_folder = paths.critic if cfg.adv.estimator == "gae" else None
+        # the engine borrows the actor's weights (rollout.share_actor_base) where the config lets it
+        borrows = (share_base_refusal(cfg, ctx.world_size, ctx.device.type) is None
+                   and cfg.rollout.share_actor_base is not False)
         others = lambda: resident_elsewhere(frozen_folders, critic_folder,  # noqa: E731
                                             lambda role: layout(role).sizes.fsdp, cfg.actor.dtype)
         actor = Actor(cfg.actor, ctx, paths.actor, pad_token_id=pad_id, train=True, temperature=temperature,
                       total_updates=updates, layout=layout("actor"), adapter_seed=cfg.trainer.seed, reserved_bytes=others,
-                      awake_engine_bytes=awake_engine_bytes(cfg, ctx, paths.rollout))
+                      awake_engine_bytes=awake_engine_bytes(cfg.rollout, ctx.device.type, paths.rollout, borrows))
         if actor.cfg is not cfg.actor:  # null memory settings decided by the actor: the reference runs with them too
             cfg = self.cfg = replace(cfg, actor=actor.cfg)
         ref = None
