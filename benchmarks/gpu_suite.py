@@ -35,7 +35,7 @@ Sections (each one's failure is recorded and the others still run; the exit stat
   engine stays awake where the update fits beside it), then with the engine sleeping through every update
   (`rollout.sleep=true`), then with the stub config's 8,192-token packs (as the step rows before 2026-11-29).
 * `trl`: TRL's GRPOTrainer against this trainer on the same GPU, 0.5B-shaped model, data, group and
-  lengths as `step` (`benchmarks/vs_trl.py --device cuda`, 4 steps each, the first left out): step
+  lengths as `step` (`benchmarks/vs_trl.py --device cuda`, 3 steps each, after a warm-up one): step
   seconds and the ratio; needs the `trl` wheels (`bash scripts/offline_wheels.sh DIR 3.12 --bench`).
 * `bigmodel`: one GPU, big models (issue 36): random-weight Llama-3.1-8B with LoRA rank 32 and
   Qwen3-4B fully fine-tuned, and the 8B LoRA again at 20K tokens (`--big-cases` picks), filled on the device through the trainer's
@@ -426,7 +426,7 @@ def section_trl(args, work: Path, shapes: Shapes, model_dir: Path, info: dict) -
     if importlib.util.find_spec("trl") is None:  # the peer is optional: say so in the table, fail nothing
         return {"skipped": "trl is not installed: carry its wheels (bash scripts/offline_wheels.sh DIR 3.12 --bench) "
                            "and install them with the others (docs/gpu.md)"}
-    steps = 2 if args.tiny else 4
+    steps = 2 if args.tiny else 3  # after one warm-up step each: ~25 s less of a 330 s call than 4
     out = work / "vs_trl.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--device", "cuda" if info["cuda"] else "cpu",
            "--model", str(model_dir), "--prompts", str(shapes.step_prompts), "--responses", str(shapes.step_responses),

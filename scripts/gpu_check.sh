@@ -5,7 +5,7 @@
 # (not the run folders, which hold checkpoints).
 #
 #   bash scripts/offline_wheels.sh .whl 3.12 --bench            # here, where pip reaches an index
-#   bash scripts/gpu_check.sh .whl decode,push,trl,tests "$OUT" 330   # there: wheels, sections, out, seconds
+#   bash scripts/gpu_check.sh .whl push,decode,tests,trl "$OUT" 330   # there: wheels, sections, out, seconds
 set -euo pipefail
 USAGE="usage: bash scripts/gpu_check.sh WHEELS_DIR SECTIONS OUT [SECONDS]"
 case "${1:-}" in -h|--help) echo "$USAGE"; exit 0;; esac
