@@ -29,6 +29,43 @@ class _MaskBlind(ring.PlainKernel):
         return ring.PlainKernel.forward(q, k, v, torch.ones_like(seen), scale, wide)
 
 
+def test_the_kernel_check_runs_where_the_first_ring_forward_runs():
+    """On CUDA the check runs inside the model's first ring forward: a no-grad pass (the old or reference
+    log-probs) or a checkpointed layer of the update. There it must give what it gives alone, and leave the
+    checkpoint's saved tensors as they were (else the backward fails: a different number of tensors saved)."""
+    from torch.utils.checkpoint import checkpoint
+
+    alone = ring.kernel_error(ring.PlainKernel, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        assert ring.kernel_error(ring.PlainKernel, torch.device("cpu"), torch.float32) == alone
+    with torch.inference_mode():
+        assert ring.kernel_error(ring.PlainKernel, torch.device("cpu"), torch.float32) == alone
+    x = torch.randn(4, 4, requires_grad=True)
+    found = []
+
+    def layer(t):
+        found.append(ring.kernel_error(ring.PlainKernel, torch.device("cpu"), torch.float32))
+        return (t @ t).sin()
+
+    checkpoint(layer, x, use_reentrant=False).sum().backward()  # the forward, then its recompute
+    assert found == [alone, alone] and x.grad is not None
+
+
+def test_the_kernel_checks_reference_gradients_are_autograds():
+    """kernel_error writes the float64 softmax's gradients out: they are autograd's (checked here through a kernel
+    that returns autograd's own, so the error is only the forward's rounding)."""
+    class Autograd(ring.PlainKernel):
+        @staticmethod
+        def backward(grad, q, k, v, out, lse, delta, seen, scale, wide):
+            with torch.enable_grad():  # (kernel_error runs under no_grad)
+                leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+                scores = (leaves[0] @ leaves[1].transpose(-1, -2) * scale).masked_fill(~seen, float("-inf"))
+                ((torch.softmax(scores, -1) @ leaves[2]) * grad.double()).sum().backward()
+            return tuple(t.grad for t in leaves)
+
+    assert ring.kernel_error(Autograd, torch.device("cpu"), torch.float64) < 1e-12
+
+
 def test_the_kernel_check_catches_a_kernel_that_ignores_the_mask():
     assert ring.kernel_error(_MaskBlind, torch.device("cpu"), torch.float32) > 0.05
 

@@ -85,8 +85,11 @@ class TrainedModel:
         self.model = share_base(shared) if shared is not None else load_base(base_path, device)
         self.max_tokens = max_tokens or getattr(self.model.config, "max_position_embeddings", None)
         if lora is not None:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)  # the adapter's initial A: reproducible per lora_config.seed
+            # the adapter's initial A: reproducible per lora_config.seed (drawn on the CPU); every device's
+            # generator is put back after, as torch.manual_seed reseeds the GPU's too
+            cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+            with torch.random.fork_rng(devices=cuda):
+                torch.manual_seed(seed)
                 apply_lora(self.model, lora, key="lora_config")
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
