@@ -1074,11 +1074,10 @@ def markdown(result: dict) -> str:
 class TimeLimit(BaseException):
     """SIGTERM, which scripts/gpu_check.sh's `timeout` sends at its limit: the running section is recorded as
     stopped and no other starts (a BaseException, so that no section's own `except Exception` takes it)."""
-    PREFIX = "stopped by SIGTERM"
 
     @classmethod
     def raise_it(cls, signum: int, frame) -> None:
-        raise cls(f"{cls.PREFIX} (the time limit) while this section ran")
+        raise cls("stopped by SIGTERM (the time limit) while this section ran")
 
 
 def write_results(work: Path, result: dict) -> str:
@@ -1120,6 +1119,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu_suite_model_") as tmp:
         model_dir = None
         actor = None
+        stopped = False
         for name in only:
             print(f"[gpu_suite] {name} ...", flush=True)
             start = time.perf_counter()
@@ -1162,13 +1162,13 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
                 out = {"error": f"{type(exc).__name__}: {exc}"}
             except TimeLimit as exc:  # recorded, and no section starts after it
-                out = {"error": str(exc)}
+                out, stopped = {"error": str(exc)}, True
             out["section_s"] = time.perf_counter() - start
             result["sections"][name] = out
             print(f"[gpu_suite] {name}: {json.dumps(out, default=str)[:400]}", flush=True)
             # After every section: a run stopped by a time limit still leaves what it measured.
             write_results(work, result)
-            if isinstance(out.get("error"), str) and out["error"].startswith(TimeLimit.PREFIX):
+            if stopped:
                 break
         del actor
     from train.parallel.distributed import cleanup

@@ -39,14 +39,20 @@ def slow(*values, id: str | None = None):
     return pytest.param(*values, marks=pytest.mark.slow, id=id)
 
 
+def repository_first_path() -> str:
+    """PYTHONPATH for a child: the repository, then what this process's PYTHONPATH holds (scripts/gpu_check.sh
+    puts its wheels there)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def trainer_env() -> dict:
-    """The environment of a trainer or check a test starts: offline, the repository first on the path (before
-    what the caller's path holds: scripts/gpu_check.sh puts its wheels there), and no rank of the caller's."""
+    """The environment of a trainer or check a test starts: offline, the repository first on the path
+    (repository_first_path), and no rank of the caller's."""
     from train.parallel.distributed import without_launcher_env
 
     env = without_launcher_env(os.environ)
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="offline",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+               PYTHONPATH=repository_first_path(),
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     return env
 
@@ -320,8 +326,7 @@ SEARCH_DATA = ROOT / "stub" / "data" / "search"
 
 
 # The services' helpers are the project's own (train/utils/services.py); tests import them from here too.
-SERVICE_ENV = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+SERVICE_ENV = {"PYTHONPATH": repository_first_path(), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 @contextlib.contextmanager

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from train.models.memory_plan import attention_heads
+
 COLUMN_BLOCK = 256  # attention reads columns in blocks of this many: few graphs, little wasted reading
 
 
@@ -88,9 +90,7 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     """Bytes of keys and values one token takes over all layers (the static buffers' row size per column), from
     the config. (DeepSeek's latent attention caches less: its latent and rotary key, one head; the buffers take
     their widths from the prefill's cache, so this over-counts there.)"""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    _, head_dim, kv_heads = attention_heads(config)
     return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
 
 

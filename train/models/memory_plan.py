@@ -14,13 +14,14 @@ bf16 compute (`actor.dtype=bfloat16`), S tokens per packed micro-batch:
   Fused AdamW (train/models/optim.py) adds no temporary; the `foreach` one added 4 bytes per trainable
   parameter during the step (`--foreach`, to compare with runs before that change).
 - update activations with gradient checkpointing: every layer's bf16 input (layers x S x hidden x 2),
-  plus one layer's recomputed working set, about 1.5 x (4 hidden + 2 query + 2 key/value + 5
+  plus one layer's recomputed working set, about 1.5 x (4 hidden + 3 query + 3 key/value + 5
   intermediate) x S x 2 bytes; the fused log-prob head keeps no [S, vocab] logits (without it, 12
   bytes per action token and vocabulary entry). A mixture of experts counts, in place of 5 intermediate,
   each of a token's top-k copies (2 hidden + 5 x the expert's width), the shared experts and the router
   (`mlp_width`); attention sinks (GPT-OSS) add the packed attention's per-segment scores (`attention_width`).
-  Checked against what a bf16 forward saves for its backward, family by family, in tests/unit/test_memory_plan.py. FSDP2's one-rank unshard of the largest group (the
-  embeddings, or one layer) in bf16, and for a full fine-tune its fp32 gradient before the reduce.
+  Checked against what a bf16 forward saves for its backward, family by family, in
+  tests/unit/test_memory_plan.py. FSDP2's one-rank unshard of the largest group (the embeddings, or one
+  layer) in bf16, and for a full fine-tune its fp32 gradient before the reduce.
 - rollout: the actor's weights and optimizer state stay (gradients are freed after the step), the
   engine's own bf16 weights (2P + 2L; 2L when it borrows the actor's frozen base,
   `rollout.share_actor_base`; none when it borrows a full fine-tune's bf16 weights, with masters) and the KV
@@ -187,9 +188,7 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
     params, adapters = counts or count_parameters(config, lora_rank)
     config = text_config(config)  # a vision-language model: its language model's shapes (the tower's activations are left out)
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    _, head_dim, kv_heads = attention_heads(config)
     trainable = adapters if lora_rank else params
     weights = (2 * params + 4 * adapters) if lora_rank else 4 * params
     checkpoints = layers * seq * h * 2
@@ -215,16 +214,21 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
 ATTENTION_SINKS = ("gpt_oss",)  # model types whose attention has one sink logit per head (GPT-OSS)
 
 
+def attention_heads(config) -> tuple[int, int, int]:
+    """(query heads, head size, key/value heads) from a model's config."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, head_dim, getattr(config, "num_key_value_heads", None) or heads
+
+
 def attention_width(config, seq: int) -> int:
     """Values per token that one layer's attention keeps for the backward (2 bytes each in bf16): its queries,
-    keys and values with their projections' outputs (2 x query width + 2 x key/value width; SDPA's flash and
-    efficient kernels keep only their output and log-sum-exp besides). With attention sinks the packed attention
+    keys and values with their projections' outputs, RoPE's copies and q/k norms (3 x query width + 3 x
+    key/value width; SDPA's flash and efficient kernels keep only their output and log-sum-exp besides). With attention sinks the packed attention
     (train/parallel/seq_parallel.py) takes explicit scores per segment, keeping fp32 probabilities and their bf16
     copy (6 bytes per head, query and key of a segment): 3 x heads x seq, the worst case of one segment as long
     as the micro-batch."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    heads, head_dim, kv_heads = attention_heads(config)
     scores = 3 * heads * seq if getattr(config, "model_type", None) in ATTENTION_SINKS else 0
     return 3 * heads * head_dim + 3 * kv_heads * head_dim + scores
 
