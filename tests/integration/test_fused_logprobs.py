@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from conftest import ROOT, run_torchrun
 from train.algorithms.logits import entropy_from_logits, logprobs_from_logits
 from train.parallel.fused_logprobs import FusedLogprobHead, check_supported, fused_logprobs_entropy, liger_available
+from train.utils.live_bytes import LiveBytes
 
 
 def plain(hidden, weight, labels, temperature):
@@ -65,6 +66,55 @@ def test_an_unused_entropy_adds_no_term_to_the_backward(monkeypatch) -> None:
     lp, _ = fused_logprobs_entropy(hidden, weight, labels, 0.7, chunk_tokens=4, with_entropy=False)
     want = torch.autograd.grad((lp * 2.0).sum(), (hidden, weight))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("trained,bonus,temperature", [(False, False, 1.0), (True, False, 0.7), (True, True, 0.7)],
+                         ids=["lora-head", "trained-head", "entropy-bonus"])
+def test_the_backward_holds_what_the_memory_plan_counts(trained: bool, bonus: bool, temperature: float) -> None:
+    """The memory plan counts the fused head's backward (`memory_plan.head_bytes`): one chunk's float32 logits and
+    gradient (8 bytes per chunk token and vocabulary entry, 12 with an entropy bonus), a trained head's float32
+    gradient and the hidden states' gradient. Measured here as the bytes the backward's ops hold at once, called
+    as the actor calls it (the entropy always computed, detached without a bonus) in bf16."""
+    from types import SimpleNamespace
+
+    from train.models.memory_plan import head_bytes
+
+    vocab, hidden_size, tokens, chunk = 4096, 64, 1024, 256
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(tokens, hidden_size, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=g) / 8).bfloat16().requires_grad_(trained)
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    lp, ent = fused_logprobs_entropy(hidden, weight, labels, temperature, chunk_tokens=chunk)
+    loss = lp.sum() + (0.01 * ent.sum() if bonus else 0 * ent.detach().sum())
+    with LiveBytes() as held:
+        loss.backward()
+    planned = head_bytes(SimpleNamespace(vocab_size=vocab, hidden_size=hidden_size), tokens, fused=True,
+                         trained=trained, entropy=bonus, chunk=chunk)
+    assert 0.95 * planned <= held.peak <= 1.01 * planned, (held.peak / (chunk * vocab), planned / (chunk * vocab))
+
+
+@pytest.mark.parametrize("bonus,temperature", [(False, 1.0), (False, 0.7), (True, 0.7)])
+def test_the_plain_head_holds_what_the_memory_plan_counts(bonus: bool, temperature: float) -> None:
+    """The actor's plain head (head_logprobs_entropy on the lm_head's bf16 logits) from its forward through its
+    backward: at most memory_plan.head_bytes (16 bytes per token and vocabulary entry, 21 with the entropy's graph),
+    and within 10% of it."""
+    from types import SimpleNamespace
+
+    from train.algorithms.logits import head_logprobs_entropy
+    from train.models.memory_plan import head_bytes
+
+    vocab, hidden_size, tokens = 4096, 64, 1024
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(tokens, hidden_size, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=g) / 8).bfloat16().requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    with LiveBytes() as held:
+        lp, ent = head_logprobs_entropy(hidden @ weight.t(), labels, temperature, entropy_grad=bonus)
+        loss = lp.sum() + (0.01 * ent.sum() if bonus else 0 * ent.detach().sum())
+        loss.backward()
+    planned = head_bytes(SimpleNamespace(vocab_size=vocab, hidden_size=hidden_size), tokens, fused=False,
+                         trained=True, entropy=bonus)
+    assert 0.9 * planned <= held.peak <= planned, (held.peak / (tokens * vocab), planned / (tokens * vocab))
 
 
 def test_logprob_only_and_bfloat16() -> None:

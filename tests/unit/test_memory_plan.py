@@ -92,11 +92,15 @@ def test_the_command_prints_a_plan_and_names_what_it_does_not_know(capsys):
     # without checkpointing: the longest micro-batch each card holds (recompute_above's rule), up to --seq
     from train.models.memory_plan import recompute_above
 
-    assert main(["--model", "qwen3-4b", "--seq", "65536", "--json"]) == 0
+    assert main(["--model", "qwen3-4b", "--lora-rank", "32", "--seq", "65536", "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)["no_recompute_up_to"]
-    assert plain == {card: recompute_above(preset_config("qwen3-4b"), length=65537, fused_head=True,
+    assert plain == {card: recompute_above(preset_config("qwen3-4b"), length=65537, fused_head=True, lora_rank=32,
                                            free_bytes=int(gib * GIB)) for card, gib in CARDS.items()}
     assert plain["80 GB (H100)"] < plain["141 GB (H200)"] <= 65536
+    # an entropy bonus: the head's backward holds one more [chunk, vocab] float32 tensor
+    assert main(["--model", "qwen3-4b", "--lora-rank", "32", "--seq", "16384", "--json", "--entropy"]) == 0
+    with_bonus = json.loads(capsys.readouterr().out)
+    assert with_bonus["activations"] == plan(preset_config("qwen3-4b"), seq=16384, lora_rank=32, entropy=True).activations
     assert main(["--model", "qwen2.5-0.5b", "--seq", "65536"]) == 0
     small = recompute_above(preset_config("qwen2.5-0.5b"), length=65537, fused_head=True,
                             free_bytes=int(CARDS["80 GB (H100)"] * GIB))
@@ -186,9 +190,13 @@ def test_with_checkpointing_chosen_the_micro_batches_that_fit_without_it_skip_th
         assert above % 1024 == 0 and 1024 <= above < auto.max_length_per_device
         assert _fits_plain(config, above, head=head, free=free, master_weights=masters)
         assert not _fits_plain(config, above + 1024, head=head, free=free, master_weights=masters)
-    # masters hold 4 more bytes per parameter than they save in FSDP's unshard: fewer tokens fit without recompute
+    # masters hold 4 more bytes per parameter than they save in FSDP's unshard: no more tokens fit without recompute
+    from train.models.memory_plan import update_need
+
+    assert all(update_need(config, s, fused_head=head, checkpointing=False, master_weights=True)
+               > update_need(config, s, fused_head=head, checkpointing=False) for s in (1024, 16384, 65536))
     assert (recompute_above(config, length=65536, fused_head=head, free_bytes=free, master_weights=True)
-            < recompute_above(config, length=65536, fused_head=head, free_bytes=free))
+            <= recompute_above(config, length=65536, fused_head=head, free_bytes=free))
     assert recompute_above(config, length=65536, fused_head=head, free_bytes=6 * GIB) is None
 
 

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from train.algorithms.logits import mask_unsampled
 from train.engines.base import Generation, SamplingParams
 from train.engines.static_decode import (CompiledLayers, StaticDecoder, column_bucket, compile_decode_modules,
                                          install_grouped_decode_attention, kv_bytes_per_token, row_bucket,
@@ -57,7 +58,7 @@ from train.engines.static_decode import (CompiledLayers, StaticDecoder, column_b
 from train.models.config import compute_dtype
 from train.models.memory_plan import free_device_bytes
 from train.models.router_replay import RoutingRecorder
-from train.models.vlm import (VisionSpec, image_spans, is_vision_config, mask_unsampled, model_class, mrope_positions,
+from train.models.vlm import (VisionSpec, image_spans, is_vision_config, model_class, mrope_positions,
                               text_config)
 from train.utils.checksum import CHUNK_BYTES, Checksummer
 from train.utils.tensor_stream import grouped
@@ -191,7 +192,7 @@ class HFEngine:
         # A vision-language model (train/models/vlm.py): prompts may carry images, prefilled with their
         # pixels at multimodal rotary positions; decoding continues as text.
         self.vision = VisionSpec.from_config(config) if is_vision_config(config) else None
-        self._unsampled: torch.Tensor | None = None  # a VLM's placeholder tokens, never sampled (vlm.mask_unsampled)
+        self._unsampled: torch.Tensor | None = None  # a VLM's placeholder tokens, never sampled (train/algorithms/logits.py mask_unsampled)
         if self.vision is not None:
             self.static_cache = False  # the static decoder's graphs take text positions only
             self._unsampled = torch.tensor(self.vision.unsampled_ids, device=self.device)

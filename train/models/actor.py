@@ -14,18 +14,18 @@ import torch
 
 from train.algorithms.aggregation import aggregate_loss
 from train.algorithms.kl import kl_estimate
-from train.algorithms.logits import entropy_from_logits, logprobs_from_logits
+from train.algorithms.logits import head_logprobs_entropy
 from train.algorithms.mismatch import mis_keep, sampler_mismatch_sums, tis_weights
 from train.algorithms.policy_loss import POLICY_LOSSES, LossSettings
 from train.algorithms.schedules import entropy_coef_schedule
 from train.models import optim
-from train.models.config import ActorConfig, compute_dtype, replaced
+from train.models.config import ActorConfig, compute_dtype, entropy_in_loss, replaced
 from train.models.lora import LoraSettings, adapters_disabled
 from train.models.memory_settings import BuildRoom, decided_memory_settings
 from train.models.model_init import build_model
 from train.models.router_replay import RouterBalance, RouterReplay
 from train.models.trainable import Norms, Trainable, UpdateStats
-from train.models.vlm import VisionSpec, is_vision_config, mask_unsampled, vision_tower
+from train.models.vlm import VisionSpec, is_vision_config, vision_tower
 from train.parallel.collectives import all_reduce_sum
 from train.parallel.distributed import DistContext
 from train.parallel.fused_logprobs import FusedLogprobHead
@@ -91,7 +91,7 @@ class Actor(Trainable):
             vision_tower(self.model).requires_grad_(False)
         if cfg.master_weights:  # bf16 weights, fp32 masters cast into them once per optimizer step
             self.use_master_weights(DTYPES[cfg.dtype])
-        # A vision-language model's placeholder tokens have probability 0, as in the engine (vlm.mask_unsampled).
+        # A vision-language model's placeholder tokens have probability 0, as in the engine (train/algorithms/logits.py mask_unsampled).
         config = self.model.config
         self.unsampled = (torch.tensor(VisionSpec.from_config(config).unsampled_ids, device=ctx.device)
                           if is_vision_config(config) else None)
@@ -119,6 +119,10 @@ class Actor(Trainable):
             self.model.requires_grad_(False)
 
     @property
+    def entropy_in_loss(self) -> bool:
+        return entropy_in_loss(self.cfg.entropy)
+
+    @property
     def keeps_logits(self) -> bool:
         """The plain head's [tokens, vocab] logits (the fused one keeps none): what the memory plan counts."""
         return self.fused_head is None
@@ -140,7 +144,7 @@ class Actor(Trainable):
             self.replay.set(mb.routes)  # kept until the next forward: a checkpointed backward recomputes with it
         if self.balance is not None:
             self.balance.clear()
-        bonus = bool(self.cfg.entropy.coef or self.cfg.entropy.min_coef)
+        bonus = entropy_in_loss(self.cfg.entropy)
         if self.fused_head is not None:  # actor.use_liger_kernel
             logp, entropy = self.fused_head(self.model, labels[None], self.temperature, with_entropy, **kwargs)
             logp, entropy = logp[0], (entropy[0] if entropy is not None else None)
@@ -149,12 +153,8 @@ class Actor(Trainable):
             if lay.sizes.tp > 1:
                 logp, entropy = vocab_parallel_logprobs(logits, labels, lay.tp_group, self.temperature, with_entropy)
             else:
-                logits = mask_unsampled(logits.float(), self.unsampled)
-                logp = logprobs_from_logits(logits, labels, temperature=self.temperature)
-                entropy = None
-                if with_entropy:  # a metric unless the entropy bonus is on: no graph for it then
-                    with torch.set_grad_enabled(torch.is_grad_enabled() and bonus):
-                        entropy = entropy_from_logits(logits / self.temperature)
+                logp, entropy = head_logprobs_entropy(logits, labels, self.temperature, unsampled=self.unsampled,
+                                                      with_entropy=with_entropy, entropy_grad=bonus)
         if entropy is not None and not bonus:
             entropy = entropy.detach()
         length = mb.input_ids.shape[1]

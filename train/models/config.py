@@ -65,6 +65,12 @@ class EntropyConfig:
                                f"{self.coef / 10:g}")
 
 
+def entropy_in_loss(entropy: EntropyConfig) -> bool:
+    """Whether the entropy bonus has a gradient at some step (its coef or the schedule's floor is not 0); an
+    `actor.entropy` section as a typed config or as an OmegaConf one."""
+    return bool(entropy.coef or entropy.min_coef)
+
+
 @dataclasses.dataclass(frozen=True)
 class KLConfig:
     """`actor.kl.*`: the KL penalty to the reference actor, in the loss or in the reward."""

@@ -27,6 +27,8 @@ from train.parallel.step_batch import StepBatch
 
 
 class Critic(Trainable):
+    lm_head = False  # a value head: no vocabulary head's backward to plan for
+
     def __init__(self, cfg: CriticConfig, ctx: DistContext, model_path: str, *, pad_token_id: int, total_updates: int = 1,
                  layout: Layout | None = None, adapter_seed: int = 0):
         layout = layout or layout_for(cfg, ctx.world_size, ctx.device.type, "critic")

@@ -15,12 +15,16 @@ bf16 compute (`actor.dtype=bfloat16`), S tokens per packed micro-batch:
   parameter during the step (`--foreach`, to compare with runs before that change).
 - update activations with gradient checkpointing: every layer's bf16 input (layers x S x hidden x 2),
   plus one layer's recomputed working set, about 1.5 x (4 hidden + 3 query + 3 key/value + 5
-  intermediate) x S x 2 bytes; the fused log-prob head keeps no [S, vocab] logits (without it, 12
-  bytes per action token and vocabulary entry). A mixture of experts counts, in place of 5 intermediate,
+  intermediate) x S x 2 bytes. A mixture of experts counts, in place of 5 intermediate,
   each of a token's top-k copies (2 hidden + 5 x the expert's width), the shared experts and the router
   (`mlp_width`); attention sinks (GPT-OSS) add the packed attention's per-segment scores (`attention_width`).
   Checked against what a bf16 forward saves for its backward, family by family, in
-  tests/unit/test_memory_plan.py. FSDP2's one-rank unshard of the largest group (the embeddings, or one
+  tests/unit/test_memory_plan.py. The vocabulary head's backward runs first, while only the layers' inputs
+  are kept (with checkpointing; every layer's set without it), so it adds the larger of its own peak and one
+  layer's set (`head_bytes`): the plain head's float32 logits and its backward's temporaries (16 bytes per token
+  and vocabulary entry, 21 with an entropy bonus); the fused head's one chunk of 2048 tokens (8 bytes per chunk token and entry in
+  float32, 12 with an entropy bonus in the loss), and for a trained head its float32 gradient (6 bytes per
+  head parameter). Measured on CPU in tests/integration/test_fused_logprobs.py. FSDP2's one-rank unshard of the largest group (the embeddings, or one
   layer) in bf16, and for a full fine-tune its fp32 gradient before the reduce.
 - rollout: the actor's weights and optimizer state stay (gradients are freed after the step), the
   engine's own bf16 weights (2P + 2L; 2L when it borrows the actor's frozen base,
@@ -76,6 +80,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from train.models.vlm import text_config
+from train.parallel.fused_logprobs import DEFAULT_CHUNK_TOKENS
 
 GIB = 2**30
 HEADROOM = 1.10
@@ -178,13 +183,15 @@ class MemoryPlan:
 def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, replies: int = 8,
          prompt: int = 1024, new: int = 128, fused_head: bool = True, foreach: bool = False,
          counts: tuple[int, int] | None = None, checkpointing: bool = True, shards: int = 1,
-         bucket_mb: float = 512, master_weights: bool = False) -> MemoryPlan:
+         bucket_mb: float = 512, master_weights: bool = False, entropy: bool = False,
+         lm_head: bool = True) -> MemoryPlan:
     """The memory of one step (module docstring) for `config` at `seq` tokens per micro-batch;
     `counts`: `count_parameters(config, lora_rank)` when the caller has it already; `shards`: the FSDP
     ranks the weights, gradients and moments are split over; `bucket_mb`: `rollout.bucket_size_mb`;
     `master_weights` (one rank, `actor.master_weights`): the trainable weights' bf16 copies and the
     backward's bf16 gradients are held whole (2 + 2 bytes per trainable parameter), and nothing is unsharded;
-    with `share_base` the engine then borrows a full fine-tune's bf16 weights too (no engine weights)."""
+    with `share_base` the engine then borrows a full fine-tune's bf16 weights too (no engine weights);
+    `entropy`: an entropy bonus in the loss (actor.entropy.coef > 0); `lm_head` False: a value head (a critic)."""
     params, adapters = counts or count_parameters(config, lora_rank)
     config = text_config(config)  # a vision-language model: its language model's shapes (the tower's activations are left out)
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
@@ -193,8 +200,8 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
     weights = (2 * params + 4 * adapters) if lora_rank else 4 * params
     checkpoints = layers * seq * h * 2
     layer_set = int(1.5 * (4 * h + attention_width(config, seq) + mlp_width(config)) * seq * 2)
-    kept = checkpoints + layer_set if checkpointing else layers * layer_set
-    head = 0 if fused_head else 12 * seq * vocab
+    head = head_bytes(config, seq, fused=fused_head, trained=not lora_rank, entropy=entropy) if lm_head else 0
+    kept = checkpoints + max(layer_set, head) if checkpointing else layers * layer_set + head
     largest_group = max(vocab * h, params // max(layers, 1))
     unshard = 0 if master_weights else largest_group * 2 + (0 if lora_rank else largest_group * 4)
     if master_weights:
@@ -206,9 +213,26 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
     shards = max(1, shards)
     return MemoryPlan(params=params, adapters=adapters, weights=weights // shards, gradients=gradients // shards,
                       optimizer=8 * trainable // shards, optimizer_temporary=(4 * trainable // shards) if foreach else 0,
-                      activations=kept + head, unshard=unshard, engine_weights=engine,
+                      activations=kept, unshard=unshard, engine_weights=engine,
                       kv_cache=replies * (prompt + new) * kv_per_token,
                       push_buffers=2 * min(int(bucket_mb * 2**20), 2 * (adapters if lora_rank else params)))
+
+
+def head_bytes(config, seq: int, *, fused: bool, trained: bool, entropy: bool = False,
+               chunk: int = DEFAULT_CHUNK_TOKENS) -> int:
+    """The vocabulary head's peak in the backward at `seq` tokens, beyond what the layers keep for theirs and the
+    hidden states' gradient (2 bytes per token and hidden unit). The plain head
+    (train/algorithms/logits.py head_logprobs_entropy): its float32 logits and the backward's temporaries, 16
+    bytes per token and vocabulary entry (21 with the entropy's graph). The fused one
+    (train/parallel/fused_logprobs.py): one chunk's float32 logits and gradient, 8 bytes per chunk token and
+    entry (12 with the entropy's term, `entropy`); for a `trained` head (not LoRA's frozen one) its float32
+    gradient, which the bf16 one is cast from at the end (6 bytes per head parameter at most)."""
+    vocab, h = config.vocab_size, config.hidden_size
+    grads = 2 * seq * h
+    if not fused:
+        return grads + (21 if entropy else 16) * seq * vocab
+    chunk_bytes = (12 if entropy else 8) * min(seq, chunk) * vocab
+    return grads + (4 * vocab * h + max(chunk_bytes, 2 * vocab * h) if trained else chunk_bytes)
 
 
 ATTENTION_SINKS = ("gpt_oss",)  # model types whose attention has one sink logit per head (GPT-OSS)
@@ -302,11 +326,11 @@ def longest_fitting(lengths: Iterable[int], fits: Callable[[int], bool]) -> int 
 
 def update_need(config, seq: int, *, fused_head: bool, checkpointing: bool, lora_rank: int = 0, shards: int = 1,
                 offload_optimizer: bool = False, offload_model: bool = False, master_weights: bool = False,
-                counts: tuple[int, int] | None = None) -> float:
+                counts: tuple[int, int] | None = None, entropy: bool = False) -> float:
     """The update's peak at `seq` tokens per micro-batch (`plan`) plus 10%: what must be free for it. With
     actor.offload_optimizer (offload_model) the moments (and weights and gradients) are not on the device."""
     p = plan(config, seq=seq, lora_rank=lora_rank, fused_head=fused_head, counts=counts, checkpointing=checkpointing,
-             shards=shards, master_weights=master_weights)
+             shards=shards, master_weights=master_weights, entropy=entropy)
     if offload_optimizer or offload_model:
         p = dataclasses.replace(p, optimizer=0, optimizer_temporary=0)
     if offload_model:
@@ -317,11 +341,12 @@ def update_need(config, seq: int, *, fused_head: bool, checkpointing: bool, lora
 def auto_settings(max_length: int | None, checkpointing: bool | None, fused_head: bool | None, *, config,
                   device_type: str, free_bytes: int | None, lora_rank: int = 0, shards: int = 1,
                   tp_size: int = 1, offload_optimizer: bool = False, offload_model: bool = False,
-                  reserved_bytes: int = 0) -> AutoSettings:
+                  reserved_bytes: int = 0, entropy: bool = False) -> AutoSettings:
     """Values for whichever of actor.max_length_per_device, actor.gradient_checkpointing and
     actor.use_liger_kernel are None (the module docstring's rule); set ones are kept as they are. With
     actor.offload_optimizer (offload_model) the moments (and weights and gradients) are not on the device.
-    `reserved_bytes`: what the run's other models will hold (resident_bytes), taken off the free memory."""
+    `reserved_bytes`: what the run's other models will hold (resident_bytes), taken off the free memory;
+    `entropy`: an entropy bonus in the loss (the head's backward holds more)."""
     if None not in (max_length, checkpointing, fused_head):
         return AutoSettings(max_length, checkpointing, fused_head)
     if device_type != "cuda" or free_bytes is None:
@@ -334,7 +359,8 @@ def auto_settings(max_length: int | None, checkpointing: bool | None, fused_head
 
     def peak(seq: int, head: bool, ckpt: bool) -> float:
         return update_need(config, seq, fused_head=head, checkpointing=ckpt, lora_rank=lora_rank, shards=shards,
-                           offload_optimizer=offload_optimizer, offload_model=offload_model, counts=counts)
+                           offload_optimizer=offload_optimizer, offload_model=offload_model, counts=counts,
+                           entropy=entropy)
 
     applies = fused_head_applies(config, tp_size)
 
@@ -362,7 +388,7 @@ def auto_settings(max_length: int | None, checkpointing: bool | None, fused_head
 
 def recompute_above(config, *, length: int, fused_head: bool, free_bytes: int, lora_rank: int = 0, shards: int = 1,
                     offload_optimizer: bool = False, offload_model: bool = False,
-                    master_weights: bool = False) -> int | None:
+                    master_weights: bool = False, entropy: bool = False) -> int | None:
     """Where null actor.gradient_checkpointing came out on (the update at `length` tokens per micro-batch does
     not fit without it): the longest micro-batch, a multiple of 1024 below `length`, whose update fits
     `free_bytes` without checkpointing. Micro-batches up to it keep their activations and skip the recompute
@@ -371,15 +397,15 @@ def recompute_above(config, *, length: int, fused_head: bool, free_bytes: int, l
     return longest_fitting(range(1024, length, 1024), lambda s: update_need(
         config, s, fused_head=fused_head, checkpointing=False, lora_rank=lora_rank, shards=shards,
         offload_optimizer=offload_optimizer, offload_model=offload_model, master_weights=master_weights,
-        counts=counts) <= free_bytes)
+        counts=counts, entropy=entropy) <= free_bytes)
 
 
 def master_weights_fit(config, *, seq: int, lora_rank: int, fused_head: bool, checkpointing: bool,
-                       free_bytes: int, offload_optimizer: bool = False) -> bool:
+                       free_bytes: int, offload_optimizer: bool = False, entropy: bool = False) -> bool:
     """Whether one GPU's update with `actor.master_weights` (bf16 copies held whole, `plan`) plus 10% fits
     `free_bytes` at the settings already chosen: the rule for actor.master_weights=null on a GPU."""
     p = plan(config, seq=seq, lora_rank=lora_rank, fused_head=fused_head, checkpointing=checkpointing,
-             master_weights=True)
+             master_weights=True, entropy=entropy)
     if offload_optimizer:
         p = dataclasses.replace(p, optimizer=0, optimizer_temporary=0)
     return p.update_peak * HEADROOM <= free_bytes
@@ -387,16 +413,16 @@ def master_weights_fit(config, *, seq: int, lora_rank: int, fused_head: bool, ch
 
 def working_bytes(config, *, seq: int, lora_rank: int, fused_head: bool, checkpointing: bool, master_weights: bool,
                   shards: int = 1, moments: bool = False, sums_held: bool = False,
-                  counts: tuple[int, int] | None = None) -> int:
+                  counts: tuple[int, int] | None = None, entropy: bool = False, lm_head: bool = True) -> int:
     """Device bytes per rank an update at `seq` tokens per micro-batch takes beyond the weights and AdamW moments
     that stay allocated between steps: its gradients with the activations and FSDP's unshard of the backward, or
     with the optimizer step's temporary, or the push's two buckets, whichever is most (`plan`'s phases, less what
     they share). `moments`: the AdamW moments too (before the first optimizer step, which allocates them).
     `sums_held` (with `master_weights`): the fp32 gradient sums are allocated already (after the first backward:
     they stay), so they are not counted again. `counts`: count_parameters(config, lora_rank), where the caller
-    has it (it builds the model on the meta device)."""
+    has it (it builds the model on the meta device). `entropy`, `lm_head`: as `plan`'s."""
     p = plan(config, seq=seq, lora_rank=lora_rank, fused_head=fused_head, checkpointing=checkpointing,
-             shards=shards, master_weights=master_weights, counts=counts)
+             shards=shards, master_weights=master_weights, counts=counts, entropy=entropy, lm_head=lm_head)
     held = p.weights + p.optimizer + (4 * (p.adapters if lora_rank else p.params) // max(1, shards)
                                       if master_weights and sums_held else 0)
     return max(p.update_peak - held, p.push_buffers) + (p.optimizer if moments else 0)
@@ -447,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new", type=int, default=128, help="new tokens per reply")
     ap.add_argument("--no-share-base", action="store_true", help="the engine holds its own base (LoRA)")
     ap.add_argument("--plain-head", action="store_true", help="without the fused log-prob head")
+    ap.add_argument("--entropy", action="store_true", help="an entropy bonus in the loss (actor.entropy.coef > 0)")
     ap.add_argument("--foreach", action="store_true", help="the foreach AdamW's step temporary (before fused)")
     ap.add_argument("--bucket-mb", type=float, default=512, help="rollout.bucket_size_mb (the push's buckets)")
     ap.add_argument("--json", action="store_true", help="print the parts as JSON")
@@ -460,10 +487,11 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.model)
     p = plan(config, seq=args.seq, lora_rank=args.lora_rank, share_base=not args.no_share_base,
              replies=args.replies, prompt=args.prompt, new=args.new, fused_head=not args.plain_head,
-             foreach=args.foreach, bucket_mb=args.bucket_mb)
+             foreach=args.foreach, bucket_mb=args.bucket_mb, entropy=args.entropy)
     # the longest micro-batch whose update fits each card without checkpointing (recompute_above's rule)
     plain = {card: recompute_above(config, length=args.seq + 1, fused_head=not args.plain_head,
-                                   free_bytes=int(gib * GIB), lora_rank=args.lora_rank) for card, gib in CARDS.items()}
+                                   free_bytes=int(gib * GIB), lora_rank=args.lora_rank, entropy=args.entropy)
+             for card, gib in CARDS.items()}
     if args.json:
         print(json.dumps({**p.__dict__, "update_peak": p.update_peak, "rollout_peak": p.rollout_peak,
                           "push_peak": p.push_peak, "no_recompute_up_to": plain}))

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from train.models.config import ActorConfig, replaced
+from train.models.config import ActorConfig, entropy_in_loss, replaced
 from train.models.master_weights import decide_master_weights, master_weights_refusal
 from train.models.memory_plan import (CPU_MAX_LENGTH, AutoSettings, auto_settings, master_weights_fit,
                                       recompute_above)
@@ -93,7 +93,7 @@ def with_memory_settings(cfg: ActorConfig, room: BuildRoom, layout: Layout, trai
         auto = auto_settings(*settings, config=config, device_type=room.ctx.device.type, free_bytes=free,
                              lora_rank=cfg.lora.rank if train else 0, shards=layout.sizes.fsdp, tp_size=layout.sizes.tp,
                              offload_optimizer=bool(cfg.offload_optimizer), offload_model=bool(cfg.offload_model),
-                             reserved_bytes=reserved)
+                             reserved_bytes=reserved, entropy=train and entropy_in_loss(cfg.entropy))
     except Exception as e:  # a model the plan cannot read: the CPU defaults, with checkpointing, and why
         length = settings[0] or CPU_MAX_LENGTH
         ckpt = True if settings[1] is None else settings[1]
@@ -120,7 +120,8 @@ def with_master_weights(cfg: ActorConfig, room: BuildRoom, layout: Layout, train
     if why is None and cfg.master_weights is None and room.on_gpu:
         default = master_weights_fit(room.config, seq=cfg.max_length_per_device, lora_rank=cfg.lora.rank,
                                      fused_head=bool(cfg.use_liger_kernel), checkpointing=bool(cfg.gradient_checkpointing),
-                                     free_bytes=room.free, offload_optimizer=bool(cfg.offload_optimizer))
+                                     free_bytes=room.free, offload_optimizer=bool(cfg.offload_optimizer),
+                                     entropy=entropy_in_loss(cfg.entropy))
     return replaced(cfg, master_weights=decide_master_weights(cfg.master_weights, "actor", why, default))
 
 
@@ -141,7 +142,7 @@ def recompute_threshold(cfg: ActorConfig, asked: bool | None, room: BuildRoom, l
         return recompute_above(config, length=cfg.max_length_per_device, fused_head=bool(cfg.use_liger_kernel),
                                free_bytes=free, lora_rank=cfg.lora.rank, shards=layout.sizes.fsdp,
                                offload_optimizer=bool(cfg.offload_optimizer), offload_model=bool(cfg.offload_model),
-                               master_weights=bool(cfg.master_weights))
+                               master_weights=bool(cfg.master_weights), entropy=entropy_in_loss(cfg.entropy))
     except Exception:  # a model the plan cannot read: every micro-batch recomputes, as with_memory_settings chose
         return None
 

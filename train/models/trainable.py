@@ -88,6 +88,8 @@ class Trainable:
     masters: MasterWeights | None = None
     optimizer: torch.optim.Optimizer | None = None
     keeps_logits = False  # whether its loss reads [tokens, vocab] logits (the actor's plain head)
+    lm_head = True  # whether it ends in the vocabulary head (a critic's value head: False)
+    entropy_in_loss = False  # whether its loss takes the entropy's gradient (the head's backward holds more)
     # with activation checkpointing: micro-batches of at most this many tokens (on the busiest rank) keep their
     # activations and skip the recompute (None: every micro-batch recomputes; memory_plan.recompute_above)
     recompute_above: int | None = None
@@ -123,7 +125,7 @@ class Trainable:
                              checkpointing=checkpointing, master_weights=self.masters is not None,
                              shards=self.layout.sizes.fsdp, moments=not self.optimizer.state,
                              sums_held=self.masters is not None and self.masters.sums_held,
-                             counts=self._parameter_counts())
+                             counts=self._parameter_counts(), entropy=self.entropy_in_loss, lm_head=self.lm_head)
 
     def _parameter_counts(self) -> tuple[int, int]:
         """memory_plan.count_parameters of this model, counted once (a meta-device build: ~65 ms for a 32B

@@ -82,7 +82,7 @@ class VisionSpec:
     def unsampled_ids(self) -> list[int]:
         """Tokens the policy never samples: a sampled placeholder would stand for an image that is not there
         (the model's forward counts placeholders against images). The engine and the trainer both give them
-        probability 0 (`mask_unsampled`), so sampler and trainer log-probs stay the same numbers."""
+        probability 0 (train/algorithms/logits.py `mask_unsampled`), so sampler and trainer log-probs stay the same numbers."""
         ids = {self.image_token_id, self.vision_start_id, self.vision_end_id}
         if self.video_token_id is not None:
             ids.add(self.video_token_id)
@@ -94,15 +94,6 @@ class VisionSpec:
         return t * (h // self.merge) * (w // self.merge)
 
 
-def mask_unsampled(logits: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
-    """float32 `logits` [..., vocab] with the columns `ids` at UNSAMPLED_LOGIT (probability 0 after a softmax at
-    any temperature down to 1e-7; finite, so entropies stay finite); the logits themselves when `ids` is None."""
-    if ids is None:
-        return logits
-    return logits.index_fill(-1, ids, UNSAMPLED_LOGIT)
-
-
-UNSAMPLED_LOGIT = -1e30
 
 
 def image_spans(ids: torch.Tensor | list[int], image_token_id: int) -> list[tuple[int, int]]:

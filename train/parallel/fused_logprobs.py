@@ -26,9 +26,47 @@ DEFAULT_CHUNK_TOKENS = 2048
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    # The plain path's order: matmul in the parameter dtype, then float32, then / T.
+    # The plain path's order: matmul in the parameter dtype, then float32, then / T (in place: a fresh tensor).
     z = (h @ weight.t()).float()
-    return z / temperature if temperature != 1.0 else z
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+# Each [chunk, vocab] float32 temporary is ~1.2 GB at 2048 tokens and a 150k vocabulary, so a chunk's work runs in
+# a function of its own (its temporaries are gone before the next chunk's logits are made) and reuses storage in
+# place: the backward holds two such tensors at most (three with the entropy's term), `head_bytes` in
+# train/models/memory_plan.py counts them, and tests/integration/test_fused_logprobs.py measures them.
+
+def _forward_chunk(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
+                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    z = _chunk_logits(h, weight, temperature)
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(1, labels[:, None]).squeeze(1) - lse
+    if not with_entropy:
+        return logp, None
+    p = torch.softmax(z, dim=-1)  # the plain path's arithmetic (train/algorithms/logits.py): lse - sum p z
+    return logp, lse - p.mul_(z).sum(-1)
+
+
+def _backward_chunk(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
+                    g_logp: torch.Tensor | None, g_ent: torch.Tensor | None) -> torch.Tensor:
+    """d loss / d logits of one chunk (in the parameter dtype): g_logp (onehot(y) - p) - g_ent p (z - E_p[z]),
+    over T, with the logits recomputed."""
+    z = _chunk_logits(h, weight, temperature)
+    gz = torch.softmax(z, dim=-1)  # p; the gradient is formed in its storage
+    if g_ent is not None:
+        mean_z = (gz * z).sum(-1, keepdim=True)
+        z.sub_(mean_z).mul_(gz).mul_(g_ent[:, None].float())  # z := g_ent p (z - E_p[z])
+    if g_logp is not None:
+        g = g_logp[:, None].float()
+        gz.mul_(-g).scatter_add_(1, labels[:, None], g)
+    else:
+        gz.zero_()
+    if g_ent is not None:
+        gz.sub_(z)
+    del z
+    if temperature != 1.0:
+        gz.div_(temperature)
+    return gz.to(h.dtype)  # back through the float32 cast, like autograd on the plain path
 
 
 class _ChunkedLogprobEntropy(torch.autograd.Function):
@@ -39,16 +77,14 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk):
-            z = _chunk_logits(hidden[s:s + chunk], weight, temperature)
-            lse = torch.logsumexp(z, dim=-1)
-            logp[s:s + chunk] = z.gather(1, labels[s:s + chunk, None]).squeeze(1) - lse
+            logp[s:s + chunk], ent = _forward_chunk(hidden[s:s + chunk], weight, labels[s:s + chunk], temperature,
+                                                    with_entropy)
             if with_entropy:
-                p = torch.softmax(z, dim=-1)  # the plain path's arithmetic (train/algorithms/logits.py)
-                entropy[s:s + chunk] = lse - (p * z).sum(-1)
+                entropy[s:s + chunk] = ent
         ctx.save_for_backward(hidden, weight, labels)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
         # An output the loss does not use (the entropy, detached at actor.entropy.coef 0) gets None, not zeros:
-        # the backward then skips its term (three [chunk, vocab] float32 temporaries per chunk).
+        # the backward then skips its term (a [chunk, vocab] float32 temporary and three passes per chunk).
         ctx.set_materialize_grads(False)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -61,26 +97,16 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        use_ent = ctx.with_entropy and g_ent is not None
+        g_ent = g_ent if ctx.with_entropy else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
-            z = _chunk_logits(h, weight, T)
-            p = torch.softmax(z, dim=-1)
-            gz = torch.zeros_like(z)
-            if g_logp is not None:
-                g = g_logp[s:s + chunk, None].float()
-                gz -= p * g
-                gz.scatter_add_(1, labels[s:s + chunk, None], g)
-            if use_ent:
-                mean_z = (p * z).sum(-1, keepdim=True)
-                gz -= g_ent[s:s + chunk, None].float() * p * (z - mean_z)
-            if T != 1.0:
-                gz /= T
-            gz = gz.to(hidden.dtype)  # back through the float32 cast, like autograd on the plain path
+            gz = _backward_chunk(h, weight, labels[s:s + chunk], T, None if g_logp is None else g_logp[s:s + chunk],
+                                 None if g_ent is None else g_ent[s:s + chunk])
             if need_h:
                 grad_h[s:s + chunk] = gz @ weight
             if need_w:
                 grad_w += (gz.t() @ h).float()
+            del gz
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 
