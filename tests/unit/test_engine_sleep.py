@@ -98,19 +98,28 @@ def fake_actor(**changes):
 def test_the_actors_working_bytes_are_its_gradients_and_activations_at_its_longest_micro_batch():
     config = preset_config("qwen2.5-0.5b")
     params, _ = count_parameters(config)
-    seq, h, layers, inter, heads, kv, hd = 32768, 896, 24, 4864, 14, 2, 64
-    # fp32 gradient sums and the backward's bf16 gradients; every layer's bf16 input; one layer's working set
-    want = 6 * params + layers * seq * h * 2 + int(1.5 * (4 * h + 3 * heads * hd + 3 * kv * hd + 5 * inter) * seq * 2)
+    seq, h, layers, inter, heads, kv, hd, vocab = 32768, 896, 24, 4864, 14, 2, 64, 151936
+
+    def layer_set(tokens):  # one layer's recomputed working set
+        return int(1.5 * (4 * h + 3 * heads * hd + 3 * kv * hd + 5 * inter) * tokens * 2)
+
+    def fused_head(tokens):  # a 2048-token chunk's float32 logits and gradient, the tied head's fp32 gradient, dh
+        return 8 * 2048 * vocab + 4 * vocab * h + 2 * tokens * h
+
+    # fp32 gradient sums and the backward's bf16 gradients; every layer's bf16 input; then the larger of one
+    # layer's working set and the head's backward (which runs first, before any layer recomputes)
+    want = 6 * params + layers * seq * h * 2 + max(layer_set(seq), fused_head(seq))
     assert Trainable.update_working_bytes(fake_actor()) == want
     assert working_bytes(config, seq=seq, lora_rank=0, fused_head=True, checkpointing=True,
                          master_weights=True) == want
     # FSDP2 over one rank instead: 4-byte gradients, and the largest group (the embeddings) unsharded, bf16 + fp32
     fsdp = Trainable.update_working_bytes(fake_actor(masters=None))
-    assert fsdp == want - 2 * params + 151936 * h * 6
-    # the plain head: 12 bytes per token and vocabulary entry of its logits (a critic's value head keeps none)
-    assert Trainable.update_working_bytes(fake_actor(keeps_logits=True)) == want + 12 * seq * 151936
+    assert fsdp == want - 2 * params + vocab * h * 6
+    # the plain head: 16 bytes per token and vocabulary entry (a critic's value head keeps none)
+    assert Trainable.update_working_bytes(fake_actor(keeps_logits=True)) == (
+        6 * params + layers * seq * h * 2 + 16 * seq * vocab + 2 * seq * h)
     # a step batch of 8,192 tokens over all ranks makes no longer pack; one of more is held to the configured length
-    short = 6 * params + layers * 8192 * h * 2 + int(1.5 * (4 * h + 3 * heads * hd + 3 * kv * hd + 5 * inter) * 8192 * 2)
+    short = 6 * params + layers * 8192 * h * 2 + max(layer_set(8192), fused_head(8192))
     assert fake_actor().update_working_bytes(tokens=8192) == short < want
     assert fake_actor().update_working_bytes(tokens=10**6) == want
 
@@ -137,10 +146,12 @@ def test_packs_skip_the_recompute_only_as_far_as_the_memory_free_at_the_update_a
     10% fits; 0 (every pack recomputes) where not even 1024 do; recompute_above itself where the plan does not
     cover the update (it was chosen for such a model at build time)."""
     params, _ = count_parameters(preset_config("qwen2.5-0.5b"))
-    h, layers, inter, heads, kv, hd = 896, 24, 4864, 14, 2, 64
+    h, layers, inter, heads, kv, hd, vocab = 896, 24, 4864, 14, 2, 64, 151936
 
-    def need(seq: int) -> float:  # fp32 gradient sums and bf16 gradients; every layer's working set
-        return (6 * params + layers * int(1.5 * (4 * h + 3 * heads * hd + 3 * kv * hd + 5 * inter) * seq * 2)) * 1.1
+    def need(seq: int) -> float:  # fp32 gradient sums and bf16 gradients; every layer's working set; the fused head
+        head = 8 * min(seq, 2048) * vocab + 4 * vocab * h + 2 * seq * h
+        return (6 * params + layers * int(1.5 * (4 * h + 3 * heads * hd + 3 * kv * hd + 5 * inter) * seq * 2)
+                + head) * 1.1
 
     actor = fake_actor(recompute_above=30720)
     assert actor._recompute_limit(10**13) == 30720
@@ -195,13 +206,13 @@ def test_the_engines_weights_are_reserved_where_it_stays_awake_through_the_updat
     sleeps when needed, runs on rollout ranks, or is SGLang."""
     from conftest import STUB_MODEL, run_config
     from train.models.shared_base import share_base_refusal
-    from train.trainer.grpo import awake_engine_bytes
+    from train.trainer.grpo import awake_engine_bytes, plans_on_borrowing
 
     params, _ = count_parameters(AutoConfig.from_pretrained(STUB_MODEL))
 
     def engine(**overrides):  # as the trainer asks it
         cfg = run_config(overrides)
-        borrows = share_base_refusal(cfg, 1, "cpu") is None and cfg.rollout.share_actor_base is not False
+        borrows = plans_on_borrowing(share_base_refusal(cfg, 1, "cpu"), cfg.rollout, cfg.actor)
         found = awake_engine_bytes(cfg.rollout, "cpu", str(STUB_MODEL), borrows)
         return None if found is None else found()
 
@@ -212,6 +223,10 @@ def test_the_engines_weights_are_reserved_where_it_stays_awake_through_the_updat
     lora = {"rollout.sleep": False, "actor.lora.rank": 4}
     assert share_base_refusal(run_config(lora), 1, "cpu") is None and engine(**lora) == 0  # it borrows the base
     assert engine(**lora, **{"rollout.share_actor_base": False}) == 4 * params
+    # a bf16 full fine-tune lends its weights only with masters: null ones may come out off, so the plan counts them
+    full = {"rollout.sleep": False, "actor.dtype": "bfloat16", "rollout.dtype": "bfloat16"}
+    assert share_base_refusal(run_config(full), 1, "cpu") is None and engine(**full) == 2 * params
+    assert engine(**full, **{"actor.master_weights": True}) == 0
 
 
 def test_null_sizes_the_update_by_the_step_batchs_tokens_over_all_ranks():

@@ -47,7 +47,7 @@ from train.datasets.vision import vision_processor
 from train.engines import build_engine
 from train.models.actor import Actor, AdapterFreeReference
 from train.models.critic import Critic
-from train.models.config import compute_dtype
+from train.models.config import ActorConfig, compute_dtype
 from train.models.lora import LoraTargetError
 from train.models.memory_plan import resident_bytes
 from train.models.model_init import ModelWeightsError
@@ -142,6 +142,15 @@ def awake_engine_bytes(rollout: RolloutConfig, device_type: str, rollout_folder:
 
     itemsize = DTYPES[compute_dtype(rollout.dtype, device_type)].itemsize
     return lambda: resident_bytes(AutoConfig.from_pretrained(rollout_folder), trainable=False, weight_bytes=itemsize)
+
+
+def plans_on_borrowing(refusal: str | None, rollout: RolloutConfig, actor: ActorConfig) -> bool:
+    """Whether the actor may plan its memory as if an awake engine borrows its weights (`awake_engine_bytes`):
+    nothing refuses it (`refusal`: shared_base.share_base_refusal), rollout.share_actor_base is not false, and a
+    full fine-tune has its masters set on. Null masters are decided after the memory settings and may come out
+    off, and then the engine keeps its own copy: the plan counts it."""
+    return (refusal is None and rollout.share_actor_base is not False
+            and (actor.lora.rank > 0 or actor.master_weights is True))
 
 
 @dataclass
@@ -307,8 +316,7 @@ class Trainer:
                                            reference_slot=has_reference_slot(cfg), lora=cfg.actor.lora.rank > 0)
         critic_folder = paths.critic if cfg.adv.estimator == "gae" else None
         # the engine borrows the actor's weights (rollout.share_actor_base) where the config lets it
-        borrows = (share_base_refusal(cfg, ctx.world_size, ctx.device.type) is None
-                   and cfg.rollout.share_actor_base is not False)
+        borrows = plans_on_borrowing(share_base_refusal(cfg, ctx.world_size, ctx.device.type), cfg.rollout, cfg.actor)
         others = lambda: resident_elsewhere(frozen_folders, critic_folder,  # noqa: E731
                                             lambda role: layout(role).sizes.fsdp, cfg.actor.dtype)
         actor = Actor(cfg.actor, ctx, paths.actor, pad_token_id=pad_id, train=True, temperature=temperature,
