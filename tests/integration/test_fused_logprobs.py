@@ -71,10 +71,11 @@ def test_an_unused_entropy_adds_no_term_to_the_backward(monkeypatch) -> None:
 @pytest.mark.parametrize("trained,bonus,temperature", [(False, False, 1.0), (True, False, 0.7), (True, True, 0.7)],
                          ids=["lora-head", "trained-head", "entropy-bonus"])
 def test_the_backward_holds_what_the_memory_plan_counts(trained: bool, bonus: bool, temperature: float) -> None:
-    """The memory plan counts the fused head's backward (`memory_plan.head_bytes`): one chunk's float32 logits and
-    gradient (8 bytes per chunk token and vocabulary entry, 12 with an entropy bonus), a trained head's float32
-    gradient and the hidden states' gradient. Measured here as the bytes the backward's ops hold at once, called
-    as the actor calls it (the entropy always computed, detached without a bonus) in bf16."""
+    """The memory plan counts the fused head's peak (`memory_plan.head_bytes`): one chunk's float32 logits and their
+    exponentials or gradient (8 bytes per chunk token and vocabulary entry, forward or backward), a trained head's
+    float32 gradient and the hidden states' gradient. Measured here as the bytes the head's ops hold at once from
+    its forward through its backward, called as the actor calls it (the entropy always computed, detached without a
+    bonus) in bf16."""
     from types import SimpleNamespace
 
     from train.models.memory_plan import head_bytes
@@ -84,9 +85,9 @@ def test_the_backward_holds_what_the_memory_plan_counts(trained: bool, bonus: bo
     hidden = torch.randn(tokens, hidden_size, generator=g).bfloat16().requires_grad_()
     weight = (torch.randn(vocab, hidden_size, generator=g) / 8).bfloat16().requires_grad_(trained)
     labels = torch.randint(0, vocab, (tokens,), generator=g)
-    lp, ent = fused_logprobs_entropy(hidden, weight, labels, temperature, chunk_tokens=chunk)
-    loss = lp.sum() + (0.01 * ent.sum() if bonus else 0 * ent.detach().sum())
     with LiveBytes() as held:
+        lp, ent = fused_logprobs_entropy(hidden, weight, labels, temperature, chunk_tokens=chunk)
+        loss = lp.sum() + (0.01 * ent.sum() if bonus else 0 * ent.detach().sum())
         loss.backward()
     planned = head_bytes(SimpleNamespace(vocab_size=vocab, hidden_size=hidden_size), tokens, fused=True,
                          trained=trained, entropy=bonus, chunk=chunk)

@@ -97,10 +97,12 @@ def test_the_command_prints_a_plan_and_names_what_it_does_not_know(capsys):
     assert plain == {card: recompute_above(preset_config("qwen3-4b"), length=65537, fused_head=True, lora_rank=32,
                                            free_bytes=int(gib * GIB)) for card, gib in CARDS.items()}
     assert plain["80 GB (H100)"] < plain["141 GB (H200)"] <= 65536
-    # an entropy bonus: the head's backward holds one more [chunk, vocab] float32 tensor
-    assert main(["--model", "qwen3-4b", "--lora-rank", "32", "--seq", "16384", "--json", "--entropy"]) == 0
-    with_bonus = json.loads(capsys.readouterr().out)
-    assert with_bonus["activations"] == plan(preset_config("qwen3-4b"), seq=16384, lora_rank=32, entropy=True).activations
+    # an entropy bonus: the plain head's backward holds the entropy's graph too (5 bytes per token and entry)
+    args = ["--model", "qwen3-4b", "--lora-rank", "32", "--seq", "4096", "--json", "--plain-head"]
+    assert main(args) == 0 and main(args + ["--entropy"]) == 0
+    without, with_bonus = (json.loads(line)["activations"] for line in capsys.readouterr().out.splitlines())
+    assert with_bonus - without == 5 * 4096 * 151936 == (
+        plan(preset_config("qwen3-4b"), seq=4096, lora_rank=32, fused_head=False, entropy=True).activations - without)
     assert main(["--model", "qwen2.5-0.5b", "--seq", "65536"]) == 0
     small = recompute_above(preset_config("qwen2.5-0.5b"), length=65537, fused_head=True,
                             free_bytes=int(CARDS["80 GB (H100)"] * GIB))

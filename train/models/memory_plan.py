@@ -22,8 +22,8 @@ bf16 compute (`actor.dtype=bfloat16`), S tokens per packed micro-batch:
   tests/unit/test_memory_plan.py. The vocabulary head's backward runs first, while only the layers' inputs
   are kept (with checkpointing; every layer's set without it), so it adds the larger of its own peak and one
   layer's set (`head_bytes`): the plain head's float32 logits and its backward's temporaries (16 bytes per token
-  and vocabulary entry, 21 with an entropy bonus); the fused head's one chunk of 2048 tokens (8 bytes per chunk token and entry in
-  float32, 12 with an entropy bonus in the loss), and for a trained head its float32 gradient (6 bytes per
+  and vocabulary entry, 21 with an entropy bonus); the fused head's one chunk of 2048 tokens (8 bytes per chunk
+  token and entry in float32, forward or backward), and for a trained head its float32 gradient (6 bytes per
   head parameter). Measured on CPU in tests/integration/test_fused_logprobs.py. FSDP2's one-rank unshard of the largest group (the embeddings, or one
   layer) in bf16, and for a full fine-tune its fp32 gradient before the reduce.
 - rollout: the actor's weights and optimizer state stay (gradients are freed after the step), the
@@ -220,19 +220,23 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
 
 def head_bytes(config, seq: int, *, fused: bool, trained: bool, entropy: bool = False,
                chunk: int = DEFAULT_CHUNK_TOKENS) -> int:
-    """The vocabulary head's peak in the backward at `seq` tokens, beyond what the layers keep for theirs and the
-    hidden states' gradient (2 bytes per token and hidden unit). The plain head
-    (train/algorithms/logits.py head_logprobs_entropy): its float32 logits and the backward's temporaries, 16
-    bytes per token and vocabulary entry (21 with the entropy's graph). The fused one
-    (train/parallel/fused_logprobs.py): one chunk's float32 logits and gradient, 8 bytes per chunk token and
-    entry (12 with the entropy's term, `entropy`); for a `trained` head (not LoRA's frozen one) its float32
-    gradient, which the bf16 one is cast from at the end (6 bytes per head parameter at most)."""
+    """The vocabulary head's peak at `seq` tokens in the update's forward or backward, beyond what the layers keep
+    for theirs. The plain head (train/algorithms/logits.py head_logprobs_entropy): its float32 logits and the
+    backward's temporaries, 16 bytes per token and vocabulary entry (21 with the entropy's graph, `entropy`), and
+    the hidden states' gradient (2 bytes per token and hidden unit). The fused one
+    (train/parallel/fused_logprobs.py), per token and entry of one chunk: in the forward the float32 logits and
+    their exponentials for the entropy metric (8 bytes); in the backward the logits as they are cast to float32
+    and then the gradient in their storage (6 bytes; 8 with the entropy's term), with the hidden states' gradient
+    and for a `trained` head (not LoRA's frozen one) its float32 gradient, which the bf16 one is cast from at the
+    end (6 bytes per head parameter at most)."""
     vocab, h = config.vocab_size, config.hidden_size
     grads = 2 * seq * h
     if not fused:
         return grads + (21 if entropy else 16) * seq * vocab
-    chunk_bytes = (12 if entropy else 8) * min(seq, chunk) * vocab
-    return grads + (4 * vocab * h + max(chunk_bytes, 2 * vocab * h) if trained else chunk_bytes)
+    tokens = min(seq, chunk)
+    weight_grad = 4 * vocab * h if trained else 0
+    backward = grads + weight_grad + max((8 if entropy else 6) * tokens * vocab, 2 * vocab * h if trained else 0)
+    return max(8 * tokens * vocab, backward)
 
 
 ATTENTION_SINKS = ("gpt_oss",)  # model types whose attention has one sink logit per head (GPT-OSS)

@@ -33,37 +33,48 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> 
 
 # Each [chunk, vocab] float32 temporary is ~1.2 GB at 2048 tokens and a 150k vocabulary, so a chunk's work runs in
 # a function of its own (its temporaries are gone before the next chunk's logits are made) and reuses storage in
-# place: the backward holds two such tensors at most (three with the entropy's term), `head_bytes` in
-# train/models/memory_plan.py counts them, and tests/integration/test_fused_logprobs.py measures them.
+# place. The forward keeps each token's logsumexp (and entropy), so the backward makes the softmax as
+# exp(z - lse) in the logits' own storage: forward and backward hold one such tensor (two with the entropy's
+# term), which `head_bytes` in train/models/memory_plan.py counts and tests/integration/test_fused_logprobs.py
+# measures.
 
 def _forward_chunk(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
-                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(log-probs of `labels`, logsumexp, entropy or None) of one chunk. The logsumexp as torch's (the row's max
+    out, exp, sum, log, the max back), with exp(z - max) in the logits' own storage unless the entropy needs them."""
     z = _chunk_logits(h, weight, temperature)
-    lse = torch.logsumexp(z, dim=-1)
-    logp = z.gather(1, labels[:, None]).squeeze(1) - lse
+    picked = z.gather(1, labels[:, None]).squeeze(1)
+    top = z.amax(dim=-1, keepdim=True)
+    e = (z - top).exp_() if with_entropy else z.sub_(top).exp_()
+    total = e.sum(-1, keepdim=True)
+    lse = (total.log() + top).squeeze(1)
     if not with_entropy:
-        return logp, None
-    p = torch.softmax(z, dim=-1)  # the plain path's arithmetic (train/algorithms/logits.py): lse - sum p z
-    return logp, lse - p.mul_(z).sum(-1)
+        return picked - lse, lse, None
+    p = e.div_(total)  # softmax(z)
+    return picked - lse, lse, lse - p.mul_(z).sum(-1)  # H = lse - sum p z, as the plain path (algorithms/logits.py)
 
 
 def _backward_chunk(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
-                    g_logp: torch.Tensor | None, g_ent: torch.Tensor | None) -> torch.Tensor:
+                    lse: torch.Tensor, entropy: torch.Tensor | None, g_logp: torch.Tensor | None,
+                    g_ent: torch.Tensor | None) -> torch.Tensor:
     """d loss / d logits of one chunk (in the parameter dtype): g_logp (onehot(y) - p) - g_ent p (z - E_p[z]),
-    over T, with the logits recomputed."""
+    over T, with the logits recomputed; p = exp(z - lse) and E_p[z] = lse - entropy from the forward."""
     z = _chunk_logits(h, weight, temperature)
-    gz = torch.softmax(z, dim=-1)  # p; the gradient is formed in its storage
     if g_ent is not None:
-        mean_z = (gz * z).sum(-1, keepdim=True)
+        gz = (z - lse[:, None]).exp_()  # p; z stays for the entropy's term
+        mean_z = (lse - entropy)[:, None]
         z.sub_(mean_z).mul_(gz).mul_(g_ent[:, None].float())  # z := g_ent p (z - E_p[z])
+    else:
+        gz = z.sub_(lse[:, None]).exp_()  # p, in the logits' storage
+        z = None
     if g_logp is not None:
         g = g_logp[:, None].float()
         gz.mul_(-g).scatter_add_(1, labels[:, None], g)
     else:
         gz.zero_()
-    if g_ent is not None:
+    if z is not None:
         gz.sub_(z)
-    del z
+        del z
     if temperature != 1.0:
         gz.div_(temperature)
     return gz.to(h.dtype)  # back through the float32 cast, like autograd on the plain path
@@ -75,13 +86,14 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
                 chunk: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk):
-            logp[s:s + chunk], ent = _forward_chunk(hidden[s:s + chunk], weight, labels[s:s + chunk], temperature,
-                                                    with_entropy)
+            logp[s:s + chunk], lse[s:s + chunk], ent = _forward_chunk(
+                hidden[s:s + chunk], weight, labels[s:s + chunk], temperature, with_entropy)
             if with_entropy:
                 entropy[s:s + chunk] = ent
-        ctx.save_for_backward(hidden, weight, labels)
+        ctx.save_for_backward(hidden, weight, labels, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
         # An output the loss does not use (the entropy, detached at actor.entropy.coef 0) gets None, not zeros:
         # the backward then skips its term (a [chunk, vocab] float32 temporary and three passes per chunk).
@@ -92,18 +104,18 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None):
-        hidden, weight, labels = ctx.saved_tensors
+        hidden, weight, labels, lse, entropy = ctx.saved_tensors
         T, chunk = ctx.temperature, ctx.chunk
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         g_ent = g_ent if ctx.with_entropy else None
         for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s:s + chunk]
-            gz = _backward_chunk(h, weight, labels[s:s + chunk], T, None if g_logp is None else g_logp[s:s + chunk],
-                                 None if g_ent is None else g_ent[s:s + chunk])
+            h, part = hidden[s:s + chunk], slice(s, s + chunk)
+            gz = _backward_chunk(h, weight, labels[part], T, lse[part], entropy[part] if g_ent is not None else None,
+                                 None if g_logp is None else g_logp[part], None if g_ent is None else g_ent[part])
             if need_h:
-                grad_h[s:s + chunk] = gz @ weight
+                grad_h[part] = gz @ weight
             if need_w:
                 grad_w += (gz.t() @ h).float()
             del gz
