@@ -68,9 +68,11 @@ def test_an_unused_entropy_adds_no_term_to_the_backward(monkeypatch) -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-@pytest.mark.parametrize("trained,bonus,temperature", [(False, False, 1.0), (True, False, 0.7), (True, True, 0.7)],
-                         ids=["lora-head", "trained-head", "entropy-bonus"])
-def test_the_backward_holds_what_the_memory_plan_counts(trained: bool, bonus: bool, temperature: float) -> None:
+@pytest.mark.parametrize("trained,bonus,temperature,hidden_size", [
+    (False, False, 1.0, 64), (True, False, 0.7, 64), (True, True, 0.7, 64), (True, False, 1.0, 1024)],
+    ids=["lora-head", "trained-head", "entropy-bonus", "wide-trained-head"])
+def test_the_backward_holds_what_the_memory_plan_counts(trained: bool, bonus: bool, temperature: float,
+                                                        hidden_size: int, monkeypatch) -> None:
     """The memory plan counts the fused head's peak (`memory_plan.head_bytes`): one chunk's float32 logits and their
     exponentials or gradient (8 bytes per chunk token and vocabulary entry, forward or backward), a trained head's
     float32 gradient and the hidden states' gradient. Measured here as the bytes the head's ops hold at once from
@@ -80,7 +82,13 @@ def test_the_backward_holds_what_the_memory_plan_counts(trained: bool, bonus: bo
 
     from train.models.memory_plan import head_bytes
 
-    vocab, hidden_size, tokens, chunk = 4096, 64, 1024, 256
+    from train.parallel import fused_logprobs
+
+    # the wide head: its gradient's [vocab, hidden] float32 sum outweighs the chunk's logits, and its product is
+    # made a slice of 1024 vocabulary rows at a time (16384 for a real vocabulary)
+    monkeypatch.setattr(fused_logprobs, "WEIGHT_GRAD_ROWS", 1024)
+    monkeypatch.setattr("train.models.memory_plan.WEIGHT_GRAD_ROWS", 1024)
+    vocab, tokens, chunk = 4096, 1024, 256
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(tokens, hidden_size, generator=g).bfloat16().requires_grad_()
     weight = (torch.randn(vocab, hidden_size, generator=g) / 8).bfloat16().requires_grad_(trained)

@@ -80,7 +80,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from train.models.vlm import text_config
-from train.parallel.fused_logprobs import DEFAULT_CHUNK_TOKENS
+from train.parallel.fused_logprobs import DEFAULT_CHUNK_TOKENS, WEIGHT_GRAD_ROWS
 
 GIB = 2**30
 HEADROOM = 1.10
@@ -227,15 +227,18 @@ def head_bytes(config, seq: int, *, fused: bool, trained: bool, entropy: bool = 
     (train/parallel/fused_logprobs.py), per token and entry of one chunk: in the forward the float32 logits and
     their exponentials for the entropy metric (8 bytes); in the backward the logits as they are cast to float32
     and then the gradient in their storage (6 bytes; 8 with the entropy's term), with the hidden states' gradient
-    and for a `trained` head (not LoRA's frozen one) its float32 gradient, which the bf16 one is cast from at the
-    end (6 bytes per head parameter at most)."""
+    and for a `trained` head (not LoRA's frozen one) its float32 gradient, added to a slice of vocabulary rows at a
+    time (the slice's product in bf16 and float32 beside the chunk's bf16 gradient), which the bf16 one is cast
+    from at the end (6 bytes per head parameter at most)."""
     vocab, h = config.vocab_size, config.hidden_size
     grads = 2 * seq * h
     if not fused:
         return grads + (21 if entropy else 16) * seq * vocab
     tokens = min(seq, chunk)
-    weight_grad = 4 * vocab * h if trained else 0
-    backward = grads + weight_grad + max((8 if entropy else 6) * tokens * vocab, 2 * vocab * h if trained else 0)
+    if not trained:
+        return max(8 * tokens * vocab, grads + (8 if entropy else 6) * tokens * vocab)
+    slice_product = 2 * tokens * vocab + 6 * min(vocab, WEIGHT_GRAD_ROWS) * h
+    backward = grads + 4 * vocab * h + max((8 if entropy else 6) * tokens * vocab, slice_product, 2 * vocab * h)
     return max(8 * tokens * vocab, backward)
 
 

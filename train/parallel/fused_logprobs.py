@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 DEFAULT_CHUNK_TOKENS = 2048
+WEIGHT_GRAD_ROWS = 16384  # vocabulary rows per matmul of a trained head's gradient: its bf16 and float32 temporaries
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -116,8 +117,9 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
                                  None if g_logp is None else g_logp[part], None if g_ent is None else g_ent[part])
             if need_h:
                 grad_h[part] = gz @ weight
-            if need_w:
-                grad_w += (gz.t() @ h).float()
+            if need_w:  # a slice of the vocabulary at a time: [rows, hidden] temporaries, not [vocab, hidden]
+                for v in range(0, grad_w.shape[0], WEIGHT_GRAD_ROWS):
+                    grad_w[v:v + WEIGHT_GRAD_ROWS] += (gz[:, v:v + WEIGHT_GRAD_ROWS].t() @ h).float()
             del gz
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
