@@ -45,6 +45,9 @@ Sections (each one's failure is recorded and the others still run; the exit stat
 * `moe`: a random Qwen3-MoE-shaped model of 1.0B parameters (64 experts, top-8; issue 37), 3 trainer
   steps with router replay and the load-balancing loss, then 3 without replay: step time, memory, and
   the sampler-trainer KL of each (the engine samples in bf16).
+* `head`: the log-prob head's memory and time (benchmarks/head_memory.py) on Qwen2.5-0.5B's vocabulary and
+  width in bf16, 8,192 tokens: the plain and the fused head, each without and with an entropy bonus, the
+  allocator's peak from the forward through the backward against the plan's `head_bytes` (issue 36).
 * `ring`: ring attention's tile kernel on this device (issue 38) against SDPA over the same row: one rank's
   forward + backward of one attention layer (Qwen2.5-0.5B's 14 heads, 2 key/value heads, head dim 64, bf16 on
   CUDA) at 32K and 64K tokens, seconds and peak memory of each and the largest difference (a ring of one: what
@@ -80,7 +83,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-SECTIONS = ("tests", "demo", "decode", "decode_layers", "mfu", "mfu_compiled", "push", "step", "trl", "bigmodel", "moe", "vlm", "ring")
+SECTIONS = ("tests", "demo", "decode", "decode_layers", "mfu", "mfu_compiled", "push", "step", "trl", "bigmodel", "moe", "vlm",
+            "ring", "head")
 
 # Datasheet figures (dense bf16 TFLOP/s, HBM TB/s) matched on torch.cuda.get_device_name().
 DATASHEET = (
@@ -625,6 +629,16 @@ def section_ring(shapes: Shapes, info: dict) -> dict:
     return {"heads": heads, "kv_heads": kv_heads, "dim": dim, "dtype": str(dtype), "rows": rows}
 
 
+def section_head(shapes: Shapes, info: dict) -> dict:
+    """benchmarks/head_memory.py's rows at the model's vocabulary and width, on its first micro-batch length."""
+    import torch
+
+    from head_memory import measure
+
+    device = torch.device("cuda" if info["cuda"] else "cpu")
+    return {"rows": measure(device, shapes.mfu_tokens[0], shapes.vocab, shapes.hidden)}
+
+
 def section_push(args, work: Path, info: dict, actor) -> dict:
     import torch
 
@@ -1064,6 +1078,10 @@ def markdown(result: dict) -> str:
         f"(x{x['ring_s'] / x['sdpa_s']:.2f})" + (f", peak {x['ring_peak_gib']:.2f} vs {x['sdpa_peak_gib']:.2f} GiB"
                                                   if x["ring_peak_gib"] is not None else "")
         + f", max diff {x['max_abs_diff']:.1e}" for x in r["rows"]))
+    cell("head", lambda r: "; ".join(
+        f"{x['head']}{' + entropy bonus' if x['entropy_bonus'] else ''}, {x['tokens']} tokens: peak "
+        f"{x['peak_bytes'] / 2**30:.2f} GiB (plan {x['planned_bytes'] / 2**30:.2f}), {x['seconds'] * 1e3:.1f} ms"
+        for x in r["rows"]))
     cell("vlm", lambda r: f"{r['params'] / 1e9:.2f}B params, {r['image_side']} px pictures ({r['image_tokens']} tokens): "
          + ", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in r.items() if k.startswith("time/"))
          + f"; sampler KL {r.get('actor/sampler_kl', 0):.2e}"
@@ -1135,6 +1153,8 @@ def main(argv: list[str] | None = None) -> int:
                     out = section_decode(args, work, shapes, info, layers=name == "decode_layers")
                 elif name == "ring":
                     out = section_ring(shapes, info)
+                elif name == "head":
+                    out = section_head(shapes, info)
                 elif name == "bigmodel":
                     actor = None  # the mfu section's actor: its memory is not this section's
                     gc.collect()

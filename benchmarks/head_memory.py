@@ -54,6 +54,38 @@ def peak_bytes(device: torch.device, run) -> int:
     return held.peak
 
 
+def measure(device: torch.device, tokens: int, vocab: int, hidden_size: int, temperature: float = 0.7,
+            repeats: int = 3) -> list[dict]:
+    """One row per head (plain, fused) and entropy bonus (no, yes): `peak_bytes` (what the head's own tensors
+    held at once, forward through backward), `planned_bytes` (memory_plan.head_bytes), `unit` (the [tokens, vocab]
+    entries the peak is counted per: one chunk's for the fused head) and `seconds` (median forward + backward)."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, generator=g).bfloat16().to(device).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=g) / hidden_size**0.5).bfloat16().to(device)
+    weight.requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=g).to(device)
+    config = SimpleNamespace(vocab_size=vocab, hidden_size=hidden_size)
+    rows = []
+    for fused in (False, True):
+        for bonus in (False, True):
+            def once() -> None:
+                run_head(fused, bonus, hidden, weight, labels, temperature)
+            peak = peak_bytes(device, once)
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                once()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - start)
+            hidden.grad = weight.grad = None
+            rows.append({"head": "fused" if fused else "plain", "entropy_bonus": bonus, "tokens": tokens,
+                         "peak_bytes": peak, "unit": (min(tokens, DEFAULT_CHUNK_TOKENS) if fused else tokens) * vocab,
+                         "planned_bytes": head_bytes(config, tokens, fused=fused, trained=True, entropy=bonus),
+                         "seconds": statistics.median(times)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -64,33 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(args.tokens, args.hidden, generator=g).bfloat16().to(device).requires_grad_()
-    weight = (torch.randn(args.vocab, args.hidden, generator=g) / args.hidden**0.5).bfloat16().to(device)
-    weight.requires_grad_()
-    labels = torch.randint(0, args.vocab, (args.tokens,), generator=g).to(device)
-    config = SimpleNamespace(vocab_size=args.vocab, hidden_size=args.hidden)
     print(f"{args.tokens} tokens, vocabulary {args.vocab}, hidden {args.hidden}, bf16, T {args.temperature}, "
           f"{device.type}; the fused head's chunk {DEFAULT_CHUNK_TOKENS} tokens\n")
     print("| head | entropy bonus | peak (bytes per token x vocab entry) | planned (head_bytes) | seconds |")
     print("|---|---|---|---|---|")
-    for fused in (False, True):
-        per = min(args.tokens, DEFAULT_CHUNK_TOKENS) if fused else args.tokens  # the [tokens, vocab] unit
-        for bonus in (False, True):
-            def once() -> None:
-                run_head(fused, bonus, hidden, weight, labels, args.temperature)
-            peak = peak_bytes(device, once)
-            planned = head_bytes(config, args.tokens, fused=fused, trained=True, entropy=bonus)
-            times = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                once()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                times.append(time.perf_counter() - start)
-            hidden.grad = weight.grad = None
-            print(f"| {'fused' if fused else 'plain'} | {'yes' if bonus else 'no'} | {peak / (per * args.vocab):.1f} "
-                  f"| {planned / (per * args.vocab):.1f} | {statistics.median(times):.3f} |")
+    for r in measure(device, args.tokens, args.vocab, args.hidden, args.temperature, args.repeats):
+        print(f"| {r['head']} | {'yes' if r['entropy_bonus'] else 'no'} | {r['peak_bytes'] / r['unit']:.1f} "
+              f"| {r['planned_bytes'] / r['unit']:.1f} | {r['seconds']:.3f} |")
     return 0
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from conftest import ROOT
 
-SECTIONS = ("tests", "demo", "decode", "decode_layers", "mfu", "mfu_compiled", "push", "step", "trl", "bigmodel", "moe", "vlm", "ring")
+SECTIONS = ("tests", "demo", "decode", "decode_layers", "mfu", "mfu_compiled", "push", "step", "trl", "bigmodel", "moe", "vlm",
+            "ring", "head")
 
 
 @pytest.mark.slow
@@ -87,5 +88,10 @@ def test_gpu_suite_tiny_runs_every_section(tmp_path):
     assert vlm["steps"] == 3 and vlm["image_tokens"] == 4 and vlm["actor/sampler_kl"] < 1e-4
     [ring] = s["ring"]["rows"]  # the ring's tiles on this device = SDPA over the same row
     assert ring["kernel"] == "FlashCPUKernel" and ring["max_abs_diff"] < 1e-5 and ring["ring_s"] > 0
+    # the log-prob heads, plain and fused, without and with an entropy bonus: what they held against the plan
+    heads = s["head"]["rows"]
+    assert [(r["head"], r["entropy_bonus"]) for r in heads] == [(h, b) for h in ("plain", "fused") for b in (False, True)]
+    assert all(0.9 * r["planned_bytes"] <= r["peak_bytes"] <= 1.05 * r["planned_bytes"] and r["seconds"] > 0
+               for r in heads), heads  # (at tiny shapes the per-token buffers the plan leaves out weigh more)
     table = (tmp_path / "gpu_suite.md").read_text()
     assert result["device"]["device"] in table and "FAILED" not in table
