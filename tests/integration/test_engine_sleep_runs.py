@@ -87,6 +87,10 @@ def test_the_actor_and_the_critic_say_what_their_update_will_take(in_repo_root):
     actor = working_bytes(config, fused_head=False, **plan)
     critic = working_bytes(config, fused_head=True, lm_head=False, **plan)
     assert out["cpu"] == [None, None] and out["before"][2] is None
-    assert out["after"] == [actor, critic] and actor - critic == head_bytes(config, 1024, fused=False, trained=True)
-    assert [b - a for b, a in zip(out["before"], out["after"])] == [8 * params, 8 * params]
+    assert out["after"] == [actor, critic]
+    # the same parameters but for the critic's value head in place of the LM head: the actor's head's bytes apart
+    assert actor - working_bytes(config, fused_head=True, lm_head=False, counts=count_parameters(config), **plan) == (
+        head_bytes(config, 1024, fused=False, trained=True))
+    critic_params, _ = count_parameters(config, value_head=True)
+    assert [b - a for b, a in zip(out["before"], out["after"])] == [8 * params, 8 * critic_params]
     assert out["short"] == working_bytes(config, fused_head=False, **{**plan, "seq": 300}) < actor

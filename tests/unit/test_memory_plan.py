@@ -33,6 +33,29 @@ def test_parameter_counts_are_those_of_the_built_model(lora_rank):
     assert (adapters > 0) == bool(lora_rank)
 
 
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_a_critics_parameters_are_its_backbone_and_value_head(lora_rank):
+    """The critic (train/models/value_model.py) has no LM head: an untied model's [vocab, hidden] matrix is not
+    its to keep (16 bytes per parameter in the actor's reserve, resident_bytes)."""
+    from transformers import AutoModel, LlamaConfig
+
+    from train.models.lora import LoraSettings, apply_lora, is_adapter
+    from train.models.memory_plan import resident_bytes
+    from train.models.value_model import ValueModel
+
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    critic = ValueModel(AutoModel.from_config(config))
+    if lora_rank:
+        apply_lora(critic.model, LoraSettings(rank=lora_rank, alpha=8.0))
+    adapters = sum(p.numel() for n, p in critic.named_parameters() if is_adapter(n))
+    params = sum(p.numel() for p in critic.parameters()) - adapters
+    assert count_parameters(config, lora_rank, value_head=True) == (params, adapters)
+    assert count_parameters(config, lora_rank)[0] == params + 300 * 64 - 65  # the actor: its LM head, no value head
+    assert resident_bytes(config, trainable=True, value_head=True) == 16 * params
+    assert plan(config, seq=1024, lm_head=False).params == params
+
+
 @pytest.mark.parametrize("run", MEASURED, ids=lambda r: f"{r['model']}-r{r['lora_rank']}")
 def test_the_estimate_reproduces_the_measured_peaks(run):
     p = plan(preset_config(run["model"]), seq=16384, lora_rank=run["lora_rank"], share_base=False, foreach=True)
@@ -479,6 +502,7 @@ def test_the_trainer_leaves_room_for_the_reference_and_the_critic(tmp_path):
     assert held({"actor.kl.coef": 0.1}) == 4 * params
     assert held({"actor.kl.coef": 0.1, "actor.dtype": "bfloat16"}) == 2 * params
     assert held({"actor.kl.coef": 0.1, "actor.lora.rank": 8}) == 0
-    assert held({"actor.kl.coef": 0.1, "adv.estimator": "gae"}, shards=2) == (4 * params + 16 * params) // 2
+    critic_params, _ = count_parameters(load_config(stub), value_head=True)  # no LM head: a value head
+    assert held({"actor.kl.coef": 0.1, "adv.estimator": "gae"}, shards=2) == (4 * params + 16 * critic_params) // 2
     teachers = ModelPaths(**{**vars(paths), "teachers": {"math": stub, "code": stub}})
     assert reference_folders(teachers, [stub, stub], reference_slot=True, lora=True) == [stub, stub]

@@ -127,16 +127,19 @@ def load_config(model: str):
     raise ValueError(f"--model {model!r}: neither a preset ({', '.join(PRESETS)}) nor a model folder")
 
 
-def count_parameters(config, lora_rank: int = 0) -> tuple[int, int]:
+def count_parameters(config, lora_rank: int = 0, value_head: bool = False) -> tuple[int, int]:
     """(base parameters, LoRA adapter parameters at `lora_rank` on the default targets), counted on a
-    model built on the meta device: exact, tied embeddings once."""
+    model built on the meta device: exact, tied embeddings once. `value_head`: the critic's model
+    (train/models/value_model.py: the backbone without the LM head, and a value head)."""
     import torch
+    from transformers import AutoModel
 
     from train.models.lora import DEFAULT_TARGETS
+    from train.models.value_model import ValueModel
     from train.models.vlm import model_class
 
     with torch.device("meta"):
-        model = model_class(config).from_config(config)
+        model = ValueModel(AutoModel.from_config(config)) if value_head else model_class(config).from_config(config)
     # peft's A (rank x in) and B (out x rank) on every targeted linear layer
     adapters = sum(lora_rank * (m.in_features + m.out_features) for name, m in model.named_modules()
                    if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in DEFAULT_TARGETS)
@@ -186,13 +189,13 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
          bucket_mb: float = 512, master_weights: bool = False, entropy: bool = False,
          lm_head: bool = True) -> MemoryPlan:
     """The memory of one step (module docstring) for `config` at `seq` tokens per micro-batch;
-    `counts`: `count_parameters(config, lora_rank)` when the caller has it already; `shards`: the FSDP
+    `counts`: `count_parameters(config, lora_rank, value_head=not lm_head)` when the caller has it already; `shards`: the FSDP
     ranks the weights, gradients and moments are split over; `bucket_mb`: `rollout.bucket_size_mb`;
     `master_weights` (one rank, `actor.master_weights`): the trainable weights' bf16 copies and the
     backward's bf16 gradients are held whole (2 + 2 bytes per trainable parameter), and nothing is unsharded;
     with `share_base` the engine then borrows a full fine-tune's bf16 weights too (no engine weights);
     `entropy`: an entropy bonus in the loss (actor.entropy.coef > 0); `lm_head` False: a value head (a critic)."""
-    params, adapters = counts or count_parameters(config, lora_rank)
+    params, adapters = counts or count_parameters(config, lora_rank, value_head=not lm_head)
     config = text_config(config)  # a vision-language model: its language model's shapes (the tower's activations are left out)
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     _, head_dim, kv_heads = attention_heads(config)
@@ -293,11 +296,12 @@ def free_device_bytes(device) -> int:
     return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
-def resident_bytes(config, *, trainable: bool, shards: int = 1, weight_bytes: int = 4) -> int:
+def resident_bytes(config, *, trainable: bool, shards: int = 1, weight_bytes: int = 4, value_head: bool = False) -> int:
     """Device bytes per rank that another model of the run keeps through the actor's update: a frozen one
     (the KL reference, a teacher) its weights in the run's dtype (`weight_bytes`: 2 in bf16), a trained one
-    (the critic) fp32 weights, gradients and AdamW moments (16 bytes per parameter), over `shards` FSDP ranks."""
-    params, _ = count_parameters(config)
+    (the critic) fp32 weights, gradients and AdamW moments (16 bytes per parameter), over `shards` FSDP ranks;
+    `value_head`: the critic's model, without the LM head (count_parameters)."""
+    params, _ = count_parameters(config, value_head=value_head)
     return params * (16 if trainable else weight_bytes) // max(1, shards)
 
 

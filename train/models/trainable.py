@@ -131,7 +131,7 @@ class Trainable:
         """memory_plan.count_parameters of this model, counted once (a meta-device build: ~65 ms for a 32B
         model, and `_recompute_limit` asks up to 64 lengths per update)."""
         if self._counts is None:
-            self._counts = count_parameters(self.model.config, self.lora.rank)
+            self._counts = count_parameters(self.model.config, self.lora.rank, value_head=not self.lm_head)
         return self._counts
 
     def _planned(self) -> bool:

@@ -124,7 +124,8 @@ def resident_elsewhere(frozen_folders: list[str], critic_folder: str | None, sha
     held = sum(resident_bytes(AutoConfig.from_pretrained(f), trainable=False, shards=shards("ref_actor"),
                               weight_bytes=DTYPES[dtype].itemsize) for f in frozen_folders)
     if critic_folder is not None:
-        held += resident_bytes(AutoConfig.from_pretrained(critic_folder), trainable=True, shards=shards("critic"))
+        held += resident_bytes(AutoConfig.from_pretrained(critic_folder), trainable=True, shards=shards("critic"),
+                               value_head=True)
     return held
 
 
