@@ -192,7 +192,8 @@ class HFEngine:
         # A vision-language model (train/models/vlm.py): prompts may carry images, prefilled with their
         # pixels at multimodal rotary positions; decoding continues as text.
         self.vision = VisionSpec.from_config(config) if is_vision_config(config) else None
-        self._unsampled: torch.Tensor | None = None  # a VLM's placeholder tokens, never sampled (train/algorithms/logits.py mask_unsampled)
+        # a VLM's placeholder tokens, never sampled (train/algorithms/logits.py mask_unsampled)
+        self._unsampled: torch.Tensor | None = None
         if self.vision is not None:
             self.static_cache = False  # the static decoder's graphs take text positions only
             self._unsampled = torch.tensor(self.vision.unsampled_ids, device=self.device)

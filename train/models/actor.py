@@ -91,7 +91,8 @@ class Actor(Trainable):
             vision_tower(self.model).requires_grad_(False)
         if cfg.master_weights:  # bf16 weights, fp32 masters cast into them once per optimizer step
             self.use_master_weights(DTYPES[cfg.dtype])
-        # A vision-language model's placeholder tokens have probability 0, as in the engine (train/algorithms/logits.py mask_unsampled).
+        # A vision-language model's placeholder tokens have probability 0, as in the engine
+        # (train/algorithms/logits.py mask_unsampled).
         config = self.model.config
         self.unsampled = (torch.tensor(VisionSpec.from_config(config).unsampled_ids, device=ctx.device)
                           if is_vision_config(config) else None)

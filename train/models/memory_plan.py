@@ -19,13 +19,14 @@ bf16 compute (`actor.dtype=bfloat16`), S tokens per packed micro-batch:
   each of a token's top-k copies (2 hidden + 5 x the expert's width), the shared experts and the router
   (`mlp_width`); attention sinks (GPT-OSS) add the packed attention's per-segment scores (`attention_width`).
   Checked against what a bf16 forward saves for its backward, family by family, in
-  tests/unit/test_memory_plan.py. The vocabulary head's backward runs first, while only the layers' inputs
-  are kept (with checkpointing; every layer's set without it), so it adds the larger of its own peak and one
-  layer's set (`head_bytes`): the plain head's float32 logits and its backward's temporaries (16 bytes per token
-  and vocabulary entry, 21 with an entropy bonus); the fused head's one chunk of 2048 tokens (8 bytes per chunk
-  token and entry in float32, forward or backward), and for a trained head its float32 gradient (6 bytes per
-  head parameter). Measured on CPU in tests/integration/test_fused_logprobs.py. FSDP2's one-rank unshard of the largest group (the embeddings, or one
-  layer) in bf16, and for a full fine-tune its fp32 gradient before the reduce.
+  tests/unit/test_memory_plan.py. The vocabulary head's peak comes while a checkpointed model keeps only its
+  layers' inputs (every layer's set without checkpointing), so it adds the larger of its own peak and one
+  layer's set (`head_bytes`): the plain head's float32 logits and its backward's temporaries (16 bytes per
+  token and vocabulary entry, 21 with an entropy bonus); the fused head's one chunk of 2048 tokens (8 bytes
+  per chunk token and entry in float32, forward or backward), and for a trained head its float32 gradient
+  (6 bytes per head parameter). Measured on CPU in tests/integration/test_fused_logprobs.py. FSDP2's one-rank
+  unshard of the largest group (the embeddings, or one layer) in bf16, and for a full fine-tune its fp32
+  gradient before the reduce.
 - rollout: the actor's weights and optimizer state stay (gradients are freed after the step), the
   engine's own bf16 weights (2P + 2L; 2L when it borrows the actor's frozen base,
   `rollout.share_actor_base`; none when it borrows a full fine-tune's bf16 weights, with masters) and the KV
@@ -189,8 +190,8 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
          bucket_mb: float = 512, master_weights: bool = False, entropy: bool = False,
          lm_head: bool = True) -> MemoryPlan:
     """The memory of one step (module docstring) for `config` at `seq` tokens per micro-batch;
-    `counts`: `count_parameters(config, lora_rank, value_head=not lm_head)` when the caller has it already; `shards`: the FSDP
-    ranks the weights, gradients and moments are split over; `bucket_mb`: `rollout.bucket_size_mb`;
+    `counts`: `count_parameters(config, lora_rank, value_head=not lm_head)` when the caller has it already;
+    `shards`: the FSDP ranks the weights, gradients and moments are split over; `bucket_mb`: `rollout.bucket_size_mb`;
     `master_weights` (one rank, `actor.master_weights`): the trainable weights' bf16 copies and the
     backward's bf16 gradients are held whole (2 + 2 bytes per trainable parameter), and nothing is unsharded;
     with `share_base` the engine then borrows a full fine-tune's bf16 weights too (no engine weights);
@@ -357,7 +358,7 @@ def auto_settings(max_length: int | None, checkpointing: bool | None, fused_head
     actor.use_liger_kernel are None (the module docstring's rule); set ones are kept as they are. With
     actor.offload_optimizer (offload_model) the moments (and weights and gradients) are not on the device.
     `reserved_bytes`: what the run's other models will hold (resident_bytes), taken off the free memory;
-    `entropy`: an entropy bonus in the loss (the head's backward holds more)."""
+    `entropy`: an entropy bonus in the loss (the plain head holds its graph too)."""
     if None not in (max_length, checkpointing, fused_head):
         return AutoSettings(max_length, checkpointing, fused_head)
     if device_type != "cuda" or free_bytes is None:
