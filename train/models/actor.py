@@ -121,6 +121,7 @@ class Actor(Trainable):
 
     @property
     def entropy_in_loss(self) -> bool:
+        """Whether the loss takes the entropy's gradient (config.entropy_in_loss of actor.entropy)."""
         return entropy_in_loss(self.cfg.entropy)
 
     @property
@@ -145,7 +146,7 @@ class Actor(Trainable):
             self.replay.set(mb.routes)  # kept until the next forward: a checkpointed backward recomputes with it
         if self.balance is not None:
             self.balance.clear()
-        bonus = entropy_in_loss(self.cfg.entropy)
+        bonus = self.entropy_in_loss
         if self.fused_head is not None:  # actor.use_liger_kernel
             logp, entropy = self.fused_head(self.model, labels[None], self.temperature, with_entropy, **kwargs)
             logp, entropy = logp[0], (entropy[0] if entropy is not None else None)

@@ -259,8 +259,8 @@ def attention_heads(config) -> tuple[int, int, int]:
 def attention_width(config, seq: int) -> int:
     """Values per token that one layer's attention keeps for the backward (2 bytes each in bf16): its queries,
     keys and values with their projections' outputs, RoPE's copies and q/k norms (3 x query width + 3 x
-    key/value width; SDPA's flash and efficient kernels keep only their output and log-sum-exp besides). With attention sinks the packed attention
-    (train/parallel/seq_parallel.py) takes explicit scores per segment, keeping fp32 probabilities and their bf16
+    key/value width; SDPA's flash and efficient kernels keep only their output and log-sum-exp besides). With
+    attention sinks the packed attention (train/parallel/seq_parallel.py) takes explicit scores per segment, keeping fp32 probabilities and their bf16
     copy (6 bytes per head, query and key of a segment): 3 x heads x seq, the worst case of one segment as long
     as the micro-batch."""
     heads, head_dim, kv_heads = attention_heads(config)
@@ -297,7 +297,8 @@ def free_device_bytes(device) -> int:
     return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
-def resident_bytes(config, *, trainable: bool, shards: int = 1, weight_bytes: int = 4, value_head: bool = False) -> int:
+def resident_bytes(config, *, trainable: bool, shards: int = 1, weight_bytes: int = 4,
+                   value_head: bool = False) -> int:
     """Device bytes per rank that another model of the run keeps through the actor's update: a frozen one
     (the KL reference, a teacher) its weights in the run's dtype (`weight_bytes`: 2 in bf16), a trained one
     (the critic) fp32 weights, gradients and AdamW moments (16 bytes per parameter), over `shards` FSDP ranks;

@@ -82,7 +82,8 @@ class VisionSpec:
     def unsampled_ids(self) -> list[int]:
         """Tokens the policy never samples: a sampled placeholder would stand for an image that is not there
         (the model's forward counts placeholders against images). The engine and the trainer both give them
-        probability 0 (train/algorithms/logits.py `mask_unsampled`), so sampler and trainer log-probs stay the same numbers."""
+        probability 0 (train/algorithms/logits.py `mask_unsampled`), so sampler and trainer log-probs stay the same
+        numbers."""
         ids = {self.image_token_id, self.vision_start_id, self.vision_end_id}
         if self.video_token_id is not None:
             ids.add(self.video_token_id)

@@ -112,7 +112,8 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         g_ent = g_ent if ctx.with_entropy else None
         for s in range(0, hidden.shape[0], chunk):
-            h, part = hidden[s:s + chunk], slice(s, s + chunk)
+            part = slice(s, s + chunk)
+            h = hidden[part]
             gz = _backward_chunk(h, weight, labels[part], T, lse[part], entropy[part] if g_ent is not None else None,
                                  None if g_logp is None else g_logp[part], None if g_ent is None else g_ent[part])
             if need_h:
