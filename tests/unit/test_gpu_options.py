@@ -3,6 +3,7 @@ the hf engine's device/dtype/push helpers. Tests that need CUDA are skipped here
 from __future__ import annotations
 
 import asyncio
+import mmap
 from types import SimpleNamespace
 
 import pytest
@@ -142,6 +143,17 @@ def test_cuda_sleep_frees_memory_and_push_goes_straight_to_the_gpu():
         engine.sleep()
         assert torch.cuda.memory_allocated() < used
         assert all(not t.is_cuda for t in engine.model.state_dict().values())
+        # in one page-locked slab of the weights' bytes (tied ones once), each rounded up to 512, in whole pages
+        held = {id(t): t for t in [*engine.model.parameters(), *engine.model.buffers()]}.values()
+        exact = sum(-(-t.numel() * t.element_size() // 512) * 512 for t in held)
+        assert engine.host_bytes == -(-exact // mmap.PAGESIZE) * mmap.PAGESIZE
+        hosts = list(engine.model.state_dict().values())
+        assert all(t.is_pinned() for t in hosts)
+        slab = {t.untyped_storage().data_ptr() for t in hosts}
+        assert len(slab) == 1
+        engine.wake()
+        engine.sleep()  # the next sleep reuses the slab: no new registration
+        assert {t.untyped_storage().data_ptr() for t in engine.model.state_dict().values()} == slab
         # Push half of the weights (from the GPU) while asleep: they land on the GPU, the rest waits.
         names = sorted(model.state_dict())[::2]
         engine.update_weights({n: model.state_dict()[n].cuda() for n in names})

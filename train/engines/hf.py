@@ -20,7 +20,8 @@ How it works:
 On CUDA (docs/gpu.md):
 - `from_pretrained` loads bfloat16 weights by default (float32 on CPU); the worker thread selects
   the engine's GPU before every batch (the current CUDA device is per thread).
-- `sleep()` moves the weights to pinned host memory; a push onto a sleeping engine writes each
+- `sleep()` moves the weights to one page-locked host slab of exactly their bytes (reused by every
+  sleep; torch's pinned allocator would round each tensor up to a power of two); a push onto a sleeping engine writes each
   pushed tensor straight into new GPU storage (one device-to-device copy with the dtype cast), so
   pushed weights never travel back from the host; only tensors that were not pushed are uploaded
   at `wake()`.
@@ -58,6 +59,7 @@ from train.engines.static_decode import (CompiledLayers, StaticDecoder, column_b
 from train.models.config import compute_dtype
 from train.models.memory_plan import free_device_bytes
 from train.models.router_replay import RoutingRecorder
+from train.utils.host_slab import HostSlab
 from train.models.vlm import (VisionSpec, image_spans, is_vision_config, model_class, mrope_positions,
                               text_config)
 from train.utils.checksum import CHUNK_BYTES, Checksummer
@@ -212,6 +214,7 @@ class HFEngine:
         self._state: _LoopState | None = None
         self._asleep = False
         self._offloaded = False
+        self._host = HostSlab(pin=self.device.type == "cuda")  # where sleep() puts the weights it owns
         self._targets: dict[str, torch.Tensor] | None = None  # _named_targets, built once
         self._checksummer = Checksummer()  # weight_checksums' layouts, kept between pushes (under _lock)
         # Which weights the engine holds (the trainer's step that produced them; set after each push):
@@ -400,21 +403,27 @@ class HFEngine:
             self._asleep = True
             if self.device.type != "cpu":
                 self._static = None  # its KV buffers and graphs: captured again after waking
-                pin = self.device.type == "cuda"
+                owned: dict[int, torch.Tensor] = {}  # each tensor once: tied names are one parameter
+                for name, tensor in self._named_targets().items():
+                    if name not in self.borrowed and tensor.device.type != "cpu":  # (borrowed: the actor's)
+                        owned.setdefault(id(tensor), tensor)
+                tensors = list(owned.values())
                 with torch.no_grad():
-                    for name, tensor in self._named_targets().items():
-                        if name in self.borrowed:  # the actor's: moving it would free nothing
-                            continue
-                        if tensor.device.type != "cpu":  # pinned host memory: faster copies back
-                            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-                            # into pinned memory the copies queue on the stream, one wait below for all of them
-                            # (the device blocks dropped here are reused only by work queued after the copies)
-                            host.copy_(tensor, non_blocking=pin)
-                            tensor.data = host
+                    # Into one page-locked slab of exactly their bytes (train/utils/host_slab.py), kept for the
+                    # next sleep: the copies queue on the stream, one wait below for all of them (the device
+                    # blocks dropped here are reused only by work queued after the copies).
+                    for tensor, host in zip(tensors, self._host.hold(tensors)):
+                        tensor.data = host
                 self._offloaded = True
-                if pin:
+                if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                     torch.cuda.empty_cache()
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the engine's sleep holds its weights in (page-locked on CUDA): exactly their bytes, each
+        tensor's rounded up to 512; 0 before the first sleep on a GPU and always on a CPU."""
+        return self._host.nbytes
 
     def wake(self) -> None:
         """Undo `sleep()`. Generating while asleep wakes the engine implicitly."""
@@ -424,6 +433,8 @@ class HFEngine:
     def close(self) -> None:
         """Stop the worker thread; the engine cannot generate afterwards."""
         self._executor.shutdown(wait=True)
+        with self._lock:  # (asleep, the weights' views keep the slab's memory, no longer page-locked)
+            self._host.release()
 
     # ------------------------------------------------------------------ batching
 
