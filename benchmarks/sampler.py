@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train.engines import hf  # noqa: E402
+from train.engines import sampling  # noqa: E402
 
 
 def best_ms(fn, device: torch.device, calls: int) -> float:
@@ -63,15 +63,15 @@ def main(argv: list[str] | None = None) -> int:
         calls = 20 if vocab > 10000 else 500
 
         def engine(two_levels: bool):
-            hf.CDF_BLOCK = 1024 if two_levels else sys.maxsize  # sys.maxsize: one block, one running sum
-            return hf.sample_tokens(logits, ones, ones, off_k, u, any_sampled=True, filtered=nobody,
-                                    unit_temperature=True, any_greedy=False if two_levels else None)
+            sampling.CDF_BLOCK = 1024 if two_levels else sys.maxsize  # sys.maxsize: one block, one running sum
+            return sampling.sample_tokens(logits, ones, ones, off_k, u, any_sampled=True, filtered=nobody,
+                                          unit_temperature=True, any_greedy=False if two_levels else None)
 
         now = best_ms(lambda: engine(True), device, calls)
         tokens_now = engine(True)[0]
         before = best_ms(lambda: engine(False), device, calls)
         tokens_before = engine(False)[0]
-        hf.CDF_BLOCK = 1024
+        sampling.CDF_BLOCK = 1024
         peer = best_ms(lambda: torch.multinomial(torch.softmax(logits, -1), 1), device, calls)
         print(f"| {rows} x {vocab} | {now:.3f} | {before:.3f} | {peer:.3f} | {before / now:.2f}x over one running "
               f"sum, {peer / now:.2f}x over multinomial | {int((tokens_now == tokens_before).sum())}/{rows} |")

@@ -312,7 +312,7 @@ def test_from_pretrained(tmp_path) -> None:
 
 
 def test_sampler_distribution_top_k_top_p() -> None:
-    from train.engines.hf import sample_tokens
+    from train.engines.sampling import sample_tokens
 
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
     n = 20000
@@ -341,7 +341,7 @@ def test_sampler_distribution_top_k_top_p() -> None:
 def test_rows_at_temperature_zero_or_one_skip_the_division_with_the_same_tokens_and_log_probs() -> None:
     """The engine passes unit_temperature when every row's temperature is 0 or 1 (most RL): the pass that
     divides by the temperature is skipped, and nothing may change, bit for bit."""
-    from train.engines.hf import sample_tokens
+    from train.engines.sampling import sample_tokens
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(8, 1000, generator=g) * 4
@@ -359,7 +359,7 @@ def test_only_the_rows_that_ask_for_top_p_or_top_k_are_filtered_as_a_float64_ref
     """The engine passes the index of the rows with top-p/top-k (`filtered`), and only those are sorted. Each
     row's token is the one a float64 inverse CDF of its own (truncated, renormalised) distribution gives,
     whether the index is passed, left for the sampler to find, or the row is sampled alone."""
-    from train.engines.hf import sample_tokens
+    from train.engines.sampling import sample_tokens
 
     g = torch.Generator().manual_seed(5)
     n = 12
@@ -404,7 +404,7 @@ def test_the_two_level_inverse_cdf_picks_the_float64_reference_token_and_never_a
     """inverse_cdf over a vocabulary of 151,936 (Qwen's: 1,187 blocks of 128) and of a prime size (one running
     sum): per row, the first token whose float64 cumulative probability reaches u x total; rows with most
     tokens at probability 0 (as after top-k) and u at the ends of (0, 1] never get a zero-probability token."""
-    from train.engines.hf import inverse_cdf
+    from train.engines.sampling import inverse_cdf
 
     g = torch.Generator().manual_seed(11)
     for vocab in (151936, 1009):
@@ -428,7 +428,7 @@ def test_the_two_level_inverse_cdf_picks_the_float64_reference_token_and_never_a
 
 
 def test_min_p_keeps_tokens_above_a_fraction_of_the_best() -> None:
-    from train.engines.hf import sample_tokens
+    from train.engines.sampling import sample_tokens
 
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]], dtype=torch.float64)
     n = 20000
@@ -456,7 +456,7 @@ def reference_penalised(logits: torch.Tensor, prompt: list[int], response: list[
 
 
 def test_penalties_against_a_float64_reference() -> None:
-    from train.engines.hf import Penalties
+    from train.engines.sampling import Penalties
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(2, VOCAB, generator=g) * 3
