@@ -176,6 +176,77 @@ def grads(args, ctx) -> None:
     step_and_save(actor, ctx, args.out, packs=len(packs), reduces=reduces, defers=actor.defers_grad_sync)
 
 
+def offload_moments(args, ctx) -> None:
+    """Three updates with actor.offload_optimizer against the same without, plain fp32 (FSDP2: DTensor moments) and
+    bf16 with fp32 masters (plain moments): the weights after each update, and between updates where the moments
+    are (their pieces' devices and storages) and what the host slab holds."""
+    from train.models import optim
+    from train.parallel.shard_norms import local_tensor
+    from train.runtime.checkpoint import Checkpointer
+
+    optim.MOMENT_BUCKET_BYTES = args.bucket_kb * 1024  # several buckets even for the stub
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    out: dict = {}
+
+    def build(masters: bool, offload: bool):
+        torch.manual_seed(0)
+        cfg = actor_cfg(max_length_per_device=args.max_tokens, offload_optimizer=offload,
+                        dtype="bfloat16" if masters else "float32", master_weights=masters, update_per_rollout=1)
+        actor = Actor(cfg, ctx, args.model, pad_token_id=0, train=True, temperature=1.0, total_updates=3)
+        batch = fixed_batch()
+        set_ownership(len(batch.ids), args.split, ctx.world_size)
+        sb, source = step_batch(actor, batch, OWN[ctx.rank], ctx)
+        sb.fields["advantages"] = per_token(batch.advantages, sb, source)
+        # the moments outside the host slabs at each AdamW call (during an offloaded step: one bucket's)
+        real_step, actor.on_device = actor.optimizer.step, []
+
+        def step(*a, **k):
+            done = real_step(*a, **k)
+            if actor.host_moments is not None:
+                actor.on_device.append(actor.host_moments.device_bytes())
+            return done
+
+        actor.optimizer.step = step
+        return actor, sb
+
+    def weights_of(actor) -> dict:
+        with actor.full_precision() as model:
+            return {name: full(p).detach().clone() for name, p in model.named_parameters()}
+
+    for masters in (False, True) if ctx.world_size == 1 else (False,):  # (masters: one process only)
+        checkpoints = Checkpointer(f"{args.out}.ckpt{int(masters)}", ctx)
+        for offload in (False, True):
+            actor, sb = build(masters, offload)
+            steps = []
+            for step in range(3):
+                actor.update(sb, 32)
+                weights = weights_of(actor)
+                if offload and step == 1:  # a checkpoint while the moments wait in the slab
+                    saved = checkpoints.save(2, {"actor": actor}, {"step": 2}, {})
+                held = actor.host_moments
+                pieces = held.pieces() if held is not None else []
+                steps.append({"weights": weights, "devices": sorted({p.device.type for p in pieces}),
+                              "storages": len({p.untyped_storage().data_ptr() for p in pieces}),
+                              "storage": tuple(sorted({p.untyped_storage().data_ptr() for p in pieces})),
+                              "pieces": len(pieces), "host_bytes": held.host_bytes if held is not None else 0,
+                              "piece_bytes": sum(p.numel() * p.element_size() for p in pieces),
+                              "trainable": sum(p.numel() for p in actor.trained.parameters() if p.requires_grad),
+                              "masters": actor.masters is not None,
+                              "buckets": len(held.buckets) if held is not None else 0,
+                              "largest": max(2 * local_tensor(p).numel() * p.element_size()
+                                             for p in actor.trained.parameters() if p.requires_grad),
+                              "on_device": list(actor.on_device), "limit": optim.MOMENT_BUCKET_BYTES})
+                actor.on_device.clear()
+            out[(masters, offload)] = steps
+        # resumed from that checkpoint into a new actor with its moments offloaded, the third update again
+        actor, sb = build(masters, True)
+        checkpoints.load(saved, {"actor": actor})
+        actor.update(sb, 32)
+        out[(masters, "resumed")] = weights_of(actor)
+    if ctx.is_main:
+        torch.save(out, args.out)
+
+
 def count_recomputes(model) -> list[int]:
     """[layer forwards that went through activation checkpointing, checkpointed layers]: each checkpointed
     layer's checkpoint function counts its calls (HF calls it only when the layer's flag is on)."""
@@ -826,7 +897,7 @@ def main() -> None:
     parser.add_argument("mode", choices=["vision", "grads", "match", "critic_grads", "reference", "teachers", "lora_reference",
                                          "shared_base", "packing", "router_replay", "ring", "drift",
                                          "collectives", "advantages", "push", "load", "reshard", "sync", "shard_norms",
-                                         "bf16_passes"])
+                                         "bf16_passes", "offload_moments"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--agg", default="all_token_mean")
     parser.add_argument("--split", default="uneven")
@@ -868,7 +939,8 @@ def main() -> None:
          "lora_reference": lora_reference, "shared_base": shared_base, "router_replay": router_replay, "ring": ring,
          "packing": packing, "collectives": collectives, "advantages": advantages,
          "push": push, "load": load, "reshard": reshard, "sync": sync, "vision": vision,
-         "drift": drift, "shard_norms": shard_norms, "bf16_passes": bf16_passes}[args.mode](args, ctx)
+         "drift": drift, "shard_norms": shard_norms, "bf16_passes": bf16_passes,
+         "offload_moments": offload_moments}[args.mode](args, ctx)
     finally:
         cleanup()
 

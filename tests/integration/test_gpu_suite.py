@@ -95,3 +95,16 @@ def test_gpu_suite_tiny_runs_every_section(tmp_path):
                for r in heads), heads  # (at tiny shapes the per-token buffers the plan leaves out weigh more)
     table = (tmp_path / "gpu_suite.md").read_text()
     assert result["device"]["device"] in table and "FAILED" not in table
+
+
+@pytest.mark.slow
+def test_gpu_suite_tiny_runs_the_case_only_named_the_big_model_with_its_moments_offloaded(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_suite.py", "--tiny", "--out", str(tmp_path), "--only",
+                           "bigmodel", "--big-cases", "qwen3-4b-full-offload"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    [case] = json.loads((tmp_path / "gpu_suite.json").read_text())["sections"]["bigmodel"]["cases"]
+    assert case["case"] == "qwen3-4b-full-offload" and case["offload_optimizer"] and case["update_s"] > 0
+    # AdamW's two float32 moments of every parameter wait on the host (each tensor rounded up to 512 bytes)
+    assert 8 * case["trainable_params"] <= case["host_moments_gib"] * 2**30 <= 8 * case["trainable_params"] + 2**20
+    assert case["estimate_update_gib"] > 0

@@ -506,3 +506,21 @@ def test_the_trainer_leaves_room_for_the_reference_and_the_critic(tmp_path):
     assert held({"actor.kl.coef": 0.1, "adv.estimator": "gae"}, shards=2) == (4 * params + 16 * critic_params) // 2
     teachers = ModelPaths(**{**vars(paths), "teachers": {"math": stub, "code": stub}})
     assert reference_folders(teachers, [stub, stub], reference_slot=True, lora=True) == [stub, stub]
+
+
+def test_offloaded_moments_leave_one_bucket_on_the_device_during_the_step():
+    """actor.offload_optimizer: the step runs a bucket of parameters at a time (optim.HostMoments), so the update
+    needs the weights and gradients plus one bucket of moments at the step, not all of them; offload_model: none."""
+    from train.models.memory_plan import MOMENT_BUCKET_BYTES, update_need
+
+    config = preset_config("qwen3-4b")
+    p = plan(config, seq=1024, lora_rank=0, checkpointing=True)
+    kw = dict(fused_head=True, checkpointing=True)
+    assert update_need(config, 1024, **kw) == pytest.approx(p.update_peak * 1.1)
+    backward = p.weights + p.gradients + p.activations + p.unshard
+    step = p.weights + p.gradients + MOMENT_BUCKET_BYTES
+    assert update_need(config, 1024, offload_optimizer=True, **kw) == pytest.approx(max(backward, step) * 1.1)
+    # here the backward is the peak either way: offloading takes all of the moments (32 GB at 4B) off it
+    assert update_need(config, 1024, **kw) - update_need(config, 1024, offload_optimizer=True, **kw) == \
+        pytest.approx(p.optimizer * 1.1)
+    assert update_need(config, 1024, offload_model=True, offload_optimizer=True, **kw) < 0.1 * p.update_peak

@@ -84,6 +84,7 @@ from train.models.vlm import text_config
 from train.parallel.fused_logprobs import DEFAULT_CHUNK_TOKENS, WEIGHT_GRAD_ROWS
 
 GIB = 2**30
+MOMENT_BUCKET_BYTES = GIB  # actor.offload_optimizer: the most optimizer state on the device during the step
 HEADROOM = 1.10
 CARDS = {"80 GB (H100)": 79.2, "141 GB (H200)": 139.8}  # usable GiB that torch reports on each
 
@@ -341,11 +342,13 @@ def update_need(config, seq: int, *, fused_head: bool, checkpointing: bool, lora
                 offload_optimizer: bool = False, offload_model: bool = False, master_weights: bool = False,
                 counts: tuple[int, int] | None = None, entropy: bool = False) -> float:
     """The update's peak at `seq` tokens per micro-batch (`plan`) plus 10%: what must be free for it. With
-    actor.offload_optimizer (offload_model) the moments (and weights and gradients) are not on the device."""
+    actor.offload_optimizer the moments are not on the device but for one bucket of them in the step
+    (optim.HostMoments); with offload_model neither they nor the weights and gradients are."""
     p = plan(config, seq=seq, lora_rank=lora_rank, fused_head=fused_head, counts=counts, checkpointing=checkpointing,
              shards=shards, master_weights=master_weights, entropy=entropy)
-    if offload_optimizer or offload_model:
-        p = dataclasses.replace(p, optimizer=0, optimizer_temporary=0)
+    if offload_optimizer or offload_model:  # (offload_optimizer: a bucket of moments on the device in the step)
+        bucket = 0 if offload_model else min(MOMENT_BUCKET_BYTES, p.optimizer)
+        p = dataclasses.replace(p, optimizer=0, optimizer_temporary=bucket)
     if offload_model:
         p = dataclasses.replace(p, weights=0, gradients=0)
     return p.update_peak * HEADROOM

@@ -6,7 +6,9 @@ import math
 
 import torch
 
+from train.models.memory_plan import MOMENT_BUCKET_BYTES
 from train.parallel.shard_norms import local_pieces, local_square_sum, local_tensor, sum_over_mesh
+from train.utils.host_slab import HostSlab
 
 
 def build_optimizer(model: torch.nn.Module, lr: float, betas, weight_decay: float) -> torch.optim.Optimizer:
@@ -34,13 +36,94 @@ def build_scheduler(optimizer: torch.optim.Optimizer, total_updates: int, warmup
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
-    """`offload_optimizer`: Adam moments live on the CPU between steps and visit the device only
-    for the step (a no-op when the device is the CPU)."""
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and key != "step":
-                state[key] = value.to(device, non_blocking=True)
+class HostMoments:
+    """`offload_optimizer`: between steps the optimizer's state tensors (AdamW's two moments, 8 bytes per
+    trainable fp32 parameter; not its step counts) live on the host, and the step runs a bucket of parameters at
+    a time, so at most MOMENT_BUCKET_BYTES of moments are on the device at once: a bucket's moments come over,
+    its parameters step, its moments go back (into the bucket's slab, train/utils/host_slab.py: exactly their
+    bytes, page-locked on CUDA, laid out at the first step and reused). The step is AdamW's own, elementwise per
+    parameter, so stepping the buckets one after the other gives the same numbers as one step over all. The
+    tensor objects stay in the optimizer's state (a DTensor's local piece is what moves), so checkpoints, the
+    governor's snapshots and `load_state_dict` see the same state on either side. On a CPU the same copies run
+    (out of the slab into fresh memory for the step, and back), so the CPU tests check the path a GPU takes."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, bucket_bytes: int | None = None) -> None:
+        self.optimizer = optimizer
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        # where the step runs: the parameters' device
+        self.device = local_tensor(params[0]).device
+        limit = bucket_bytes or MOMENT_BUCKET_BYTES
+        self.buckets: list[list[torch.Tensor]] = []
+        size = limit
+        for p in params:  # in order; a parameter whose moments exceed the limit has a bucket of its own
+            moments = 2 * local_tensor(p).numel() * p.element_size()
+            if size + moments > limit:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += moments
+        self.slabs = [HostSlab(pin=self.device.type == "cuda") for _ in self.buckets]
+
+    def pieces(self) -> list[torch.Tensor]:
+        """Every state tensor's local piece, bucket by bucket."""
+        return [piece for bucket in self.buckets for piece in self._pieces(bucket)]
+
+    def _pieces(self, bucket: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The local pieces (a DTensor's shard, a plain tensor itself) of the bucket's state tensors."""
+        return [local_tensor(value) for p in bucket for key, value in self.optimizer.state.get(p, {}).items()
+                if isinstance(value, torch.Tensor) and key != "step"]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """The optimizer step, a bucket at a time (the other parameters' gradients hidden, so AdamW skips them);
+        returns when the moments are back on the host (a checkpoint may read them next)."""
+        grads = {p: p.grad for bucket in self.buckets for p in bucket}
+        try:
+            for p in grads:
+                p.grad = None
+            for bucket, slab in zip(self.buckets, self.slabs):
+                if all(grads[p] is None for p in bucket):
+                    continue
+                for p in bucket:
+                    p.grad = grads[p]
+                for piece in self._pieces(bucket):  # (a first step creates them on the device)
+                    if piece.device.type == "cpu":
+                        piece.data = piece.data.to(self.device, non_blocking=True, copy=True)
+                self.optimizer.step()
+                self._to_host(bucket, slab)
+                for p in bucket:
+                    p.grad = None
+        finally:
+            for p, grad in grads.items():
+                p.grad = grad
+        self._wait()
+
+    @torch.no_grad()
+    def offload(self) -> None:
+        """Every state tensor to the host (after a checkpoint's load, which puts them on the device)."""
+        for bucket, slab in zip(self.buckets, self.slabs):
+            self._to_host(bucket, slab)
+        self._wait()
+
+    def _to_host(self, bucket: list[torch.Tensor], slab: HostSlab) -> None:
+        pieces = self._pieces(bucket)
+        if pieces:
+            for piece, host in zip(pieces, slab.hold(pieces)):
+                piece.data = host  # its device memory goes back to the allocator (reused by later work only)
+
+    def _wait(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    @property
+    def host_bytes(self) -> int:
+        """What the slabs hold (0 before the first step)."""
+        return sum(slab.nbytes for slab in self.slabs)
+
+    def device_bytes(self) -> int:
+        """Bytes of state tensors not in a slab (on the device, or on a CPU outside the slabs)."""
+        return sum(piece.numel() * piece.element_size() for bucket, slab in zip(self.buckets, self.slabs)
+                   for piece in self._pieces(bucket) if not slab.holds(piece))
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -83,16 +166,16 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
 
 def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                   scheduler: torch.optim.lr_scheduler.LRScheduler, max_norm: float,
-                  offload_optimizer: bool = False) -> float:
+                  host_moments: HostMoments | None = None) -> float:
     """Global gradient clipping, then the optimizer step unless the norm is not finite; returns the
-    pre-clip norm."""
+    pre-clip norm. `host_moments` (offload_optimizer): the step a bucket of parameters at a time, the state
+    coming from the host and going back."""
     norm = clip_grad_norm(list(model.parameters()), max_norm)
     if torch.isfinite(norm):
-        if offload_optimizer:
-            move_optimizer_state(optimizer, norm.device)
-        optimizer.step()
-        if offload_optimizer:
-            move_optimizer_state(optimizer, "cpu")
+        if host_moments is not None:
+            host_moments.step()
+        else:
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     return float(norm)

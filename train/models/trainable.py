@@ -95,6 +95,7 @@ class Trainable:
     recompute_above: int | None = None
     _checkpointed: list[torch.nn.Module] | None = None  # the layers built with checkpointing (_checkpointing)
     recompute_stats: tuple[int, float] | None = None  # the last update's (limit, fraction of packs recomputed)
+    host_moments: optim.HostMoments | None = None  # offload_optimizer: where the moments wait between steps
 
     def __init__(self, layout: Layout, device: torch.device, pad_id: int, max_tokens: int, infer_tokens: int,
                  max_grad_norm: float = 1.0, offload_optimizer: bool = False, offload_model: bool = False) -> None:
@@ -378,15 +379,29 @@ class Trainable:
         """The L2 norm of all the model's weights over every rank (one all-reduce of a scalar)."""
         return all_reduce_sum([self.local_weight_square()], self.device)[0] ** 0.5
 
+    def _offloaded_moments(self) -> optim.HostMoments | None:
+        """offload_optimizer's host side, made at the first use (offload_model: none, the moments are on the
+        host already, beside the parameters the step runs on)."""
+        if self.offload_optimizer and not self.offload_model and self.host_moments is None:
+            self.host_moments = optim.HostMoments(self.optimizer)
+        return self.host_moments
+
+    def optimizer_state_loaded(self) -> None:
+        """After a checkpoint's load (which puts the optimizer state on the device): offload_optimizer's moments go
+        back to the host before the next rollout."""
+        if self.optimizer is not None and self._offloaded_moments() is not None:
+            self.host_moments.offload()
+
     def optimizer_step(self) -> float:
         """Global gradient clipping and the optimizer step; the pre-clip norm. With masters: on their fp32
         gradient sums, then one cast of the masters into the model."""
+        self._offloaded_moments()
         if self.masters is None:
             return optim.clip_and_step(self.model, self.optimizer, self.scheduler, self.max_grad_norm,
-                                      self.offload_optimizer)
+                                      self.host_moments)
         self.masters.attach()
         norm = optim.clip_and_step(self.trained, self.optimizer, self.scheduler, self.max_grad_norm,
-                                   self.offload_optimizer)  # (it sets the masters' gradients to None)
+                                   self.host_moments)  # (it sets the masters' gradients to None)
         self.masters.publish()
         self.masters.restart()
         return norm

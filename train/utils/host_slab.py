@@ -58,6 +58,11 @@ class HostSlab:
         """Whether the buffer is page-locked (pin=True, and something to hold)."""
         return self._registered
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is a view of this slab's buffer."""
+        return self._buffer is not None and tensor.untyped_storage().data_ptr() == \
+            self._buffer.untyped_storage().data_ptr()
+
     def hold(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Copy `tensors` into the slab (laid out anew only when their shapes or dtypes changed) and return
         the host views, each with its tensor's shape and dtype."""
