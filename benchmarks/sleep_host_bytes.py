@@ -1,4 +1,4 @@
-"""Host memory the `hf` engine's sleep holds a model's weights in: one slab against pinned copies per tensor.
+"""Host memory the `hf` engine's sleep (and actor.offload_optimizer) holds: slabs against pinned copies per tensor.
 
     .venv/bin/python benchmarks/sleep_host_bytes.py      # seconds; models built on the meta device
 
@@ -49,6 +49,19 @@ def count(name: str) -> dict:
             "per_tensor": sum(power_of_two(tensor_bytes(t)) for t in tensors), "one_block": power_of_two(exact)}
 
 
+def count_moments(name: str) -> dict:
+    """actor.offload_optimizer on a full fine-tune: AdamW's two float32 moments of every parameter (one process).
+    Before, each moment tensor went to the host with `.to("cpu", non_blocking=True)`, which torch allocates pinned
+    (a power of two each); now one slab per bucket of parameters (optim.HostMoments)."""
+    config = preset_config(name)
+    with torch.device("meta"):
+        model = model_class(config).from_config(config)
+    moments = [t for p in model.parameters() for t in (p, p)]  # exp_avg and exp_avg_sq: the parameter's shape, fp32
+    exact = sum(tensor_bytes(t) for t in moments)
+    return {"model": name, "tensors": len(moments), "weights": exact, "slab": slab_layout(moments)[1],
+            "per_tensor": sum(power_of_two(tensor_bytes(t)) for t in moments), "one_block": power_of_two(exact)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="qwen2.5-0.5b,qwen3-4b,llama3.1-8b,qwen3-8b,qwen3-32b",
@@ -58,10 +71,19 @@ def main(argv: list[str] | None = None) -> int:
           "| per tensor / slab |")
     print("|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
-        r = count(name)
-        print(f"| {r['model']} | {r['tensors']} | {r['weights'] / GIB:.2f} GiB | {r['per_tensor'] / GIB:.2f} GiB "
-              f"| {r['one_block'] / GIB:.2f} GiB | {r['slab'] / GIB:.2f} GiB | {r['per_tensor'] / r['slab']:.2f}x |")
+        print(row(count(name)))
+    print("\nactor.offload_optimizer, a full fine-tune's AdamW moments (float32, two per parameter):\n")
+    print("| model | tensors | moments | pinned per tensor (before) | one pinned block | slabs (now) "
+          "| per tensor / slabs |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.models.split(","):
+        print(row(count_moments(name)))
     return 0
+
+
+def row(r: dict) -> str:
+    return (f"| {r['model']} | {r['tensors']} | {r['weights'] / GIB:.2f} GiB | {r['per_tensor'] / GIB:.2f} GiB "
+            f"| {r['one_block'] / GIB:.2f} GiB | {r['slab'] / GIB:.2f} GiB | {r['per_tensor'] / r['slab']:.2f}x |")
 
 
 if __name__ == "__main__":
