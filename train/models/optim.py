@@ -51,7 +51,7 @@ class HostMoments:
         self.optimizer = optimizer
         params = [p for group in optimizer.param_groups for p in group["params"]]
         # where the step runs: the parameters' device
-        self.device = local_tensor(params[0]).device
+        self.device = local_tensor(params[0]).device if params else torch.device("cpu")
         limit = bucket_bytes or MOMENT_BUCKET_BYTES
         self.buckets: list[list[torch.Tensor]] = []
         size = limit
