@@ -229,9 +229,10 @@ def head_bytes(config, seq: int, *, fused: bool, trained: bool, entropy: bool = 
     for theirs. The plain head (train/algorithms/logits.py head_logprobs_entropy): its float32 logits and the
     backward's temporaries, 16 bytes per token and vocabulary entry (21 with the entropy's graph, `entropy`), and
     the hidden states' gradient (2 bytes per token and hidden unit). The fused one
-    (train/parallel/fused_logprobs.py), per token and entry of one chunk: in the forward the float32 logits and
-    their exponentials for the entropy metric (8 bytes); in the backward the logits as they are cast to float32
-    and then the gradient in their storage (6 bytes; 8 with the entropy's term), with the hidden states' gradient
+    (train/parallel/fused_logprobs.py), per token and entry of one chunk: in the forward the logits as they are
+    cast to float32 (6 bytes; the entropy metric's exponentials, a block of rows at a time, add half a byte to
+    the float32 ones after the cast); in the backward the same cast and then the gradient in their storage
+    (6 bytes; 8 with the entropy's term), with the hidden states' gradient
     and for a `trained` head (not LoRA's frozen one) its float32 gradient, added to a slice of vocabulary rows at a
     time (the slice's product in bf16 and float32 beside the chunk's bf16 gradient), which the bf16 one is cast
     from at the end (6 bytes per head parameter at most)."""
@@ -240,11 +241,10 @@ def head_bytes(config, seq: int, *, fused: bool, trained: bool, entropy: bool = 
     if not fused:
         return grads + (21 if entropy else 16) * seq * vocab
     tokens = min(seq, chunk)
-    if not trained:
-        return max(8 * tokens * vocab, grads + (8 if entropy else 6) * tokens * vocab)
+    if not trained:  # (the backward's peak: the forward's, 6 bytes per entry, and the hidden states' gradient)
+        return grads + (8 if entropy else 6) * tokens * vocab
     slice_product = 2 * tokens * vocab + 6 * min(vocab, WEIGHT_GRAD_ROWS) * h
-    backward = grads + 4 * vocab * h + max((8 if entropy else 6) * tokens * vocab, slice_product, 2 * vocab * h)
-    return max(8 * tokens * vocab, backward)
+    return grads + 4 * vocab * h + max((8 if entropy else 6) * tokens * vocab, slice_product, 2 * vocab * h)
 
 
 ATTENTION_SINKS = ("gpt_oss",)  # model types whose attention has one sink logit per head (GPT-OSS)

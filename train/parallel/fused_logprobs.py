@@ -24,6 +24,7 @@ import torch
 
 DEFAULT_CHUNK_TOKENS = 2048
 WEIGHT_GRAD_ROWS = 16384  # vocabulary rows per matmul of a trained head's gradient: its bf16 and float32 temporaries
+ENTROPY_BLOCKS = 8  # the forward's entropy sums run over an eighth of a chunk's rows at a time
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -36,23 +37,30 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> 
 # a function of its own (its temporaries are gone before the next chunk's logits are made) and reuses storage in
 # place. The forward keeps each token's logsumexp (and entropy), so the backward makes the softmax as
 # exp(z - lse) in the logits' own storage: forward and backward hold one such tensor (two with the entropy's
-# term), which `head_bytes` in train/models/memory_plan.py counts and tests/integration/test_fused_logprobs.py
-# measures.
+# term in the backward), which `head_bytes` in train/models/memory_plan.py counts and
+# tests/integration/test_fused_logprobs.py measures.
 
 def _forward_chunk(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(log-probs of `labels`, logsumexp, entropy or None) of one chunk. The logsumexp as torch's (the row's max
-    out, exp, sum, log, the max back), with exp(z - max) in the logits' own storage unless the entropy needs them."""
+    out, exp, sum, log, the max back), with exp(z - max) in the logits' own storage. The entropy,
+    H = lse - sum(e z) / sum(e) with e = exp(z - max), needs the logits and their exponentials at once: those are
+    made ENTROPY_BLOCKS blocks of rows at a time, so the chunk holds its float32 logits and an eighth more."""
     z = _chunk_logits(h, weight, temperature)
     picked = z.gather(1, labels[:, None]).squeeze(1)
     top = z.amax(dim=-1, keepdim=True)
-    e = (z - top).exp_() if with_entropy else z.sub_(top).exp_()
-    total = e.sum(-1, keepdim=True)
-    lse = (total.log() + top).squeeze(1)
     if not with_entropy:
+        lse = (z.sub_(top).exp_().sum(-1, keepdim=True).log() + top).squeeze(1)
         return picked - lse, lse, None
-    p = e.div_(total)  # softmax(z)
-    return picked - lse, lse, lse - p.mul_(z).sum(-1)  # H = lse - sum p z, as the plain path (algorithms/logits.py)
+    total, weighted = torch.empty_like(top), torch.empty_like(top)
+    rows = -(-z.shape[0] // ENTROPY_BLOCKS)
+    for r in range(0, z.shape[0], rows):
+        block = slice(r, r + rows)
+        e = (z[block] - top[block]).exp_()
+        total[block] = e.sum(-1, keepdim=True)
+        weighted[block] = e.mul_(z[block]).sum(-1, keepdim=True)
+    lse = (total.log() + top).squeeze(1)
+    return picked - lse, lse, lse - (weighted / total).squeeze(1)
 
 
 def _backward_chunk(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
