@@ -891,7 +891,7 @@ def section_bigmodel(args, work: Path, info: dict) -> dict:
     from train.engines.base import SamplingParams
     from train.engines.hf import HFEngine
     from train.models.lora import LoraSettings
-    from train.models.memory_plan import MOMENT_BUCKET_BYTES, plan
+    from train.models.memory_plan import plan
     from train.models.shared_base import engine_model_over
     from train.parallel.step_batch import dispatch, exchange_index
     from vs_trl import update_gflop
@@ -986,10 +986,8 @@ def section_bigmodel(args, work: Path, info: dict) -> dict:
             # train/models/memory_plan.py's estimate of the same step, to check it against the measurement
             masters = actor.masters is not None  # actor.master_weights=null: taken where the plan fits
             estimate = plan(config, seq=tokens, lora_rank=case["lora_rank"], share_base=True, replies=replies,
-                            prompt=prompt_len, new=new, master_weights=masters)
-            if offload:  # the moments off the GPU but for one bucket in the step (optim.HostMoments)
-                estimate = dataclasses.replace(estimate, optimizer=0,
-                                               optimizer_temporary=min(MOMENT_BUCKET_BYTES, estimate.optimizer))
+                            prompt=prompt_len, new=new, master_weights=masters, offload_optimizer=offload)
+            if offload:  # the moments on the host but for one bucket in the step (optim.HostMoments)
                 row["host_moments_gib"] = gib(actor.host_moments.host_bytes)
             row.update({"estimate_update_gib": gib(estimate.update_peak), "estimate_rollout_gib": gib(estimate.rollout_peak),
                         "master_weights": masters, "offload_optimizer": offload})

@@ -103,10 +103,10 @@ def test_the_actors_working_bytes_are_its_gradients_and_activations_at_its_longe
     def layer_set(tokens):  # one layer's recomputed working set
         return int(1.5 * (4 * h + 3 * heads * hd + 3 * kv * hd + 5 * inter) * tokens * 2)
 
-    def fused_head(tokens):  # a 2048-token chunk's float32 logits and exponentials (forward), or its float32
-        # gradient as it is cast with the tied head's fp32 gradient and the hidden states' (backward)
+    def fused_head(tokens):  # a 2048-token chunk's logits as they are cast to float32, 6 bytes per entry (forward),
+        # or its float32 gradient as it is cast, with the tied head's fp32 gradient and the hidden states' (backward)
         chunk = min(tokens, 2048)
-        return max(8 * chunk * vocab, 6 * chunk * vocab + 4 * vocab * h + 2 * tokens * h)
+        return 6 * chunk * vocab + 4 * vocab * h + 2 * tokens * h
 
     # fp32 gradient sums and the backward's bf16 gradients; every layer's bf16 input; then the larger of one
     # layer's working set and the head's backward (which runs first, before any layer recomputes)
@@ -152,7 +152,7 @@ def test_packs_skip_the_recompute_only_as_far_as_the_memory_free_at_the_update_a
 
     def need(seq: int) -> float:  # fp32 gradient sums and bf16 gradients; every layer's working set; the fused head
         chunk = min(seq, 2048)
-        head = max(8 * chunk * vocab, 6 * chunk * vocab + 4 * vocab * h + 2 * seq * h)
+        head = 6 * chunk * vocab + 4 * vocab * h + 2 * seq * h  # the backward's (the forward's 6 per entry is less)
         return (6 * params + layers * int(1.5 * (4 * h + 3 * heads * hd + 3 * kv * hd + 5 * inter) * seq * 2)
                 + head) * 1.1
 

@@ -524,3 +524,14 @@ def test_offloaded_moments_leave_one_bucket_on_the_device_during_the_step():
     assert update_need(config, 1024, **kw) - update_need(config, 1024, offload_optimizer=True, **kw) == \
         pytest.approx(p.optimizer * 1.1)
     assert update_need(config, 1024, offload_model=True, offload_optimizer=True, **kw) < 0.1 * p.update_peak
+    # the command plans it too: no moments on the GPU between steps, one bucket in the step
+    at_16k = plan(config, seq=16384, offload_optimizer=True)
+    assert at_16k.optimizer == 0 and at_16k.optimizer_temporary == MOMENT_BUCKET_BYTES
+    assert at_16k.update_peak == plan(config, seq=16384).update_peak - 8 * at_16k.params  # (the backward's peak)
+    assert at_16k.rollout_peak == plan(config, seq=16384).rollout_peak - 8 * at_16k.params
+
+
+def test_the_command_plans_offloaded_moments(capsys):
+    assert main(["--model", "qwen3-8b", "--seq", "16384", "--offload-optimizer"]) == 0
+    out = capsys.readouterr().out
+    assert "AdamW moments 0.0, step temporary 1.0" in out and "141 GB (H200) yes" in out

@@ -189,14 +189,15 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
          prompt: int = 1024, new: int = 128, fused_head: bool = True, foreach: bool = False,
          counts: tuple[int, int] | None = None, checkpointing: bool = True, shards: int = 1,
          bucket_mb: float = 512, master_weights: bool = False, entropy: bool = False,
-         lm_head: bool = True) -> MemoryPlan:
+         lm_head: bool = True, offload_optimizer: bool = False) -> MemoryPlan:
     """The memory of one step (module docstring) for `config` at `seq` tokens per micro-batch;
     `counts`: `count_parameters(config, lora_rank, value_head=not lm_head)` when the caller has it already;
     `shards`: the FSDP ranks the weights, gradients and moments are split over; `bucket_mb`: `rollout.bucket_size_mb`;
     `master_weights` (one rank, `actor.master_weights`): the trainable weights' bf16 copies and the
     backward's bf16 gradients are held whole (2 + 2 bytes per trainable parameter), and nothing is unsharded;
     with `share_base` the engine then borrows a full fine-tune's bf16 weights too (no engine weights);
-    `entropy`: an entropy bonus in the loss (actor.entropy.coef > 0); `lm_head` False: a value head (a critic)."""
+    `entropy`: an entropy bonus in the loss (actor.entropy.coef > 0); `lm_head` False: a value head (a critic);
+    `offload_optimizer` (actor.offload_optimizer): the moments on the host but for one bucket in the step."""
     params, adapters = counts or count_parameters(config, lora_rank, value_head=not lm_head)
     config = text_config(config)  # a vision-language model: its language model's shapes (the tower's activations are left out)
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
@@ -216,8 +217,13 @@ def plan(config, *, seq: int, lora_rank: int = 0, share_base: bool = True, repli
     # the engine borrows a LoRA actor's base, or with masters a full fine-tune's bf16 weights (share_base)
     engine = 2 * adapters if (share_base and (lora_rank or master_weights)) else 2 * (params + adapters)
     shards = max(1, shards)
+    moments = 8 * trainable // shards
+    if offload_optimizer:  # optim.HostMoments: a bucket of moments on the device in the step, none otherwise
+        optimizer, temporary = 0, min(MOMENT_BUCKET_BYTES, moments)
+    else:
+        optimizer, temporary = moments, (4 * trainable // shards) if foreach else 0
     return MemoryPlan(params=params, adapters=adapters, weights=weights // shards, gradients=gradients // shards,
-                      optimizer=8 * trainable // shards, optimizer_temporary=(4 * trainable // shards) if foreach else 0,
+                      optimizer=optimizer, optimizer_temporary=temporary,
                       activations=kept, unshard=unshard, engine_weights=engine,
                       kv_cache=replies * (prompt + new) * kv_per_token,
                       push_buffers=2 * min(int(bucket_mb * 2**20), 2 * (adapters if lora_rank else params)))
@@ -345,12 +351,9 @@ def update_need(config, seq: int, *, fused_head: bool, checkpointing: bool, lora
     actor.offload_optimizer the moments are not on the device but for one bucket of them in the step
     (optim.HostMoments); with offload_model neither they nor the weights and gradients are."""
     p = plan(config, seq=seq, lora_rank=lora_rank, fused_head=fused_head, counts=counts, checkpointing=checkpointing,
-             shards=shards, master_weights=master_weights, entropy=entropy)
-    if offload_optimizer or offload_model:  # (offload_optimizer: a bucket of moments on the device in the step)
-        bucket = 0 if offload_model else min(MOMENT_BUCKET_BYTES, p.optimizer)
-        p = dataclasses.replace(p, optimizer=0, optimizer_temporary=bucket)
-    if offload_model:
-        p = dataclasses.replace(p, weights=0, gradients=0)
+             shards=shards, master_weights=master_weights, entropy=entropy, offload_optimizer=offload_optimizer)
+    if offload_model:  # FSDP2's CPU offload: the step runs on the host
+        p = dataclasses.replace(p, weights=0, gradients=0, optimizer=0, optimizer_temporary=0)
     return p.update_peak * HEADROOM
 
 
@@ -491,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plain-head", action="store_true", help="without the fused log-prob head")
     ap.add_argument("--entropy", action="store_true", help="an entropy bonus in the loss (actor.entropy.coef > 0)")
     ap.add_argument("--foreach", action="store_true", help="the foreach AdamW's step temporary (before fused)")
+    ap.add_argument("--offload-optimizer", action="store_true",
+                    help="actor.offload_optimizer: the AdamW moments on the host, one bucket on the GPU in the step")
     ap.add_argument("--bucket-mb", type=float, default=512, help="rollout.bucket_size_mb (the push's buckets)")
     ap.add_argument("--json", action="store_true", help="print the parts as JSON")
     ap.add_argument("--table", action="store_true", help="the presets' table (docs/gpu.md)")
@@ -503,10 +508,12 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.model)
     p = plan(config, seq=args.seq, lora_rank=args.lora_rank, share_base=not args.no_share_base,
              replies=args.replies, prompt=args.prompt, new=args.new, fused_head=not args.plain_head,
-             foreach=args.foreach, bucket_mb=args.bucket_mb, entropy=args.entropy)
+             foreach=args.foreach, bucket_mb=args.bucket_mb, entropy=args.entropy,
+             offload_optimizer=args.offload_optimizer)
     # the longest micro-batch whose update fits each card without checkpointing (recompute_above's rule)
     plain = {card: recompute_above(config, length=args.seq + 1, fused_head=not args.plain_head,
-                                   free_bytes=int(gib * GIB), lora_rank=args.lora_rank, entropy=args.entropy)
+                                   free_bytes=int(gib * GIB), lora_rank=args.lora_rank, entropy=args.entropy,
+                                   offload_optimizer=args.offload_optimizer)
              for card, gib in CARDS.items()}
     if args.json:
         print(json.dumps({**p.__dict__, "update_peak": p.update_peak, "rollout_peak": p.rollout_peak,
