@@ -219,7 +219,7 @@ def offload_moments(args, ctx) -> None:
             actor, sb = build(masters, offload)
             steps = []
             for step in range(3):
-                actor.update(sb, 32)
+                metrics = actor.update(sb, 32)
                 weights = weights_of(actor)
                 if offload and step == 1:  # a checkpoint while the moments wait in the slab
                     saved = checkpoints.save(2, {"actor": actor}, {"step": 2}, {})
@@ -235,7 +235,8 @@ def offload_moments(args, ctx) -> None:
                               "buckets": len(held.buckets) if held is not None else 0,
                               "largest": max(2 * local_tensor(p).numel() * p.element_size()
                                              for p in actor.trained.parameters() if p.requires_grad),
-                              "on_device": list(actor.on_device), "limit": optim.MOMENT_BUCKET_BYTES})
+                              "on_device": list(actor.on_device), "limit": optim.MOMENT_BUCKET_BYTES,
+                              "metric": metrics.get("memory/actor_moments_host_gib")})
                 actor.on_device.clear()
             out[(masters, offload)] = steps
         # resumed from that checkpoint into a new actor with its moments offloaded, the third update again

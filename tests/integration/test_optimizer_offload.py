@@ -28,6 +28,7 @@ def test_updates_with_the_moments_offloaded_equal_updates_without_bit_for_bit(tm
             whole = 2 * 4 * b["trainable"]  # (a rank holds its shard's rows: the first rank at least half)
             assert b["piece_bytes"] == whole if ranks == 1 else whole // ranks <= b["piece_bytes"] < whole
             assert b["piece_bytes"] <= b["host_bytes"] <= b["piece_bytes"] + 512 * b["pieces"]
+            assert b["metric"] == b["host_bytes"] / 2**30 and a["metric"] is None  # memory/actor_moments_host_gib
             # one AdamW call per bucket, each with that bucket's moments alone off the host
             assert len(b["on_device"]) == b["buckets"] and sum(b["on_device"]) == b["piece_bytes"]
             assert max(b["on_device"]) <= max(b["limit"], b["largest"]) < b["piece_bytes"]

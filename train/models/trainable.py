@@ -429,4 +429,6 @@ class Trainable:
             metrics[f"{prefix}/grad_norm_max"] = max(stats.grad_norms)
         metrics[f"{prefix}/lr"] = self.scheduler.get_last_lr()[0]
         metrics[f"{prefix}/optimizer_steps"] = float(len(stats.grad_norms))
+        if self.host_moments is not None:  # offload_optimizer: this rank's moments waiting on the host
+            metrics[f"memory/{prefix}_moments_host_gib"] = self.host_moments.host_bytes / 2**30
         return metrics
