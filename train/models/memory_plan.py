@@ -462,8 +462,10 @@ def describe(name: str, p: MemoryPlan, seq: int, lora_rank: int) -> str:
     return "\n".join(lines)
 
 
-TABLE_ROWS = (("qwen2.5-0.5b", 0), ("qwen3-4b", 0), ("qwen3-4b", 32), ("llama3.1-8b", 0), ("llama3.1-8b", 32),
-              ("qwen3-8b", 32), ("qwen3-32b", 32), ("qwen3-30b-a3b", 32))
+# (preset, LoRA rank, actor.offload_optimizer)
+TABLE_ROWS = (("qwen2.5-0.5b", 0, False), ("qwen3-4b", 0, False), ("qwen3-4b", 0, True), ("qwen3-4b", 32, False),
+              ("llama3.1-8b", 0, False), ("llama3.1-8b", 0, True), ("llama3.1-8b", 32, False), ("qwen3-8b", 32, False),
+              ("qwen3-32b", 32, False), ("qwen3-30b-a3b", 32, False))
 
 
 def table(seqs: tuple[int, ...] = (16384, 32768)) -> str:
@@ -471,14 +473,15 @@ def table(seqs: tuple[int, ...] = (16384, 32768)) -> str:
     head = "| model | training | " + " | ".join(f"peak at {s // 1024}K (GiB) | fits 80 / 141 GB at {s // 1024}K"
                                                 for s in seqs) + " |"
     lines = [head, "|" + "---|" * (2 + 2 * len(seqs))]
-    for name, rank in TABLE_ROWS:
+    for name, rank, offload in TABLE_ROWS:
         config = preset_config(name)
         counts = count_parameters(config, rank)
         cells = []
         for s in seqs:
-            p = plan(config, seq=s, lora_rank=rank, counts=counts)
+            p = plan(config, seq=s, lora_rank=rank, counts=counts, offload_optimizer=offload)
             cells += [f"{p.peak / GIB:.1f}", " / ".join("yes" if p.fits(g) else "no" for g in CARDS.values())]
-        lines.append(f"| {name} | {f'LoRA r={rank}' if rank else 'full'} | " + " | ".join(cells) + " |")
+        training = (f"LoRA r={rank}" if rank else "full") + (", moments offloaded" if offload else "")
+        lines.append(f"| {name} | {training} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
