@@ -161,7 +161,7 @@ def test_packs_skip_the_recompute_only_as_far_as_the_memory_free_at_the_update_a
     assert actor._recompute_limit(math.ceil(need(20480))) == 20480
     assert actor._recompute_limit(math.ceil(need(20480)) - 1) == 19456
     assert actor._recompute_limit(math.ceil(need(1024)) - 1) == 0
-    assert fake_actor(recompute_above=30720, offload_optimizer=True)._recompute_limit(0) == 30720
+    assert fake_actor(recompute_above=30720, offload_model=True)._recompute_limit(0) == 30720  # (not planned)
     assert fake_actor(recompute_above=1500)._recompute_limit(10**13) == 1500  # not a multiple of 1024 itself
 
 
@@ -252,12 +252,35 @@ def test_before_the_first_optimizer_step_the_moments_it_will_allocate_count_too(
 
 @pytest.mark.parametrize("change", [
     dict(device=torch.device("cpu")), dict(optimizer=None), dict(layout=SimpleNamespace(sizes=Sizes(1, 1, 2, 1, 1))),
-    dict(layout=SimpleNamespace(sizes=Sizes(1, 2, 1, 2, 1))), dict(offload_optimizer=True),
+    dict(layout=SimpleNamespace(sizes=Sizes(1, 2, 1, 2, 1))), dict(offload_model=True),
     dict(layout=SimpleNamespace(sizes=Sizes(ddp=1, fsdp=2, tp=1, sp=1, dp=2, ep=2))),
     dict(model=SimpleNamespace(config=SimpleNamespace(vision_config={"depth": 32}, model_type="qwen2_5_vl"))),
 ], ids=["cpu", "reference", "tp", "sp", "offload", "expert_parallel", "vision"])
 def test_no_estimate_where_the_plan_does_not_cover_the_update(change):
     assert Trainable.update_working_bytes(fake_actor(**change)) is None
+
+
+def test_offloaded_moments_are_planned_as_one_bucket_in_the_step_and_none_before_the_first():
+    """actor.offload_optimizer: the moments never stay on the device (optim.HostMoments), so neither the first
+    update nor a later one adds them; the step brings one bucket of them over beside the gradients. A 4B full
+    fine-tune at 1,024 tokens: its backward's working set is the larger, as without offload less the moments."""
+    from train.models.memory_plan import MOMENT_BUCKET_BYTES, plan
+
+    config = preset_config("qwen3-4b")
+    kw = dict(model=SimpleNamespace(config=config), max_tokens=1024, infer_tokens=1024, masters=None)
+    kept, offloaded = fake_actor(**kw), fake_actor(offload_optimizer=True, **kw)
+    params, _ = count_parameters(config)
+    p = plan(config, seq=1024)
+    backward = 4 * params + p.activations + p.unshard  # gradients, activations, unshard (no masters here)
+    assert Trainable.update_working_bytes(kept) == Trainable.update_working_bytes(offloaded) == backward
+    for actor in (kept, offloaded):
+        actor.optimizer = SimpleNamespace(state={})  # before the first optimizer step
+    assert Trainable.update_working_bytes(kept) == backward + 8 * params
+    assert Trainable.update_working_bytes(offloaded) == backward  # the moments are made on the host side
+    tiny = fake_actor(offload_optimizer=True, **{**kw, "max_tokens": 1, "infer_tokens": 1})
+    step = 4 * params + MOMENT_BUCKET_BYTES  # at one token the step's gradients and bucket are the peak
+    assert Trainable.update_working_bytes(tiny) == max(step, 4 * params + plan(config, seq=1).activations
+                                                        + plan(config, seq=1).unshard)
 
 
 def test_a_mixture_of_experts_is_estimated_with_each_tokens_top_k_expert_copies():

@@ -432,16 +432,19 @@ def master_weights_fit(config, *, seq: int, lora_rank: int, fused_head: bool, ch
 
 def working_bytes(config, *, seq: int, lora_rank: int, fused_head: bool, checkpointing: bool, master_weights: bool,
                   shards: int = 1, moments: bool = False, sums_held: bool = False,
-                  counts: tuple[int, int] | None = None, entropy: bool = False, lm_head: bool = True) -> int:
+                  counts: tuple[int, int] | None = None, entropy: bool = False, lm_head: bool = True,
+                  offload_optimizer: bool = False) -> int:
     """Device bytes per rank an update at `seq` tokens per micro-batch takes beyond the weights and AdamW moments
     that stay allocated between steps: its gradients with the activations and FSDP's unshard of the backward, or
     with the optimizer step's temporary, or the push's two buckets, whichever is most (`plan`'s phases, less what
     they share). `moments`: the AdamW moments too (before the first optimizer step, which allocates them).
     `sums_held` (with `master_weights`): the fp32 gradient sums are allocated already (after the first backward:
     they stay), so they are not counted again. `counts`: count_parameters(config, lora_rank), where the caller
-    has it (it builds the model on the meta device). `entropy`, `lm_head`: as `plan`'s."""
+    has it (it builds the model on the meta device). `entropy`, `lm_head`, `offload_optimizer` (no moments stay on
+    the device; a bucket of them visits in the step): as `plan`'s."""
     p = plan(config, seq=seq, lora_rank=lora_rank, fused_head=fused_head, checkpointing=checkpointing,
-             shards=shards, master_weights=master_weights, counts=counts, entropy=entropy, lm_head=lm_head)
+             shards=shards, master_weights=master_weights, counts=counts, entropy=entropy, lm_head=lm_head,
+             offload_optimizer=offload_optimizer)
     held = p.weights + p.optimizer + (4 * (p.adapters if lora_rank else p.params) // max(1, shards)
                                       if master_weights and sums_held else 0)
     return max(p.update_peak - held, p.push_buffers) + (p.optimizer if moments else 0)

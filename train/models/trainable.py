@@ -112,7 +112,8 @@ class Trainable:
         (recompute_above) do so only within the memory free when the update starts (`_recompute_limit`), so
         they add nothing here. None where the plan does not cover it: a model that does not train, a
         vision-language model (the tower's activations), expert, tensor, sequence or context parallelism,
-        offloaded weights or moments, a CPU."""
+        offloaded weights (actor.offload_model), a CPU. Offloaded moments (offload_optimizer) are planned: none
+        stay on the device, a bucket of them visits in the step."""
         if not self._planned():
             return None
         seq = max(self.max_tokens, self.infer_tokens)
@@ -126,7 +127,8 @@ class Trainable:
                              checkpointing=checkpointing, master_weights=self.masters is not None,
                              shards=self.layout.sizes.fsdp, moments=not self.optimizer.state,
                              sums_held=self.masters is not None and self.masters.sums_held,
-                             counts=self._parameter_counts(), entropy=self.entropy_in_loss, lm_head=self.lm_head)
+                             counts=self._parameter_counts(), entropy=self.entropy_in_loss, lm_head=self.lm_head,
+                             offload_optimizer=self.offload_optimizer)
 
     def _parameter_counts(self) -> tuple[int, int]:
         """memory_plan.count_parameters of this model, counted once (a meta-device build: ~65 ms for a 32B
@@ -139,7 +141,7 @@ class Trainable:
         """Whether memory_plan covers this model's update (update_working_bytes)."""
         sizes, config = self.layout.sizes, self.model.config
         return not (self.device.type != "cuda" or self.optimizer is None or is_vision_config(config)
-                    or sizes.ep > 1 or sizes.tp > 1 or sizes.seq > 1 or self.offload_model or self.offload_optimizer)
+                    or sizes.ep > 1 or sizes.tp > 1 or sizes.seq > 1 or self.offload_model)
 
     def use_master_weights(self, dtype: torch.dtype) -> None:
         """The model's weights in `dtype` with fp32 masters for the optimizer (train/models/master_weights.py);

@@ -17,7 +17,7 @@ model on an 80 GB card).
   one number: the batch's tokens, the shortfall). So a run whose `actor.max_length_per_device` was chosen long
   (null on a GPU: up to 65,536) keeps the engine awake through the steps whose batch is short. It sleeps where
   the plan has no estimate (`Trainable.update_working_bytes` is None: a vision-language model, ep / tp /
-  sp / cp, offload) and with SGLang (its KV pool takes its share of the card whatever the batch).
+  sp / cp, actor.offload_model) and with SGLang (its KV pool takes its share of the card whatever the batch).
   On a CPU `sleep()` frees nothing and costs nothing, and null keeps calling it. Packs that skip the recompute
   (actor.gradient_checkpointing=null, memory_plan.recompute_above) take only the room left when the update
   starts (Trainable._recompute_limit), so an awake engine shortens them rather than the other way round.
