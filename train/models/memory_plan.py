@@ -424,9 +424,7 @@ def master_weights_fit(config, *, seq: int, lora_rank: int, fused_head: bool, ch
     """Whether one GPU's update with `actor.master_weights` (bf16 copies held whole, `plan`) plus 10% fits
     `free_bytes` at the settings already chosen: the rule for actor.master_weights=null on a GPU."""
     p = plan(config, seq=seq, lora_rank=lora_rank, fused_head=fused_head, checkpointing=checkpointing,
-             master_weights=True, entropy=entropy)
-    if offload_optimizer:
-        p = dataclasses.replace(p, optimizer=0, optimizer_temporary=0)
+             master_weights=True, entropy=entropy, offload_optimizer=offload_optimizer)
     return p.update_peak * HEADROOM <= free_bytes
 
 
