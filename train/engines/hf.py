@@ -21,10 +21,10 @@ On CUDA (docs/gpu.md):
 - `from_pretrained` loads bfloat16 weights by default (float32 on CPU); the worker thread selects
   the engine's GPU before every batch (the current CUDA device is per thread).
 - `sleep()` moves the weights to one page-locked host slab of exactly their bytes (reused by every
-  sleep; torch's pinned allocator would round each tensor up to a power of two); a push onto a sleeping engine writes each
-  pushed tensor straight into new GPU storage (one device-to-device copy with the dtype cast), so
-  pushed weights never travel back from the host; only tensors that were not pushed are uploaded
-  at `wake()`.
+  sleep; torch's pinned allocator would round each tensor up to a power of two); a push onto a
+  sleeping engine writes each pushed tensor straight into new GPU storage (one device-to-device copy
+  with the dtype cast), so pushed weights never travel back from the host; only tensors that were
+  not pushed are uploaded at `wake()`.
 - A pushed tensor that already is the engine's storage (an engine sharing its weights with the
   trainer: same device, dtype and memory) is not copied at all.
 - Decoding runs over a preallocated KV cache with CUDA graphs (`static_cache`,
@@ -60,10 +60,10 @@ from train.engines.static_decode import (CompiledLayers, StaticDecoder, column_b
 from train.models.config import compute_dtype
 from train.models.memory_plan import free_device_bytes
 from train.models.router_replay import RoutingRecorder
-from train.utils.host_slab import HostSlab
 from train.models.vlm import (VisionSpec, image_spans, is_vision_config, model_class, mrope_positions,
                               text_config)
 from train.utils.checksum import CHUNK_BYTES, Checksummer
+from train.utils.host_slab import HostSlab
 from train.utils.tensor_stream import grouped
 
 
