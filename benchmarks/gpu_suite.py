@@ -971,6 +971,7 @@ def section_bigmodel(args, work: Path, info: dict) -> dict:
                     push.push()  # warm-up
                     row[f"push_s_per_billion{'' if verify else '_unverified'}"] = push.push() / row["params"] * 1e9
             engine.sleep()  # as the trainer does before its update: the engine's weights go to host memory
+            row["engine_host_gib"] = gib(engine.host_bytes)  # (its page-locked slab; none on CPU or all borrowed)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             sync()

@@ -60,6 +60,7 @@ def test_gpu_suite_tiny_runs_every_section(tmp_path):
     assert lora["engine_borrows_base"] and not full["engine_borrows_base"]  # rollout.share_actor_base
     for case in big.values():
         assert case["update_s"] > 0 and case["rollout_s"] > 0 and case["update_peak_gib"] is None  # no CUDA
+        assert case["engine_host_gib"] == 0  # a CPU engine's sleep keeps its weights where they are
     for row in s["mfu"]["micro_batches"]:
         assert 0 < row["mfu"] < 1.5 and row["seconds"] > 0
     # the plain LM head at each size, then the fused one
