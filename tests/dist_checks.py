@@ -241,7 +241,11 @@ def offload_moments(args, ctx) -> None:
             out[(masters, offload)] = steps
         # resumed from that checkpoint into a new actor with its moments offloaded, the third update again
         actor, sb = build(masters, True)
-        checkpoints.load(saved, {"actor": actor})
+        checkpoints.load(saved, {"actor": actor})  # (its state made first on the host, a bucket at a time)
+        out[(masters, "load_on_device")] = list(actor.on_device)
+        out[(masters, "loaded_devices")] = sorted({p.device.type for p in actor.host_moments.pieces()})
+        out[(masters, "loaded_storages")] = len({p.untyped_storage().data_ptr() for p in actor.host_moments.pieces()})
+        actor.on_device.clear()
         actor.update(sb, 32)
         out[(masters, "resumed")] = weights_of(actor)
     if ctx.is_main:

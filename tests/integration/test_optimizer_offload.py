@@ -34,7 +34,13 @@ def test_updates_with_the_moments_offloaded_equal_updates_without_bit_for_bit(tm
             assert max(b["on_device"]) <= max(b["limit"], b["largest"]) < b["piece_bytes"]
         assert len({s["storage"] for s in offloaded}) == 1  # laid out at the first step, reused after
         assert any(not torch.equal(kept[0]["weights"][n], kept[2]["weights"][n]) for n in kept[0]["weights"])
-        # a checkpoint saved after the second update, with the moments in the slabs, resumes the third exactly
+        # a checkpoint saved after the second update, with the moments in the slabs, resumes the third exactly;
+        # loading it into a new actor makes the state first on the host a bucket at a time (one AdamW call at
+        # learning rate 0 each, only that bucket off the host), not all at once on the device as DCP would
+        buckets = offloaded[0]["buckets"]
+        assert len(out[(masters, "load_on_device")]) == buckets
+        assert max(out[(masters, "load_on_device")]) <= max(offloaded[0]["limit"], offloaded[0]["largest"])
+        assert out[(masters, "loaded_devices")] == ["cpu"] and out[(masters, "loaded_storages")] == buckets
         resumed = out[(masters, "resumed")]
         assert resumed.keys() == kept[2]["weights"].keys()
         assert all(torch.equal(w, kept[2]["weights"][n]) for n, w in resumed.items())

@@ -99,6 +99,34 @@ class HostMoments:
         self._wait()
 
     @torch.no_grad()
+    def materialize(self) -> None:
+        """Make the state where it waits, a bucket at a time, where there is none yet (before the first step).
+        A checkpoint's save or load reads the state through DCP, which would otherwise make all of it on the
+        device at once, with one step over zero gradients of every parameter (`_init_optim_state`): here the
+        same step at learning rate 0 (the parameters unchanged), bucket by bucket, each bucket's state sent to
+        its slab."""
+        grads = {p: p.grad for bucket in self.buckets for p in bucket}
+        if self.optimizer.state or any(g is not None for g in grads.values()):
+            return  # (made already, or gradients are being accumulated: DCP then leaves the state alone too)
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        try:
+            for group in self.optimizer.param_groups:
+                group["lr"] = 0.0
+            for bucket, slab in zip(self.buckets, self.slabs):
+                for p in bucket:
+                    p.grad = torch.zeros_like(p) if p.requires_grad else None
+                self.optimizer.step()
+                self._to_host(bucket, slab)
+                for p in bucket:
+                    p.grad = None
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            for p in grads:
+                p.grad = None
+        self._wait()
+
+    @torch.no_grad()
     def offload(self) -> None:
         """Every state tensor to the host (after a checkpoint's load, which puts them on the device)."""
         for bucket, slab in zip(self.buckets, self.slabs):

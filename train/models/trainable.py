@@ -388,6 +388,12 @@ class Trainable:
             self.host_moments = optim.HostMoments(self.optimizer)
         return self.host_moments
 
+    def optimizer_state_made(self) -> None:
+        """Before a checkpoint reads the optimizer's state: offload_optimizer's state, if there is none yet, made on
+        the host a bucket at a time (DCP would make all of it on the device at once)."""
+        if self.optimizer is not None and self._offloaded_moments() is not None:
+            self.host_moments.materialize()
+
     def optimizer_state_loaded(self) -> None:
         """After a checkpoint's load (which puts the optimizer state on the device): offload_optimizer's moments go
         back to the host before the next rollout."""

@@ -136,6 +136,7 @@ class Checkpointer:
     def _states(self, workers: dict) -> dict:
         states = {}
         for name, worker in workers.items():
+            worker.optimizer_state_made()  # (actor.offload_optimizer: a bucket at a time, not all on the device)
             parts = worker.state_parts()
             model_sd, optim_sd = get_state_dict(parts["model"], parts["optimizer"], options=TRAINABLE_ONLY)
             # A frozen tied weight (lm_head tied to the embedding) has no name of its own in

@@ -82,8 +82,11 @@ class HostSlab:
         return views
 
     def release(self) -> None:
-        """Unregister and drop the buffer (views still in use keep its memory alive, unpinned)."""
+        """Unregister and drop the buffer (views still in use keep its memory alive, unpinned). Copies queued
+        from or into it finish first: a new layout may drop a buffer that a step's uploads still read."""
         if self._registered and self._buffer is not None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             _unregister(self._buffer)
         self._buffer, self._key, self._offsets, self._registered = None, None, [], False
 
@@ -97,13 +100,11 @@ class HostSlab:
 
 
 def _page_aligned(nbytes: int) -> torch.Tensor:
-    """A buffer of whole pages that no other allocation shares: registration locks whole pages, and two
-    registered ranges on one page would refuse each other."""
-    page = mmap.PAGESIZE
-    size = -(-nbytes // page) * page
-    raw = torch.empty(size + page, dtype=torch.uint8, device="cpu")
-    start = -raw.data_ptr() % page
-    return raw[start:start + size]
+    """A buffer of whole pages that no other allocation shares, its storage starting on a page (an anonymous
+    mapping): registration locks whole pages, two registered ranges on one page would refuse each other, and
+    torch's `is_pinned` asks about the storage's first byte."""
+    size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)  # (the tensor keeps the mapping alive)
 
 
 def _status(result: object) -> int:
@@ -116,7 +117,8 @@ def _status(result: object) -> int:
 def _register(buffer: torch.Tensor) -> bool:
     """Page-lock `buffer` in place. A failure raises: torch's bindings cannot reset cudart's last error, which
     the next kernel launch's check would otherwise report as its own."""
-    error = _status(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
+    # cudaHostRegisterPortable (1): pinned for every device's context, as torch's own pinning helper asks
+    error = _status(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 1))
     if error != 0:
         raise RuntimeError(f"cudaHostRegister of {buffer.numel():,} bytes of host memory failed (cudaError "
                            f"{error}): the rollout engine's weights could not be page-locked for its sleep. Free "
