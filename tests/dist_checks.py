@@ -241,7 +241,18 @@ def offload_moments(args, ctx) -> None:
             out[(masters, offload)] = steps
         # resumed from that checkpoint into a new actor with its moments offloaded, the third update again
         actor, sb = build(masters, True)
-        checkpoints.load(saved, {"actor": actor})  # (its state made first on the host, a bucket at a time)
+        cast, casts = torch.optim.Optimizer._process_value_according_to_param_policy, []
+
+        def counted(*a, **k):  # what torch's load_state_dict sends to the parameters' device
+            casts.append(k.get("key", a[4] if len(a) > 4 else None))
+            return cast(*a, **k)
+
+        torch.optim.Optimizer._process_value_according_to_param_policy = staticmethod(counted)
+        try:
+            checkpoints.load(saved, {"actor": actor})  # (its state made first on the host, a bucket at a time)
+        finally:
+            torch.optim.Optimizer._process_value_according_to_param_policy = staticmethod(cast)
+        out[(masters, "load_casts")] = len(casts)
         out[(masters, "load_on_device")] = list(actor.on_device)
         out[(masters, "loaded_devices")] = sorted({p.device.type for p in actor.host_moments.pieces()})
         out[(masters, "loaded_storages")] = len({p.untyped_storage().data_ptr() for p in actor.host_moments.pieces()})

@@ -2,7 +2,9 @@
 (the actor's and the critic's alike). The models themselves: train/models/model_init.py."""
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -125,6 +127,28 @@ class HostMoments:
             for p in grads:
                 p.grad = None
         self._wait()
+
+    @contextlib.contextmanager
+    def kept_in_place(self) -> Iterator[None]:
+        """Around DCP's set_state_dict in a checkpoint's load. dcp.load has written the loaded values into the
+        state tensors themselves, in the host slabs; torch's Optimizer.load_state_dict would then copy each of
+        them to its parameter's device (for fp32 masters, plain tensors: all the moments on the device at once).
+        So the state it is given is left out and the live one put back after it: only the param groups load."""
+        live = dict(self.optimizer.state)
+
+        def leave_out_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+            return {**state_dict, "state": {}}
+
+        def put_back(optimizer: torch.optim.Optimizer) -> None:
+            optimizer.state.update(live)
+
+        hooks = [self.optimizer.register_load_state_dict_pre_hook(leave_out_state),
+                 self.optimizer.register_load_state_dict_post_hook(put_back)]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     @torch.no_grad()
     def offload(self) -> None:

@@ -11,7 +11,7 @@ over (`layout.grad_scale`). Metric sums from one rank per dp group are reduced o
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -394,11 +394,16 @@ class Trainable:
         if self.optimizer is not None and self._offloaded_moments() is not None:
             self.host_moments.materialize()
 
-    def optimizer_state_loaded(self) -> None:
-        """After a checkpoint's load (which puts the optimizer state on the device): offload_optimizer's moments go
-        back to the host before the next rollout."""
-        if self.optimizer is not None and self._offloaded_moments() is not None:
-            self.host_moments.offload()
+    @contextmanager
+    def loading_optimizer_state(self) -> Iterator[None]:
+        """Around DCP's set_state_dict in a checkpoint's load: offload_optimizer's state, which dcp.load has just
+        written in place into the host slabs, stays there (HostMoments.kept_in_place), and whatever the load put
+        on the device goes to the host before the next rollout."""
+        held = self._offloaded_moments() if self.optimizer is not None else None
+        with held.kept_in_place() if held is not None else nullcontext():
+            yield
+        if held is not None:
+            held.offload()
 
     def optimizer_step(self) -> float:
         """Global gradient clipping and the optimizer step; the pre-clip norm. With masters: on their fp32

@@ -243,9 +243,9 @@ class Checkpointer:
         trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
         for name, worker in workers.items():
             parts = worker.state_parts()
-            set_state_dict(parts["model"], parts["optimizer"], model_state_dict=states[name]["model"],
-                           optim_state_dict=states[name]["optimizer"], options=LOAD_TRAINABLE)
-            worker.optimizer_state_loaded()  # (actor.offload_optimizer: the moments back to the host)
+            with worker.loading_optimizer_state():  # (actor.offload_optimizer: the state stays on the host)
+                set_state_dict(parts["model"], parts["optimizer"], model_state_dict=states[name]["model"],
+                               optim_state_dict=states[name]["optimizer"], options=LOAD_TRAINABLE)
             parts["scheduler"].load_state_dict(trainer_state["schedulers"][name])
         self.loaded_from = path  # (state a rank of another world size reads from its saving ranks' files)
         rank_file = os.path.join(path, f"rank{self.ctx.rank}.pt")
