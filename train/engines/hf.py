@@ -235,7 +235,6 @@ class HFEngine:
             "cuda_graphs": 0,  # decode graphs captured
             "static_parts": 0,  # parts of batches split to fit the static buffers' memory
             "compiled_modules": 0,  # module instances running compiled (compile_decode)
-            "host_bytes": 0,  # where sleep() keeps the weights it owns (on a GPU): host_bytes
         }
         if compile_scope not in ("modules", "layers"):
             raise ValueError(f"compile_scope must be 'modules' or 'layers', got {compile_scope!r}")
@@ -416,7 +415,6 @@ class HFEngine:
                     # blocks dropped here are reused only by work queued after the copies).
                     for tensor, host in zip(tensors, self._host.hold(tensors)):
                         tensor.data = host
-                self.stats["host_bytes"] = self._host.nbytes  # (the trainer's memory/engine_host_gib)
                 self._offloaded = True
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -75,19 +75,43 @@ class HostMoments:
         return [local_tensor(value) for p in bucket for key, value in self.optimizer.state.get(p, {}).items()
                 if isinstance(value, torch.Tensor) and key != "step"]
 
-    @torch.no_grad()
     def step(self) -> None:
         """The optimizer step, a bucket at a time (the other parameters' gradients hidden, so AdamW skips them);
         returns when the moments are back on the host (a checkpoint may read them next)."""
+        self._step_by_bucket(lambda p, grad: grad)
+
+    def materialize(self) -> None:
+        """Make the state where it waits, a bucket at a time, where there is none yet (before the first step).
+        A checkpoint's save or load reads the state through DCP, which would otherwise make all of it on the
+        device at once, with one step over zero gradients of every parameter (`_init_optim_state`): here the
+        same step at learning rate 0 (the parameters unchanged), bucket by bucket, each bucket's state sent to
+        its slab."""
+        if self.optimizer.state or any(p.grad is not None for bucket in self.buckets for p in bucket):
+            return  # (made already, or gradients are being accumulated: DCP then leaves the state alone too)
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        try:
+            for group in self.optimizer.param_groups:
+                group["lr"] = 0.0
+            self._step_by_bucket(lambda p, grad: torch.zeros_like(p) if p.requires_grad else None)
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, lrs):
+                group["lr"] = lr
+
+    @torch.no_grad()
+    def _step_by_bucket(self, grad_of: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor | None]) -> None:
+        """One optimizer step per bucket with gradients (`grad_of(param, its gradient)`; the others' are hidden):
+        the bucket's state pieces come over from the host, AdamW steps them, they go back into its slab. Every
+        gradient is as it was afterwards."""
         grads = {p: p.grad for bucket in self.buckets for p in bucket}
         try:
             for p in grads:
                 p.grad = None
             for bucket, slab in zip(self.buckets, self.slabs):
-                if all(grads[p] is None for p in bucket):
+                given = [grad_of(p, grads[p]) for p in bucket]
+                if all(g is None for g in given):
                     continue
-                for p in bucket:
-                    p.grad = grads[p]
+                for p, grad in zip(bucket, given):
+                    p.grad = grad
                 for piece in self._pieces(bucket):  # (a first step creates them on the device)
                     if piece.device.type == "cpu":
                         piece.data = piece.data.to(self.device, non_blocking=True, copy=True)
@@ -98,34 +122,6 @@ class HostMoments:
         finally:
             for p, grad in grads.items():
                 p.grad = grad
-        self._wait()
-
-    @torch.no_grad()
-    def materialize(self) -> None:
-        """Make the state where it waits, a bucket at a time, where there is none yet (before the first step).
-        A checkpoint's save or load reads the state through DCP, which would otherwise make all of it on the
-        device at once, with one step over zero gradients of every parameter (`_init_optim_state`): here the
-        same step at learning rate 0 (the parameters unchanged), bucket by bucket, each bucket's state sent to
-        its slab."""
-        grads = {p: p.grad for bucket in self.buckets for p in bucket}
-        if self.optimizer.state or any(g is not None for g in grads.values()):
-            return  # (made already, or gradients are being accumulated: DCP then leaves the state alone too)
-        lrs = [group["lr"] for group in self.optimizer.param_groups]
-        try:
-            for group in self.optimizer.param_groups:
-                group["lr"] = 0.0
-            for bucket, slab in zip(self.buckets, self.slabs):
-                for p in bucket:
-                    p.grad = torch.zeros_like(p) if p.requires_grad else None
-                self.optimizer.step()
-                self._to_host(bucket, slab)
-                for p in bucket:
-                    p.grad = None
-        finally:
-            for group, lr in zip(self.optimizer.param_groups, lrs):
-                group["lr"] = lr
-            for p in grads:
-                p.grad = None
         self._wait()
 
     @contextlib.contextmanager

@@ -391,8 +391,9 @@ class Trainable:
     def optimizer_state_made(self) -> None:
         """Before a checkpoint reads the optimizer's state: offload_optimizer's state, if there is none yet, made on
         the host a bucket at a time (DCP would make all of it on the device at once)."""
-        if self.optimizer is not None and self._offloaded_moments() is not None:
-            self.host_moments.materialize()
+        moments = self._offloaded_moments() if self.optimizer is not None else None
+        if moments is not None:
+            moments.materialize()
 
     @contextmanager
     def loading_optimizer_state(self) -> Iterator[None]:
@@ -408,13 +409,12 @@ class Trainable:
     def optimizer_step(self) -> float:
         """Global gradient clipping and the optimizer step; the pre-clip norm. With masters: on their fp32
         gradient sums, then one cast of the masters into the model."""
-        self._offloaded_moments()
+        moments = self._offloaded_moments()
         if self.masters is None:
-            return optim.clip_and_step(self.model, self.optimizer, self.scheduler, self.max_grad_norm,
-                                      self.host_moments)
+            return optim.clip_and_step(self.model, self.optimizer, self.scheduler, self.max_grad_norm, moments)
         self.masters.attach()
         norm = optim.clip_and_step(self.trained, self.optimizer, self.scheduler, self.max_grad_norm,
-                                   self.host_moments)  # (it sets the masters' gradients to None)
+                                   moments)  # (it sets the masters' gradients to None)
         self.masters.publish()
         self.masters.restart()
         return norm

@@ -84,7 +84,7 @@ class RolloutSource:
             start = time.perf_counter()
             self.engine.sleep()
             metrics["time/engine_sleep_s"] = time.perf_counter() - start
-            held = float(getattr(self.engine, "stats", {}).get("host_bytes", 0))
+            held = getattr(self.engine, "host_bytes", 0)
             if held:  # the hf engine on a GPU: its weights in page-locked host memory (this rank's)
                 metrics["memory/engine_host_gib"] = held / 2**30
         metrics["engine/slept"] = float(sleep)
